@@ -1,0 +1,5 @@
+import sys
+
+from prague.cli import main
+
+sys.exit(main())

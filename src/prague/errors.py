@@ -1,0 +1,41 @@
+"""One exception hierarchy for the whole package.
+
+Every error says what went wrong, shows the offending value and says how to fix it. The CLI turns a
+:class:`ConfigError` into a one-line message and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PragueError(Exception):
+    """Base class of every error raised on purpose by prague."""
+
+
+class ConfigError(PragueError, ValueError):
+    """A user-supplied setting (flag, config field, spec string, file) is invalid."""
+
+
+class DataError(ConfigError):
+    """A data set file or directory is missing or malformed."""
+
+
+class WorkerFailed(PragueError):
+    """A worker process of a launched job exited with an error."""
+
+    def __init__(self, rank: int, exitcode: int | None, detail: str) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.detail = detail
+        super().__init__(f"worker rank {rank} failed (exit code {exitcode})\n{detail}")
+
+
+class CommError(PragueError, RuntimeError):
+    """A collective or point-to-point operation failed or timed out."""
+
+
+def unknown_choice(kind: str, value: object, choices: Iterable[str]) -> ConfigError:
+    """Build the standard error for a name that is not one of the valid choices."""
+    valid = ", ".join(sorted(choices))
+    return ConfigError(f"unknown {kind} {value!r}; valid choices: {valid}")

@@ -1,0 +1,252 @@
+"""The Group Generator's interface: groups, topology, configuration and the policy protocol.
+
+The Group Generator (GG) of Prague/Ripples (Luo et al., "Prague: High-Performance Heterogeneity-Aware
+Asynchronous Decentralized Training", ASPLOS 2020, arXiv 1909.08029) tells every worker, once per
+iteration, which group it runs its Partial All-Reduce (P-Reduce) with. Each policy here is a small, pure
+state machine: no sockets, threads, sleeping or wall clock. Time comes in as ``now_s`` (any monotonic
+clock, in seconds) and randomness from a ``random.Random`` seeded by :attr:`GeneratorConfig.seed`, so the
+gRPC service (:mod:`prague.groups.service`) and the discrete-event simulator drive the very same objects.
+
+Contract shared by every policy (see :class:`GroupPolicy`):
+
+* A worker calls ``request(worker, now_s)`` once per iteration, and never again before it has received
+  the answer to that request.
+* Every answer is a :class:`Group`. All members of a group receive the same ``(seq, members)``; each
+  worker receives its groups in strictly increasing ``seq``. A worker executes its groups in the order
+  received and a group executes once all its members reached it; because every worker follows one
+  global order, this can never deadlock.
+* A worker that will request no more groups calls ``finish(worker, now_s)``. Its answers are the groups
+  it was already committed to and must still execute (in order) before it exits; no new group will
+  name it. Without ``finish`` a buffered policy (smart, random) may put a departed worker in a group and
+  its partners would wait forever.
+* ``poll(now_s)`` must be called at ``next_deadline()`` (if not ``None``); it returns answers that became
+  determined because time passed (the ``ready`` policy's window).
+* An unknown or finished worker id raises :class:`~prague.errors.ConfigError`; the policy's state is
+  unchanged by a call that raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from prague.errors import ConfigError
+
+Answer = tuple[int, "Group"]
+"""``(worker, group)``: the group ``worker`` must run next."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One P-Reduce group: every member receives this same object.
+
+    ``seq`` is the global sequence number (members execute their groups in increasing ``seq``);
+    ``members`` are the sorted, distinct ranks. A group of one member is a purely local step.
+    """
+
+    seq: int
+    members: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.seq) or self.seq < 0:
+            raise ConfigError(f"group seq must be an integer >= 0, got {self.seq!r}")
+        members = tuple(self.members)
+        if not members or any(not _is_int(m) or m < 0 for m in members):
+            raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {self.members!r}")
+        if list(members) != sorted(set(members)):
+            raise ConfigError(f"group members must be sorted and distinct, got {self.members!r}")
+        object.__setattr__(self, "members", members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def is_local(self) -> bool:
+        """True for a group of one: the worker takes a local step and communicates with no one."""
+        return len(self.members) == 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes`` machines with ``workers_per_node`` workers each; rank r lives on node r // workers_per_node."""
+
+    nodes: int
+    workers_per_node: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.nodes) or self.nodes < 1:
+            raise ConfigError(f"topology nodes must be an integer >= 1, got {self.nodes!r}")
+        if not _is_int(self.workers_per_node) or self.workers_per_node < 1:
+            raise ConfigError(
+                f"topology workers_per_node must be an integer >= 1, got {self.workers_per_node!r}"
+            )
+
+    @classmethod
+    def flat(cls, nproc: int) -> Topology:
+        """All ``nproc`` workers on one node."""
+        return cls(nodes=1, workers_per_node=nproc)
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    def check_rank(self, rank: int) -> None:
+        if not _is_int(rank) or not 0 <= rank < self.size:
+            raise ConfigError(
+                f"rank {rank!r} is outside this topology of {self.nodes} nodes x "
+                f"{self.workers_per_node} workers (valid: 0..{self.size - 1})"
+            )
+
+    def node_of(self, rank: int) -> int:
+        self.check_rank(rank)
+        return rank // self.workers_per_node
+
+    def local_rank(self, rank: int) -> int:
+        self.check_rank(rank)
+        return rank % self.workers_per_node
+
+    def ranks_of(self, node: int) -> range:
+        if not _is_int(node) or not 0 <= node < self.nodes:
+            raise ConfigError(f"node {node!r} is outside 0..{self.nodes - 1}")
+        return range(node * self.workers_per_node, (node + 1) * self.workers_per_node)
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Settings shared by all Group Generator policies, validated when built.
+
+    ``topology`` defaults to one node holding all ``nproc`` workers. ``group_size`` is S, the size of
+    the groups smart, random and ready form (static follows the topology instead). ``delta_c`` is the
+    smart policy's threshold: worker w may join a division triggered by i only if
+    ``c_w > c_i - delta_c`` (c = requests made so far). ``window_s`` is how long the ready policy lets
+    its oldest waiting request wait for partners before it forms a smaller group. ``avoid_repeats``
+    (ready only): when the S waiting workers would exactly repeat the group they all last ran together,
+    hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
+    can prefer partners that have not met recently.
+    """
+
+    nproc: int
+    topology: Topology | None = None
+    group_size: int = 3
+    delta_c: int = 4
+    seed: int = 0
+    window_s: float = 0.05
+    avoid_repeats: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.nproc) or self.nproc < 1:
+            raise ConfigError(f"nproc must be an integer >= 1, got {self.nproc!r}")
+        topology = self.topology if self.topology is not None else Topology.flat(self.nproc)
+        if not isinstance(topology, Topology):
+            raise ConfigError(f"topology must be a Topology, got {topology!r}")
+        if topology.size != self.nproc:
+            raise ConfigError(
+                f"topology {topology.nodes} nodes x {topology.workers_per_node} workers holds "
+                f"{topology.size} ranks but nproc is {self.nproc}; make nodes * workers_per_node == nproc"
+            )
+        object.__setattr__(self, "topology", topology)
+        if not _is_int(self.group_size) or not 1 <= self.group_size <= self.nproc:
+            raise ConfigError(
+                f"group_size must be an integer in 1..nproc ({self.nproc}), got {self.group_size!r}"
+            )
+        if not _is_int(self.delta_c) or self.delta_c < 1:
+            raise ConfigError(f"delta_c must be an integer >= 1, got {self.delta_c!r}")
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if (
+            isinstance(self.window_s, bool)
+            or not isinstance(self.window_s, (int, float))
+            or not math.isfinite(self.window_s)
+            or self.window_s <= 0
+        ):
+            raise ConfigError(f"window_s must be a finite number of seconds > 0, got {self.window_s!r}")
+        if not isinstance(self.avoid_repeats, bool):
+            raise ConfigError(f"avoid_repeats must be True or False, got {self.avoid_repeats!r}")
+
+    @property
+    def topo(self) -> Topology:
+        """The topology, never ``None`` (filled in at construction)."""
+        assert self.topology is not None  # set in __post_init__, not user input
+        return self.topology
+
+
+@dataclass(frozen=True)
+class Formation:
+    """What an observer learns each time a policy forms a group (for tests, tracing and the simulator).
+
+    ``requester`` is the worker whose call formed it (``None`` when a window expired); ``counts`` are
+    all workers' request counts at that moment; ``batch`` numbers the call that formed it (all groups
+    of one smart division share a batch); ``kind`` says how it was formed (``intra``, ``inter``,
+    ``random``, ``ready``, ``window``, ``static``); ``conflict`` is True when some member was already
+    committed to an earlier group it has not yet been handed (random policy).
+    """
+
+    group: Group
+    requester: int | None
+    counts: tuple[int, ...]
+    batch: int
+    kind: str
+    conflict: bool = False
+
+
+Observer = Callable[[Formation], None]
+
+
+@runtime_checkable
+class GroupPolicy(Protocol):
+    """What the service and the simulator call; see the module docstring for the contract."""
+
+    config: GeneratorConfig
+
+    def request(self, worker: int, now_s: float) -> list[Answer]:
+        """Register that ``worker`` asks for its next group; return every answer determined by this call."""
+        ...
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        """``worker`` requests no more; answers include the groups it must still execute, in order."""
+        ...
+
+    def poll(self, now_s: float) -> list[Answer]:
+        """Return answers determined by time passing (call at :meth:`next_deadline`)."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`poll` must next be called, or ``None`` if no timer is pending."""
+        ...
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters: requests, groups formed, mean group size and policy-specific ones."""
+        ...
+
+
+@dataclass
+class PolicyCounters:
+    """Counters every policy keeps; :meth:`as_dict` is the common part of ``stats()``."""
+
+    requests: int = 0
+    groups: int = 0
+    members: int = 0
+    local_steps: int = 0
+    extra: dict[str, float | int] = field(default_factory=dict)
+
+    def formed(self, group: Group) -> None:
+        self.groups += 1
+        self.members += group.size
+        self.local_steps += group.is_local
+
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {
+            "requests": self.requests,
+            "groups": self.groups,
+            "mean_group_size": self.members / self.groups if self.groups else 0.0,
+            "local_steps": self.local_steps,
+        }
+        out.update(self.extra)
+        return out

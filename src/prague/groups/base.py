@@ -1,0 +1,134 @@
+"""State every policy shares: request counts, finished workers, the global sequence, stats, observer.
+
+Also the group buffer (per-worker FIFOs of committed groups) that the smart and random policies share:
+a policy that fixes groups ahead of time appends each new group to the FIFO of every member, and each
+request pops the head of the requester's FIFO. Appending whole groups in one global ``seq`` order to
+every member's FIFO is what makes any schedule built this way deadlock-free.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from prague.errors import ConfigError
+from prague.groups.api import Answer, Formation, GeneratorConfig, Group, Observer, PolicyCounters
+
+
+class PolicyBase:
+    """Bookkeeping common to all policies; subclasses implement ``request`` (and maybe ``poll``)."""
+
+    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None) -> None:
+        if not isinstance(config, GeneratorConfig):
+            raise ConfigError(f"config must be a GeneratorConfig, got {config!r}")
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.counts = [0] * config.nproc
+        self.finished = [False] * config.nproc
+        self.counters = PolicyCounters()
+        self._observer = observer
+        self._next_seq = 0
+        self._batch = 0
+
+    # -- checks -------------------------------------------------------------------------------------
+    def _check_worker(self, worker: int) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < self.config.nproc:
+            raise ConfigError(
+                f"unknown worker id {worker!r}; this group generator serves workers 0..{self.config.nproc - 1}"
+            )
+        if self.finished[worker]:
+            raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
+
+    def active(self) -> list[int]:
+        """Workers that have not finished, in rank order."""
+        return [w for w in range(self.config.nproc) if not self.finished[w]]
+
+    # -- forming groups -----------------------------------------------------------------------------
+    def _new_batch(self) -> int:
+        self._batch += 1
+        return self._batch
+
+    def _record(self, group: Group, requester: int | None, kind: str, conflict: bool = False) -> None:
+        self.counters.formed(group)
+        if self._observer is not None:
+            self._observer(Formation(group, requester, tuple(self.counts), self._batch, kind, conflict))
+
+    def _form(self, members: list[int] | tuple[int, ...], requester: int | None, kind: str,
+              conflict: bool = False) -> Group:
+        """Give ``members`` the next global sequence number and report the new group."""
+        group = Group(self._next_seq, tuple(sorted(members)))
+        self._next_seq += 1
+        self._record(group, requester, kind, conflict)
+        return group
+
+    # -- defaults for policies without timers ------------------------------------------------------
+    def poll(self, now_s: float) -> list[Answer]:
+        return []
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def stats(self) -> dict[str, float | int]:
+        return self.counters.as_dict()
+
+
+class BufferedPolicy(PolicyBase):
+    """A policy that fixes groups ahead of time in per-worker FIFOs (the paper's group buffer).
+
+    On a request from a worker whose FIFO is empty, :meth:`_fill` commits one or more new groups (at
+    least one containing the requester); the answer is always the head of the requester's FIFO, so
+    answers are immediate and ``poll`` never has anything to do.
+    """
+
+    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None) -> None:
+        super().__init__(config, observer=observer)
+        self._fifos: list[deque[Group]] = [deque() for _ in range(config.nproc)]
+        self.counters.extra.update(conflicts=0, max_fifo=0)
+
+    def _fill(self, requester: int) -> None:
+        """Commit new groups with :meth:`_commit`; at least one must contain ``requester``."""
+        raise NotImplementedError
+
+    def _commit(self, members: list[int] | tuple[int, ...], requester: int, kind: str) -> Group:
+        """Append a new group to every member's FIFO.
+
+        A conflict is a group some member of which is still committed to an earlier group it has not
+        been handed yet: that member's FIFO is non-empty, so the group waits for it.
+        """
+        conflict = any(self._fifos[m] for m in members)
+        group = self._form(members, requester, kind, conflict)
+        extra = self.counters.extra
+        extra["conflicts"] += conflict
+        for m in group.members:
+            self._fifos[m].append(group)
+            extra["max_fifo"] = max(extra["max_fifo"], len(self._fifos[m]))
+        return group
+
+    def pending(self, worker: int) -> int:
+        """How many committed groups ``worker`` has not been handed yet."""
+        return len(self._fifos[worker])
+
+    def request(self, worker: int, now_s: float) -> list[Answer]:
+        self._check_worker(worker)
+        self.counts[worker] += 1
+        self.counters.requests += 1
+        fifo = self._fifos[worker]
+        if not fifo:
+            self._new_batch()
+            self._fill(worker)
+            if not fifo:
+                raise RuntimeError(f"{type(self).__name__}._fill left worker {worker} without a group")
+        return [(worker, fifo.popleft())]
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        self._check_worker(worker)
+        self.finished[worker] = True
+        fifo = self._fifos[worker]
+        answers = [(worker, group) for group in fifo]
+        fifo.clear()
+        return answers
+
+    def stats(self) -> dict[str, float | int]:
+        out = super().stats()
+        out["pending_groups"] = sum(len(f) for f in self._fifos)
+        return out

@@ -1,0 +1,106 @@
+"""The smart Group Generator of Prague/Ripples (ASPLOS 2020, arXiv 1909.08029, section on smart GG).
+
+The GG counts each worker's requests c_w. When worker i asks and its FIFO (group buffer) is empty, the
+GG draws one random *division*, a partition of all eligible workers into groups of size S, and appends
+each group to the FIFO of every member, in one global sequence. Divisions alternate between
+*intra-node* (groups inside a node) and *inter-node* (groups spanning nodes, one worker per node where
+possible), so a model mixes quickly inside a machine and still spreads across machines. The answer to i
+is the head of its FIFO.
+
+Eligible for the division triggered by i: i itself, and every worker w that has not finished with
+``c_w > c_i - delta_c`` (the threshold rule: a fast requester never pulls a far-behind worker into its
+group, because that group would wait for the straggler and a slow worker's FIFO would grow without
+bound).
+
+Remainders: the eligible workers are cut into groups of S in a random order; a last group of one joins
+the group before it (size S + 1), a larger remainder stays a smaller group. In an intra-node division a
+node with a single eligible worker gives it to a pool that is cut the same way, so nobody steps alone
+while another lone worker could average with it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from prague.errors import unknown_choice
+from prague.groups.api import GeneratorConfig, Observer, Topology
+from prague.groups.base import BufferedPolicy
+
+DIVISION_KINDS = ("intra", "inter")
+
+
+def chunk(workers: Sequence[int], size: int) -> list[list[int]]:
+    """Cut ``workers`` in order into groups of ``size``; a last group of one joins the one before it."""
+    groups = [list(workers[i : i + size]) for i in range(0, len(workers), size)]
+    if size > 1 and len(groups) >= 2 and len(groups[-1]) == 1:
+        groups[-2].extend(groups.pop())
+    return groups
+
+
+def _by_node(workers: Sequence[int], topology: Topology, rng: random.Random) -> list[list[int]]:
+    by_node: dict[int, list[int]] = {}
+    for w in workers:
+        by_node.setdefault(topology.node_of(w), []).append(w)
+    lists = [by_node[node] for node in sorted(by_node)]
+    for ws in lists:
+        rng.shuffle(ws)
+    return lists
+
+
+def intra_node_division(workers: Sequence[int], size: int, topology: Topology,
+                        rng: random.Random) -> list[list[int]]:
+    """Random groups of ``size`` inside each node; lone workers of different nodes are pooled."""
+    groups: list[list[int]] = []
+    lone: list[int] = []
+    for ws in _by_node(workers, topology, rng):
+        if len(ws) == 1:
+            lone.extend(ws)
+        else:
+            groups.extend(chunk(ws, size))
+    rng.shuffle(lone)
+    groups.extend(chunk(lone, size))
+    return groups
+
+
+def inter_node_division(workers: Sequence[int], size: int, topology: Topology,
+                        rng: random.Random) -> list[list[int]]:
+    """Random groups of ``size`` spanning nodes: workers are dealt node by node, round-robin."""
+    lists = _by_node(workers, topology, rng)
+    rng.shuffle(lists)
+    dealt = [ws[col] for col in range(max(map(len, lists), default=0)) for ws in lists if col < len(ws)]
+    return chunk(dealt, size)
+
+
+def divide(workers: Sequence[int], size: int, topology: Topology, kind: str,
+           rng: random.Random) -> list[list[int]]:
+    """One random division (partition) of ``workers`` into groups of about ``size``, of ``kind``."""
+    if kind == "intra":
+        return intra_node_division(workers, size, topology, rng)
+    if kind == "inter":
+        return inter_node_division(workers, size, topology, rng)
+    raise unknown_choice("division kind", kind, DIVISION_KINDS)
+
+
+class SmartGenerator(BufferedPolicy):
+    """The paper's smart GG: threshold-filtered random divisions, alternating intra and inter node."""
+
+    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None) -> None:
+        super().__init__(config, observer=observer)
+        self.divisions = 0
+        self.counters.extra.update(divisions=0, excluded_by_threshold=0)
+
+    def eligible(self, requester: int) -> list[int]:
+        """Workers a division triggered now by ``requester`` may include (the threshold rule)."""
+        floor = self.counts[requester] - self.config.delta_c
+        return [w for w in self.active() if w == requester or self.counts[w] > floor]
+
+    def _fill(self, requester: int) -> None:
+        eligible = self.eligible(requester)
+        kind = DIVISION_KINDS[self.divisions % 2]
+        self.divisions += 1
+        extra = self.counters.extra
+        extra["divisions"] = self.divisions
+        extra["excluded_by_threshold"] += sum(not f for f in self.finished) - len(eligible)
+        for members in divide(eligible, self.config.group_size, self.config.topo, kind, self.rng):
+            self._commit(members, requester, kind)

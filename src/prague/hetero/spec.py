@@ -1,0 +1,168 @@
+"""Heterogeneity injection: declarative, seeded, and pure.
+
+A scenario string describes how workers are made unequal; the runtime and the simulator read the very
+same :class:`Scenario` object, so a simulated straggler is the runtime's straggler.
+
+Grammar (terms joined with ``+``)::
+
+    homogeneous             no slowdown (the empty scenario)
+    paper:X                 each iteration, each worker is X times slower with probability 1/n
+                            (the slowdown model of Prague, Luo et al., ASPLOS 2020)
+    straggler:RANK:X        worker RANK is always X times slower
+    crash:RANK:STEP         worker RANK dies (raises) when it reaches step STEP
+
+Draws are a pure function of (seed, rank, step), computed with a counter-based hash, so they do not
+depend on call order: a worker, a test and the simulator all see the same slow iterations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prague.errors import ConfigError
+
+KINDS = ("homogeneous", "paper", "straggler", "crash")
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, rank: int, step: int, stream: int = 0) -> float:
+    """A uniform draw in [0, 1) that depends only on its arguments."""
+    h = _splitmix64(seed & _MASK64)
+    for v in (stream, rank, step):
+        h = _splitmix64(h ^ (v & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True)
+class PaperSlowdown:
+    """Each iteration, each of n workers independently runs ``factor`` times slower with probability 1/n."""
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ConfigError(f"paper slowdown factor must be >= 1, got {self.factor!r}; e.g. paper:5")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Worker ``rank`` always runs ``factor`` times slower."""
+
+    rank: int
+    factor: float
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"straggler rank must be >= 0, got {self.rank!r}; e.g. straggler:1:3")
+        if not self.factor >= 1.0:
+            raise ConfigError(f"straggler factor must be >= 1, got {self.factor!r}; e.g. straggler:1:3")
+
+
+@dataclass(frozen=True)
+class Crash:
+    """Worker ``rank`` raises :class:`InjectedCrash` when it reaches step ``step``."""
+
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0:
+            raise ConfigError(
+                f"crash rank and step must be >= 0, got rank={self.rank!r} step={self.step!r}; e.g. crash:2:5"
+            )
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by a worker that a ``crash:RANK:STEP`` scenario told to die."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A parsed scenario: zero or more slowdown and crash terms, plus the seed of their draws."""
+
+    text: str = "homogeneous"
+    paper: tuple[PaperSlowdown, ...] = ()
+    stragglers: tuple[Straggler, ...] = ()
+    crashes: tuple[Crash, ...] = ()
+    seed: int = 0
+    _paper_stream: int = field(default=1, repr=False)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ConfigError if a term names a rank that does not exist in a job of ``world_size``."""
+        for term in (*self.stragglers, *self.crashes):
+            if term.rank >= world_size:
+                raise ConfigError(
+                    f"scenario {self.text!r} names rank {term.rank}, but the job has only {world_size} "
+                    f"workers (ranks 0..{world_size - 1}); use a smaller rank or a larger --nproc"
+                )
+
+    def slowdown(self, rank: int, step: int, world_size: int) -> float:
+        """The factor by which worker ``rank``'s compute is slower at ``step`` (1.0 = nominal)."""
+        factor = 1.0
+        for term in self.paper:
+            if uniform(self.seed, rank, step, self._paper_stream) < 1.0 / world_size:
+                factor *= term.factor
+        for s in self.stragglers:
+            if s.rank == rank:
+                factor *= s.factor
+        return factor
+
+    def mean_slowdown(self, rank: int, world_size: int) -> float:
+        """The expected slowdown factor of ``rank`` per iteration (for the no-wait limit)."""
+        factor = 1.0
+        for term in self.paper:
+            factor *= 1.0 + (term.factor - 1.0) / world_size
+        for s in self.stragglers:
+            if s.rank == rank:
+                factor *= s.factor
+        return factor
+
+    def crashes_at(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` must die at ``step``."""
+        return any(c.rank == rank and c.step == step for c in self.crashes)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return not (self.paper or self.stragglers)
+
+
+def _number(text: str, term: str, what: str, kind: type) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(
+            f"malformed scenario term {term!r}: {what} {text!r} is not a{'n integer' if kind is int else ' number'}; "
+            "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP (join with '+')"
+        ) from None
+
+
+def parse_scenario(text: str, seed: int = 0) -> Scenario:
+    """Parse a scenario string (see the module docstring); raise ConfigError naming the bad term."""
+    text = (text or "homogeneous").strip()
+    paper: list[PaperSlowdown] = []
+    stragglers: list[Straggler] = []
+    crashes: list[Crash] = []
+    forms = "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP (join with '+')"
+    for term in text.split("+"):
+        term = term.strip()
+        kind, *args = term.split(":")
+        if kind == "homogeneous" and not args:
+            continue
+        if kind == "paper" and len(args) == 1:
+            paper.append(PaperSlowdown(float(_number(args[0], term, "factor", float))))
+        elif kind == "straggler" and len(args) == 2:
+            stragglers.append(
+                Straggler(int(_number(args[0], term, "rank", int)), float(_number(args[1], term, "factor", float)))
+            )
+        elif kind == "crash" and len(args) == 2:
+            crashes.append(Crash(int(_number(args[0], term, "rank", int)), int(_number(args[1], term, "step", int))))
+        else:
+            raise ConfigError(f"malformed scenario {text!r}: cannot read term {term!r}; {forms}")
+    return Scenario(text=text, paper=tuple(paper), stragglers=tuple(stragglers), crashes=tuple(crashes), seed=seed)

@@ -1,0 +1,128 @@
+"""Joining a job: read the launcher's or torchrun's environment, build the store and the process group.
+
+Both ``prague run``/``prague launch`` and ``torchrun`` export the same variables (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT). When an agent hosts the rendezvous store (torchrun, or our
+launcher, both signalled by ``TORCHELASTIC_USE_AGENT_STORE=True``) every rank connects as a client;
+otherwise rank 0 hosts it, as with ``init_method="env://"``. A script started with none of these
+variables runs as a job of one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from prague.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class DistContext:
+    """What a worker knows about the job it belongs to.
+
+    ``store`` is the job-wide key-value store; methods build members-only communicators and publish
+    service addresses through it (under their own key prefixes).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    store: dist.Store
+    timeout_s: float
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_CONTEXT: DistContext | None = None
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ConfigError(f"environment variable {name} is not set; start the job with `prague launch` or torchrun")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the job described by the environment and initialise ``torch.distributed``.
+
+    Called once per worker process, on every rank, before wrapping a model. ``backend="auto"`` picks
+    NCCL when CUDA is available and gloo otherwise. Returns the context (also kept for :func:`context`).
+    Raises :class:`ConfigError` for a malformed environment; a rendezvous that does not complete within
+    ``timeout_s`` raises torch's timeout error.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
+
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        local_rank = _env_int("LOCAL_RANK", rank)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store: dist.Store = dist.TCPStore(
+            host, port, world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
+            multi_tenant=not agent_store,
+        )
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
+            timeout=timeout,
+        )
+    _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
+    return _CONTEXT
+
+
+def context() -> DistContext:
+    """The context made by :func:`init`; raises if :func:`init` has not been called."""
+    if _CONTEXT is None:
+        raise ConfigError("prague.init() has not been called in this process; call it before prague.wrap()")
+    return _CONTEXT
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group. Safe to call twice."""
+    global _CONTEXT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None

@@ -1,0 +1,253 @@
+"""The single-machine launcher behind ``prague run`` and ``prague launch``.
+
+It hosts the job's rendezvous store (a ``TCPStore`` on a port the OS picks), starts one process per
+rank with the same environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
+``TORCHELASTIC_USE_AGENT_STORE=True``), starts any service processes the method needs, shows progress,
+and guarantees that no process outlives it:
+
+- returns 0 only if every worker exited 0;
+- when a worker fails, stops the others at once (SIGTERM, then SIGKILL after ``grace_s``) and raises
+  :class:`WorkerFailed` carrying that worker's rank and traceback;
+- Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
+
+Workers run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
+them; they also ask the kernel to kill them if the launcher dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import IO
+
+import torch.distributed as dist
+
+from prague.errors import ConfigError, WorkerFailed
+
+ERROR_KEY = "prague/error/"
+PROGRESS_KEY = "prague/progress/"
+LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A helper process the job needs (a group generator, a parameter-server shard).
+
+    It is started before the workers with the job's environment plus ``env`` and stopped after them.
+    If it exits while workers are running, the job fails with its name and output.
+    """
+
+    name: str
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start: ``argv`` once per rank, ``nproc`` times."""
+
+    argv: Sequence[str]
+    nproc: int
+    log_dir: Path | None = None
+    echo_ranks: frozenset[int] = frozenset()
+    grace_s: float = 5.0
+    env: dict[str, str] = field(default_factory=dict)
+    services: Sequence[ServiceSpec] = ()
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if not self.argv:
+            raise ConfigError("nothing to launch: the command is empty")
+
+
+def set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when the launcher that started it dies (no-op elsewhere)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+class _Proc:
+    """One child process whose merged stdout/stderr is drained by a thread into a log and a tail."""
+
+    def __init__(self, label: str, argv: Sequence[str], env: dict[str, str], log_path: Path | None, echo: bool) -> None:
+        self.label = label
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.popen = subprocess.Popen(
+            list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, text=True, errors="replace", bufsize=1,
+        )
+        self._log: IO[str] | None = open(log_path, "w", buffering=1) if log_path else None
+        self._echo = echo
+        self._reader = threading.Thread(target=self._drain, name=f"drain-{label}", daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.tail.append(line)
+            if self._log:
+                self._log.write(line)
+            if self._echo:
+                sys.stdout.write(f"[{self.label}] {line}")
+                sys.stdout.flush()
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish(self) -> None:
+        self._reader.join(timeout=2.0)
+        if self._log:
+            self._log.close()
+
+
+class Job:
+    """A running launch; use :func:`launch` unless you need the store before the workers start."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.store = dist.TCPStore("127.0.0.1", 0, spec.nproc, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.port = self.store.port
+        self.workers: list[_Proc] = []
+        self.services: list[_Proc] = []
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), WORLD_SIZE=str(self.spec.nproc),
+            LOCAL_WORLD_SIZE=str(self.spec.nproc), TORCHELASTIC_USE_AGENT_STORE="True",
+            PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())},
+        )
+        # n workers share this machine's cores: one intra-op thread each unless the user says otherwise.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.spec.env)
+        return env
+
+    def _log_path(self, name: str) -> Path | None:
+        if self.spec.log_dir is None:
+            return None
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.spec.log_dir / f"{name}.log"
+
+    def start(self) -> None:
+        env = self.base_env()
+        for svc in self.spec.services:
+            self.services.append(_Proc(svc.name, svc.argv, {**env, **svc.env}, self._log_path(svc.name), False))
+        for rank in range(self.spec.nproc):
+            wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            self.workers.append(
+                _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks)
+            )
+
+    def progress(self) -> dict[int, str]:
+        """Latest progress string each worker published (``step,steps,loss``)."""
+        out: dict[int, str] = {}
+        for rank in range(self.spec.nproc):
+            key = f"{PROGRESS_KEY}{rank}"
+            try:
+                if self.store.check([key]):
+                    out[rank] = self.store.get(key).decode()
+            except RuntimeError:
+                pass
+        return out
+
+    def failure_detail(self, proc: _Proc, rank: int | None) -> str:
+        proc.finish()
+        if rank is not None:
+            key = f"{ERROR_KEY}{rank}"
+            try:
+                if self.store.check([key]):
+                    return self.store.get(key).decode()
+            except RuntimeError:
+                pass
+        return "".join(proc.tail) or "(no output)"
+
+    def stop(self) -> None:
+        """Stop every child: SIGTERM, then SIGKILL those still alive after the grace period."""
+        procs = self.workers + self.services
+        for p in procs:
+            if p.poll() is None:
+                p.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        for p in procs:
+            p.signal_group(signal.SIGKILL)  # also reaps grandchildren left in the group
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            p.finish()
+
+    def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = 0.2) -> None:
+        """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
+        while True:
+            codes = [w.poll() for w in self.workers]
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    detail = self.failure_detail(self.workers[rank], rank)
+                    self.stop()
+                    raise WorkerFailed(rank, code, detail)
+            for svc in self.services:
+                code = svc.poll()
+                if code is not None and any(c is None for c in codes):
+                    detail = self.failure_detail(svc, None)
+                    self.stop()
+                    raise WorkerFailed(-1, code, f"service {svc.label!r} exited early:\n{detail}")
+            if all(c == 0 for c in codes):
+                self.stop()
+                return
+            if on_tick is not None:
+                on_tick(self)
+            time.sleep(tick_s)
+
+
+def launch(spec: LaunchSpec, on_tick: Callable[[Job], None] | None = None) -> Job:
+    """Run ``spec`` to completion; see the module docstring for the failure contract.
+
+    SIGINT/SIGTERM received while waiting stop every child before ``KeyboardInterrupt`` propagates.
+    """
+    job = Job(spec)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        job.start()
+        job.wait(on_tick)
+    except BaseException:
+        job.stop()
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    return job

@@ -1,0 +1,38 @@
+"""Entry point of one worker process: ``prague worker`` (started by ``prague run`` or by torchrun)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from prague.runtime.context import DistContext, init, shutdown
+from prague.runtime.launcher import ERROR_KEY, set_parent_death_signal
+
+
+def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
+    """Join the job and run ``body(ctx)``; on any exception publish the traceback for the launcher,
+    print it, and exit 1 at once (peers blocked in a collective are stopped by the launcher)."""
+    set_parent_death_signal()
+    ctx: DistContext | None = None
+    try:
+        ctx = init(backend=backend, timeout_s=timeout_s)
+        body(ctx)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        text = "".join(traceback.format_exception(exc))
+        rank = ctx.rank if ctx else os.environ.get("RANK", "?")
+        sys.stderr.write(f"[rank {rank}] {text}")
+        sys.stderr.flush()
+        if ctx is not None:
+            try:
+                ctx.store.set(f"{ERROR_KEY}{ctx.rank}", text)
+            except Exception:  # noqa: BLE001 - the store may be what failed
+                pass
+        sys.stdout.flush()
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

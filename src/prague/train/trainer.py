@@ -1,0 +1,158 @@
+"""The user-facing training API: wrap a model and optimizer with a method, call :meth:`step` in a loop.
+
+Shaped like DDP and Horovod's ``DistributedOptimizer``::
+
+    import prague
+    prague.init()                                     # from `prague launch` or torchrun's environment
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = prague.wrap(model, opt, algorithm="allreduce")
+    for x, y in batches:
+        loss = trainer.step(lambda m: F.cross_entropy(m(x), y))
+    final = trainer.averaged_model()                  # collective: the mean of all replicas
+    trainer.close()
+    prague.shutdown()
+
+``prague run``'s built-in loop uses exactly this class.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from prague.algorithms.api import Algorithm, StepTimes
+from prague.algorithms.registry import get_algorithm, split_variant
+from prague.comm.flat import average_into, consensus_distance
+from prague.hetero.spec import InjectedCrash, Scenario, parse_scenario
+from prague.runtime.context import DistContext, context
+
+Closure = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass
+class StepRecord:
+    """Timing and loss of one iteration on one worker (one line of the metrics file)."""
+
+    step: int
+    rank: int
+    t_end_s: float
+    compute_s: float
+    comm_s: float
+    wait_s: float
+    slowdown: float
+    loss: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DistributedTrainer:
+    """Runs one iteration of a synchronisation method per :meth:`step` call.
+
+    Every rank of the job constructs one, with models of identical architecture, and calls
+    :meth:`step` once per iteration. Collective methods (:meth:`averaged_model`,
+    :meth:`consensus_distance`) must be called by every rank at the same point. :meth:`close` must be
+    called on every rank, also after an exception, to stop the method's background threads.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        algorithm: str | Algorithm = "allreduce",
+        *,
+        scenario: str | Scenario | None = None,
+        ctx: DistContext | None = None,
+        **options: Any,
+    ) -> None:
+        self.ctx = ctx or context()
+        if isinstance(algorithm, str):
+            name, variant = split_variant(algorithm)
+            cls = get_algorithm(name)
+            if variant is not None and cls.variant_field is not None:
+                options[cls.variant_field] = variant
+            algorithm = cls(self.ctx, cls.options_from(options))
+        self.algorithm = algorithm
+        self.scenario = parse_scenario(scenario) if isinstance(scenario, str) or scenario is None else scenario
+        self.scenario.check_world(self.ctx.world_size)
+        self.model = model.to(self.ctx.device)
+        self.optimizer = optimizer
+        self.module = self.algorithm.setup(self.model, optimizer)
+        self.steps_done = 0
+        # Nominal per-iteration compute time that slowdowns scale: known for emulated compute,
+        # otherwise an exponential moving average of measured compute.
+        self._nominal_s: float | None = getattr(model, "nominal_compute_s", None)
+        self._ema_s: float | None = None
+
+    def _slowdown_delay_s(self, factor: float) -> float:
+        base = self._nominal_s if self._nominal_s is not None else self._ema_s
+        return (factor - 1.0) * base if base else 0.0
+
+    def step(self, closure: Closure) -> StepRecord:
+        """One iteration: forward/backward through ``closure(module)``, then the method's communication
+        and update. Returns the iteration's record. A ``crash:RANK:STEP`` scenario raises
+        :class:`InjectedCrash` here on that rank and step."""
+        step, rank = self.steps_done, self.ctx.rank
+        if self.scenario.crashes_at(rank, step):
+            raise InjectedCrash(f"injected crash of rank {rank} at step {step} (scenario {self.scenario.text!r})")
+        factor = self.scenario.slowdown(rank, step, self.ctx.world_size)
+        times = StepTimes()
+
+        t0 = time.perf_counter()
+        delay = self._slowdown_delay_s(factor)
+        if delay > 0:
+            time.sleep(delay)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=False)
+        loss = closure(self.module)
+        loss.backward()
+        t1 = time.perf_counter()
+        self.algorithm.after_backward(step, times)
+        t2 = time.perf_counter()
+        self.algorithm.apply_update(self.optimizer, step)
+        t3 = time.perf_counter()
+        self.algorithm.after_step(step, times)
+        t4 = time.perf_counter()
+
+        hooks_s = (t2 - t1) + (t4 - t3)
+        compute_s = (t1 - t0) + (t3 - t2) - times.inner_comm_s
+        comm_s = hooks_s + times.inner_comm_s - times.wait_s
+        base = compute_s - delay
+        self._ema_s = base if self._ema_s is None else 0.8 * self._ema_s + 0.2 * base
+        self.steps_done += 1
+        loss_value = float(loss.detach()) if self._nominal_s is None else None
+        return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value)
+
+    def averaged_model(self) -> nn.Module:
+        """A new copy of the model holding the mean of all ranks' parameters and buffers. Collective."""
+        target = copy.deepcopy(self.model)
+        average_into(self.model, target)
+        return target
+
+    def consensus_distance(self) -> float:
+        """Mean distance of the replicas from their average (0 for all-reduce). Collective."""
+        return consensus_distance(self.model)
+
+    def stats(self) -> dict[str, Any]:
+        return self.algorithm.stats()
+
+    def close(self) -> None:
+        """Stop the method's background work. Call on every rank."""
+        self.algorithm.close()
+
+
+def wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    algorithm: str | Algorithm = "allreduce",
+    **kwargs: Any,
+) -> DistributedTrainer:
+    """Wrap ``model`` and ``optimizer`` with a synchronisation method; see :class:`DistributedTrainer`."""
+    return DistributedTrainer(model, optimizer, algorithm, **kwargs)

@@ -1,0 +1,426 @@
+"""Tests for prague.metrics.report: the benchmark table, the report files and reading them back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from matplotlib.patches import Rectangle
+
+from prague.errors import ConfigError
+from prague.metrics import report
+from prague.metrics.report import bench_table, load_records, method_label, write_bench
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(
+    algorithm: str,
+    scenario: str,
+    throughput: float,
+    *,
+    variant: str | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A complete run summary with sensible defaults; ``overrides`` replace any field."""
+    record: dict[str, Any] = {
+        "algorithm": algorithm,
+        "variant": variant,
+        "nproc": 4,
+        "compute_mode": "emulated",
+        "compute_ms": 50.0,
+        "scenario": scenario,
+        "model": "mlp",
+        "data": "synthetic",
+        "batch_size": 32,
+        "steps": 100,
+        "seed": 0,
+        "throughput_samples_per_s": throughput,
+        "no_wait_limit_samples_per_s": 2560.0,
+        "fraction_of_limit": throughput / 2560.0,
+        "wall_s": 10.0,
+        "test_accuracy": None,
+        "target_accuracy": None,
+        "time_to_target_s": None,
+        "eval_history": [],
+        "consensus_distance": None,
+        "simulated": False,
+    }
+    record.update(overrides)
+    return record
+
+
+def rows(table: str) -> dict[tuple[str, str], dict[str, str]]:
+    """Parse the markdown table body into {(method, scenario): {column: cell}}."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    parsed = {}
+    for line in lines[2:]:
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        parsed[(cells["method"], cells["scenario"])] = cells
+    return parsed
+
+
+def table_order(table: str) -> list[tuple[str, str]]:
+    return list(rows(table))
+
+
+@pytest.fixture
+def records() -> list[dict[str, Any]]:
+    return [
+        run("allreduce", "homogeneous", 2000.0),
+        run("prague", "homogeneous", 2200.0, variant="smart"),
+        run("allreduce", "paper:5", 1000.0),
+        run("prague", "paper:5", 2030.0, variant="smart"),
+        run("adpsgd", "paper:5", 1500.0),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# method_label
+
+
+def test_method_label_without_and_with_variant() -> None:
+    assert method_label(run("allreduce", "homogeneous", 1.0)) == "allreduce"
+    assert method_label(run("prague", "homogeneous", 1.0, variant="smart")) == "prague:smart"
+
+
+# ------------------------------------------------------------------------------------------------
+# bench_table
+
+
+def test_ratios_use_the_same_scenarios_allreduce(records: list[dict[str, Any]]) -> None:
+    table = rows(bench_table(records))
+    assert table[("allreduce", "homogeneous")]["vs allreduce"] == "1.00x"
+    assert table[("prague:smart", "homogeneous")]["vs allreduce"] == "1.10x"
+    assert table[("allreduce", "paper:5")]["vs allreduce"] == "1.00x"
+    assert table[("prague:smart", "paper:5")]["vs allreduce"] == "2.03x"
+    assert table[("adpsgd", "paper:5")]["vs allreduce"] == "1.50x"
+
+
+def test_ratios_against_homogeneous_allreduce(records: list[dict[str, Any]]) -> None:
+    table = rows(bench_table(records))
+    column = "vs homogeneous allreduce"
+    assert table[("allreduce", "homogeneous")][column] == "1.00x"
+    assert table[("allreduce", "paper:5")][column] == "0.50x"
+    assert table[("prague:smart", "paper:5")][column] == "1.01x"
+    assert table[("adpsgd", "paper:5")][column] == "0.75x"
+
+
+def test_allreduce_with_a_variant_is_not_the_baseline() -> None:
+    records = [
+        run("allreduce", "paper:5", 900.0, variant="fp16"),
+        run("allreduce", "paper:5", 1000.0),
+        run("prague", "paper:5", 2000.0),
+    ]
+    table = rows(bench_table(records))
+    assert table[("allreduce:fp16", "paper:5")]["vs allreduce"] == "0.90x"
+    assert table[("prague", "paper:5")]["vs allreduce"] == "2.00x"
+
+
+def test_missing_allreduce_gives_na() -> None:
+    records = [
+        run("allreduce", "homogeneous", 2000.0),
+        run("prague", "straggler:1:3", 1800.0, variant="smart"),
+    ]
+    table = rows(bench_table(records))
+    row = table[("prague:smart", "straggler:1:3")]
+    assert row["vs allreduce"] == "n/a"
+    assert row["vs homogeneous allreduce"] == "0.90x"
+
+
+def test_missing_homogeneous_allreduce_gives_na() -> None:
+    records = [run("allreduce", "paper:5", 1000.0), run("prague", "paper:5", 1500.0)]
+    table = rows(bench_table(records))
+    assert table[("prague", "paper:5")]["vs allreduce"] == "1.50x"
+    assert table[("prague", "paper:5")]["vs homogeneous allreduce"] == "n/a"
+    assert table[("allreduce", "paper:5")]["vs homogeneous allreduce"] == "n/a"
+
+
+def test_zero_baseline_throughput_gives_na() -> None:
+    table = rows(bench_table([run("allreduce", "paper:5", 0.0), run("prague", "paper:5", 10.0)]))
+    assert table[("prague", "paper:5")]["vs allreduce"] == "n/a"
+
+
+def test_rows_grouped_by_scenario_in_first_seen_order() -> None:
+    records = [
+        run("allreduce", "paper:5", 1000.0),
+        run("allreduce", "homogeneous", 2000.0),
+        run("prague", "paper:5", 2000.0),
+        run("prague", "homogeneous", 2100.0),
+    ]
+    assert table_order(bench_table(records)) == [
+        ("allreduce", "paper:5"),
+        ("prague", "paper:5"),
+        ("allreduce", "homogeneous"),
+        ("prague", "homogeneous"),
+    ]
+
+
+def test_cells_format_throughput_fraction_accuracy_and_mode() -> None:
+    record = run(
+        "prague",
+        "homogeneous",
+        1894.44,
+        variant="smart",
+        fraction_of_limit=0.74,
+        test_accuracy=0.91234,
+        simulated=True,
+    )
+    row = rows(bench_table([record]))[("prague:smart", "homogeneous")]
+    assert row["throughput (samples/s)"] == "1894.4"
+    assert row["of no-wait limit"] == "74%"
+    assert row["accuracy"] == "91.23%"
+    assert row["mode"] == "emulated, 50 ms (simulated)"
+
+
+def test_real_mode_without_compute_time() -> None:
+    record = run("allreduce", "homogeneous", 1.0, compute_mode="real", compute_ms=None)
+    assert rows(bench_table([record]))[("allreduce", "homogeneous")]["mode"] == "real"
+
+
+def test_fraction_falls_back_to_limit_and_then_dash() -> None:
+    from_limit = run("allreduce", "a", 640.0, fraction_of_limit=None)
+    neither = run("prague", "a", 640.0, fraction_of_limit=None, no_wait_limit_samples_per_s=None)
+    table = rows(bench_table([from_limit, neither]))
+    assert table[("allreduce", "a")]["of no-wait limit"] == "25%"
+    assert table[("prague", "a")]["of no-wait limit"] == "-"
+
+
+def test_accuracy_and_time_to_target_placeholders() -> None:
+    no_target = run("allreduce", "s", 1.0)
+    not_reached = run("prague", "s", 1.0, test_accuracy=0.5, target_accuracy=0.9)
+    reached = run(
+        "adpsgd", "s", 1.0, test_accuracy=0.95, target_accuracy=0.9, time_to_target_s=12.34
+    )
+    table = rows(bench_table([no_target, not_reached, reached]))
+    assert table[("allreduce", "s")]["accuracy"] == "-"
+    assert table[("allreduce", "s")]["time to target (s)"] == "n/a"
+    assert table[("prague", "s")]["time to target (s)"] == "-"
+    assert table[("adpsgd", "s")]["accuracy"] == "95.00%"
+    assert table[("adpsgd", "s")]["time to target (s)"] == "12.3"
+
+
+def test_header_line_names_the_shared_settings(records: list[dict[str, Any]]) -> None:
+    header = bench_table(records).splitlines()[0]
+    assert not header.startswith("|")
+    for expected in ("nproc 4", "model mlp", "data synthetic", "compute emulated"):
+        assert expected in header
+
+
+def test_table_shape_is_valid_markdown(records: list[dict[str, Any]]) -> None:
+    lines = [line for line in bench_table(records).splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(records)
+    assert {line.count("|") for line in lines} == {len(report._COLUMNS) + 1}
+
+
+def test_bench_table_rejects_records_without_required_keys() -> None:
+    bad = run("allreduce", "homogeneous", 1.0)
+    del bad["throughput_samples_per_s"]
+    with pytest.raises(ConfigError, match="throughput_samples_per_s"):
+        bench_table([bad])
+
+
+# ------------------------------------------------------------------------------------------------
+# write_bench
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 2000
+
+
+def test_write_bench_writes_all_files(tmp_path: Path, records: list[dict[str, Any]]) -> None:
+    records[1]["eval_history"] = [
+        {"wall_s": 1.0, "step": 10, "accuracy": 0.3},
+        {"wall_s": 2.0, "step": 20, "accuracy": 0.6},
+    ]
+    records[1]["target_accuracy"] = 0.5
+    paths = write_bench(tmp_path / "out", records, command="prague bench --nproc 4")
+    assert set(paths) == {"json", "md", "throughput", "accuracy"}
+    assert {p.name for p in paths.values()} == {
+        "bench.json",
+        "bench.md",
+        "throughput.png",
+        "accuracy.png",
+    }
+    assert json.loads(paths["json"].read_text()) == records
+    markdown = paths["md"].read_text()
+    assert markdown.startswith("# ")
+    assert "```\nprague bench --nproc 4\n```" in markdown
+    assert bench_table(records) in markdown
+    assert_png(paths["throughput"])
+    assert_png(paths["accuracy"])
+    # Only the four reports: no temporary files left behind.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in paths.values()
+    )
+
+
+def test_write_bench_single_record_no_allreduce_no_accuracy(tmp_path: Path) -> None:
+    record = run(
+        "prague", "straggler:1:3", 1234.5, variant="smart", no_wait_limit_samples_per_s=None
+    )
+    paths = write_bench(tmp_path, [record])
+    assert "n/a" in paths["md"].read_text()
+    assert "```" not in paths["md"].read_text()
+    assert_png(paths["throughput"])
+    assert_png(paths["accuracy"])
+
+
+def test_throughput_figure_has_one_bar_per_record_and_one_limit_per_scenario(
+    records: list[dict[str, Any]],
+) -> None:
+    records[0]["no_wait_limit_samples_per_s"] = None  # homogeneous keeps the limit of records[1]
+    ax = report._throughput_figure(records).axes[0]
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert sorted(p.get_height() for p in bars) == sorted(
+        r["throughput_samples_per_s"] for r in records
+    )
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["homogeneous", "paper:5"]
+    assert len(ax.collections) == 2  # one dashed no-wait limit per scenario
+    legend_box = ax.get_legend()
+    assert legend_box is not None
+    legend = [t.get_text() for t in legend_box.get_texts()]
+    assert legend == ["allreduce", "prague:smart", "adpsgd", "no-wait limit"]
+
+
+def test_accuracy_figure_without_data_says_so(records: list[dict[str, Any]]) -> None:
+    ax = report._accuracy_figure(records).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["no accuracy data (emulated compute)"]
+    assert len(ax.lines) == 0
+
+
+def test_accuracy_figure_one_line_per_run_with_history(records: list[dict[str, Any]]) -> None:
+    records[0]["eval_history"] = [
+        {"wall_s": 2.0, "step": 20, "accuracy": 0.6},
+        {"wall_s": 1.0, "step": 10, "accuracy": 0.3},
+    ]
+    records[3]["eval_history"] = [{"wall_s": 1.5, "step": 10, "accuracy": 0.4}]
+    records[3]["target_accuracy"] = 0.5
+    ax = report._accuracy_figure(records).axes[0]
+    curves = [line for line in ax.lines if line.get_label() != "target"]
+    assert [line.get_label() for line in curves] == [
+        "allreduce / homogeneous",
+        "prague:smart / paper:5",
+    ]
+    assert np.asarray(curves[0].get_xdata()).tolist() == [1.0, 2.0]  # sorted by time
+    assert np.asarray(curves[0].get_ydata()).tolist() == pytest.approx([30.0, 60.0])  # percent
+    assert len(ax.texts) == 0
+
+
+def test_existing_report_survives_unserialisable_record(
+    tmp_path: Path, records: list[dict[str, Any]]
+) -> None:
+    paths = write_bench(tmp_path, records)
+    before = {name: p.read_bytes() for name, p in paths.items()}
+    bad = [*records, run("prague", "paper:5", 1.0, seed=object())]
+    with pytest.raises(TypeError, match="JSON"):
+        write_bench(tmp_path, bad)
+    assert {name: p.read_bytes() for name, p in paths.items()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_existing_json_survives_when_the_dump_raises(
+    tmp_path: Path, records: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = write_bench(tmp_path, records)
+    old = paths["json"].read_text()
+
+    def failing_dumps(*args: Any, **kwargs: Any) -> str:
+        raise OSError("disk full")
+
+    # Fail inside the atomic writer itself, after the report was rendered.
+    monkeypatch.setattr("prague.metrics.io.json.dumps", failing_dumps)
+    with pytest.raises(OSError, match="disk full"):
+        write_bench(tmp_path, records[:2])
+    assert paths["json"].read_text() == old
+    assert load_records(paths["json"]) == records
+
+
+def test_existing_file_survives_when_writing_the_bytes_fails(
+    tmp_path: Path, records: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = write_bench(tmp_path, records)
+    old = paths["json"].read_bytes()
+
+    def failing_replace(src: Any, dst: Any) -> None:
+        raise OSError("rename failed")
+
+    monkeypatch.setattr("prague.metrics.io.os.replace", failing_replace)
+    with pytest.raises(OSError, match="rename failed"):
+        write_bench(tmp_path, records[:1])
+    assert paths["json"].read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_nan_is_rejected_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="JSON"):
+        write_bench(tmp_path, [run("allreduce", "homogeneous", 1.0, wall_s=float("nan"))])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_bench_rejects_empty_and_malformed_records(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no run records"):
+        write_bench(tmp_path, [])
+    with pytest.raises(ConfigError, match="record 1 lacks required key"):
+        write_bench(tmp_path, [run("allreduce", "a", 1.0), {"algorithm": "x"}])
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# load_records
+
+
+def test_load_records_round_trip(tmp_path: Path, records: list[dict[str, Any]]) -> None:
+    paths = write_bench(tmp_path, records)
+    assert load_records(paths["json"]) == records
+    assert load_records(tmp_path) == records  # the directory holding bench.json
+
+
+def test_load_records_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope" / "bench.json"
+    with pytest.raises(ConfigError, match="do not exist") as info:
+        load_records(path)
+    assert str(path) in str(info.value)
+    assert "re-run the benchmark" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"algorithm": "allreduce"}', "must hold a list of run records, got dict"),
+        ("[]", "holds no run records"),
+        ("[1, 2]", "record 0 is a int"),
+        ('[{"algorithm": "allreduce", "scenario": "homogeneous"}]', "'throughput_samples_per_s'"),
+        (
+            '[{"algorithm": "allreduce", "scenario": "h", "throughput_samples_per_s": "fast"}]',
+            "must be a number",
+        ),
+        ('[{"algorithm": 3, "scenario": "h", "throughput_samples_per_s": 1}]', "algorithm=3"),
+    ],
+)
+def test_load_records_malformed(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_records(path)
+    assert str(path) in str(info.value)
+    assert "re-run the benchmark" in str(info.value)
+
+
+def test_load_records_accepts_minimal_records(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    minimal = [{"algorithm": "allreduce", "scenario": "homogeneous", "throughput_samples_per_s": 5}]
+    path.write_text(json.dumps(minimal))
+    assert load_records(path) == minimal
+    # A minimal record must still render: every optional field falls back to a placeholder.
+    row = rows(bench_table(minimal))[("allreduce", "homogeneous")]
+    assert row["mode"] == "?"
+    assert row["accuracy"] == "-"
+    assert row["time to target (s)"] == "n/a"
