@@ -63,7 +63,7 @@ def test_real_mnist_shapes_and_labels(real_mnist: tuple[torch.Tensor, ...]) -> N
     for labels in (train_y, test_y):
         assert set(labels.unique().tolist()) == set(range(10))
     # The images are real digits: dark background, some ink.
-    assert 20 < train_x.float().mean() < 50 and int(train_x.max()) == 255
+    assert 20 < train_x[:1000].float().mean() < 50 and int(train_x[:1000].max()) == 255
 
 
 @needs_mnist
@@ -71,9 +71,10 @@ def test_plain_and_gzip_copies_read_equal(tmp_path: Path) -> None:
     original = MNIST_DIR / f"{TEST_IMAGES}.gz"
     plain = gzip.decompress(original.read_bytes())
     (tmp_path / TEST_IMAGES).write_bytes(plain)
-    (tmp_path / f"{TEST_IMAGES}.gz").write_bytes(gzip.compress(plain))
+    packed = gzip.compress(plain, compresslevel=1)  # fast; any level reads the same
+    (tmp_path / f"{TEST_IMAGES}.gz").write_bytes(packed)
     # Compression is detected from the content, not the name.
-    (tmp_path / "gzip-without-suffix").write_bytes(gzip.compress(plain))
+    (tmp_path / "gzip-without-suffix").write_bytes(packed)
     (tmp_path / "plain-with-suffix.gz").write_bytes(plain)
     expected = read_idx(original)
     assert expected.shape == (10000, 28, 28)

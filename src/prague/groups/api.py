@@ -123,7 +123,8 @@ class GeneratorConfig:
     """Settings shared by all Group Generator policies, validated when built.
 
     ``topology`` defaults to one node holding all ``nproc`` workers. ``group_size`` is S, the size of
-    the groups smart, random and ready form (static follows the topology instead). ``delta_c`` is the
+    the groups smart, random and ready form (static follows the topology instead); a value above
+    ``nproc`` is capped at ``nproc`` (a group cannot hold more workers than the job). ``delta_c`` is the
     smart policy's threshold: worker w may join a division triggered by i only if
     ``c_w > c_i - delta_c`` (c = requests made so far). ``window_s`` is how long the ready policy lets
     its oldest waiting request wait for partners before it forms a smaller group. ``avoid_repeats``
@@ -152,10 +153,9 @@ class GeneratorConfig:
                 f"{topology.size} ranks but nproc is {self.nproc}; make nodes * workers_per_node == nproc"
             )
         object.__setattr__(self, "topology", topology)
-        if not _is_int(self.group_size) or not 1 <= self.group_size <= self.nproc:
-            raise ConfigError(
-                f"group_size must be an integer in 1..nproc ({self.nproc}), got {self.group_size!r}"
-            )
+        if not _is_int(self.group_size) or self.group_size < 1:
+            raise ConfigError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        object.__setattr__(self, "group_size", min(self.group_size, self.nproc))
         if not _is_int(self.delta_c) or self.delta_c < 1:
             raise ConfigError(f"delta_c must be an integer >= 1, got {self.delta_c!r}")
         if not _is_int(self.seed):

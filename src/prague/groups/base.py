@@ -61,6 +61,13 @@ class PolicyBase:
         self._record(group, requester, kind, conflict)
         return group
 
+    # -- the protocol (see prague.groups.api) ------------------------------------------------------
+    def request(self, worker: int, now_s: float) -> list[Answer]:
+        raise NotImplementedError
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        raise NotImplementedError
+
     # -- defaults for policies without timers ------------------------------------------------------
     def poll(self, now_s: float) -> list[Answer]:
         return []

@@ -9,9 +9,14 @@ variables runs as a job of one.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from prague.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
+ERROR_KEY = "prague/error/"
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -110,7 +116,28 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
             timeout=timeout,
         )
     _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
+    previous_hook = sys.excepthook
+
+    def _report_then_print(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        report_failure(exc)
+        previous_hook(kind, exc, tb)
+
+    sys.excepthook = _report_then_print
     return _CONTEXT
+
+
+def report_failure(exc: BaseException) -> None:
+    """Publish ``exc``'s traceback in the job store so the launcher can name the rank that failed first.
+
+    Best effort: the store may be what failed. Installed as ``sys.excepthook`` by :func:`init`, so an
+    uncaught exception in a user's script is reported too."""
+    if _CONTEXT is None:
+        return
+    text = "".join(traceback.format_exception(exc))
+    try:
+        _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps({"time": time.time(), "traceback": text}))
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def context() -> DistContext:

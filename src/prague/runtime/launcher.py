@@ -17,6 +17,7 @@ them; they also ask the kernel to kill them if the launcher dies (``PR_SET_PDEAT
 from __future__ import annotations
 
 import collections
+import json
 import ctypes
 import os
 import signal
@@ -33,8 +34,8 @@ from typing import IO
 import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
+from prague.runtime.context import ERROR_KEY
 
-ERROR_KEY = "prague/error/"
 PROGRESS_KEY = "prague/progress/"
 LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 
@@ -97,6 +98,7 @@ class _Proc:
         )
         self._log: IO[str] | None = open(log_path, "w", buffering=1) if log_path else None
         self._echo = echo
+        self.exit_time: float | None = None
         self._reader = threading.Thread(target=self._drain, name=f"drain-{label}", daemon=True)
         self._reader.start()
 
@@ -109,6 +111,8 @@ class _Proc:
             if self._echo:
                 sys.stdout.write(f"[{self.label}] {line}")
                 sys.stdout.flush()
+        self.popen.wait()
+        self.exit_time = time.monotonic()
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -176,16 +180,39 @@ class Job:
                 pass
         return out
 
-    def failure_detail(self, proc: _Proc, rank: int | None) -> str:
-        proc.finish()
-        if rank is not None:
+    def reported_errors(self) -> dict[int, tuple[float, str]]:
+        """Tracebacks the workers published before exiting: rank -> (time, traceback)."""
+        errors: dict[int, tuple[float, str]] = {}
+        for rank in range(self.spec.nproc):
             key = f"{ERROR_KEY}{rank}"
             try:
                 if self.store.check([key]):
-                    return self.store.get(key).decode()
-            except RuntimeError:
+                    report = json.loads(self.store.get(key).decode())
+                    errors[rank] = (float(report["time"]), str(report["traceback"]))
+            except (RuntimeError, ValueError, KeyError):
                 pass
-        return "".join(proc.tail) or "(no output)"
+        return errors
+
+    def first_failure(self, settle_s: float = 1.0) -> WorkerFailed:
+        """The failure that came first: when one rank raises, its peers soon fail too (their collectives
+        break), so collect the reports for ``settle_s`` and blame the earliest."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and any(w.poll() is None for w in self.workers):
+            time.sleep(0.05)
+        errors = self.reported_errors()
+        if errors:
+            rank = min(errors, key=lambda r: errors[r][0])
+            detail = errors[rank][1]
+        else:  # nothing published (a script not using run_worker): blame the first to exit
+            failed = [r for r, w in enumerate(self.workers) if w.poll() not in (None, 0)]
+            for r in failed:
+                self.workers[r].finish()
+            rank = min(failed, key=lambda r: self.workers[r].exit_time or float("inf"))
+            detail = "".join(self.workers[rank].tail) or "(no output)"
+        others = sorted(r for r, w in enumerate(self.workers) if w.poll() not in (None, 0) and r != rank)
+        if others:
+            detail += f"\n(ranks {others} failed after it)"
+        return WorkerFailed(rank, self.workers[rank].poll(), detail)
 
     def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL those still alive after the grace period."""
@@ -208,15 +235,15 @@ class Job:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
         while True:
             codes = [w.poll() for w in self.workers]
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    detail = self.failure_detail(self.workers[rank], rank)
-                    self.stop()
-                    raise WorkerFailed(rank, code, detail)
+            if any(code not in (None, 0) for code in codes):
+                failure = self.first_failure()
+                self.stop()
+                raise failure
             for svc in self.services:
                 code = svc.poll()
                 if code is not None and any(c is None for c in codes):
-                    detail = self.failure_detail(svc, None)
+                    svc.finish()
+                    detail = "".join(svc.tail) or "(no output)"
                     self.stop()
                     raise WorkerFailed(-1, code, f"service {svc.label!r} exited early:\n{detail}")
             if all(c == 0 for c in codes):

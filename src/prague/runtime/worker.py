@@ -8,8 +8,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from prague.runtime.context import DistContext, init, shutdown
-from prague.runtime.launcher import ERROR_KEY, set_parent_death_signal
+from prague.runtime.context import DistContext, init, report_failure, shutdown
+from prague.runtime.launcher import set_parent_death_signal
 
 
 def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
@@ -21,15 +21,10 @@ def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeou
         ctx = init(backend=backend, timeout_s=timeout_s)
         body(ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        text = "".join(traceback.format_exception(exc))
+        report_failure(exc)
         rank = ctx.rank if ctx else os.environ.get("RANK", "?")
-        sys.stderr.write(f"[rank {rank}] {text}")
+        sys.stderr.write(f"[rank {rank}] " + "".join(traceback.format_exception(exc)))
         sys.stderr.flush()
-        if ctx is not None:
-            try:
-                ctx.store.set(f"{ERROR_KEY}{ctx.rank}", text)
-            except Exception:  # noqa: BLE001 - the store may be what failed
-                pass
         sys.stdout.flush()
         os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
     shutdown()

@@ -118,8 +118,8 @@ def load_mnist(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        found = "a file" if data_dir.exists() else "nothing"
-        raise DataError(f"MNIST data directory {str(data_dir)!r} is not a directory (found {found}); "
+        problem = "is not a directory (found a file)" if data_dir.exists() else "does not exist"
+        raise DataError(f"MNIST data directory {str(data_dir)!r} {problem}; "
                         f"pass --data-dir pointing at a directory holding {_listing()}")
     root = _find_root(data_dir)
     splits = []

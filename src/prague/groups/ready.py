@@ -1,0 +1,149 @@
+"""The ready Group Generator (ours, beyond Prague/Ripples, ASPLOS 2020, arXiv 1909.08029).
+
+The paper's generators fix a group before its members are ready, so the group waits for its slowest
+member. Here no group is fixed before all its members are waiting at the GG:
+
+* A request waits. As soon as S workers (the requester included) are waiting, a group of S is formed
+  at once from them.
+* If fewer than S are waiting when ``window_s`` has passed since the oldest waiting request, the group
+  is whoever is waiting (one worker alone takes a local step). The same happens at once when every
+  worker that has not finished is already waiting: nobody else can come.
+* Mixing. The GG keeps a recency matrix: for every pair of workers, the ``seq`` of the last group they
+  were both in. When more than S are waiting it starts from the oldest waiter and adds partners one at a
+  time, drawn at random with weight ``min(s, H) ** 2``, where s is the number of groups formed since
+  the candidate last met any member chosen so far (never met: no limit) and ``H = ceil(nproc / S)`` is
+  about one round of groups. A partner met in the previous group has weight 1 against ``H ** 2`` for
+  a stranger or anyone not met for a round. With ``avoid_repeats`` (default on), when the S waiting
+  workers would exactly repeat the group they all last ran together, and another worker could still
+  arrive, the GG holds them until the next arrival (then chooses S of S + 1 as above) or until the
+  window closes (then the repeat is formed). Without this hold there are never more than S waiting, so
+  the preference would never get a choice; with it, two fast workers stop pairing with each other only.
+
+Groups still get one global ``seq``; a worker is in at most one unexecuted group at a time, so the
+order is trivially consistent and nothing can deadlock. ``finish`` never hands out groups to the
+finishing worker (it is not waiting), but may complete a group for the others.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from prague.errors import ConfigError
+from prague.groups.api import Answer, GeneratorConfig, Observer
+from prague.groups.base import PolicyBase
+
+
+class ReadyGenerator(PolicyBase):
+    """Groups formed only from workers already waiting, preferring partners that have not met recently."""
+
+    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None) -> None:
+        super().__init__(config, observer=observer)
+        self._waiting: dict[int, float] = {}  # worker -> time of its request, in arrival order
+        self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
+        self._last_group: list[tuple[int, ...] | None] = [None] * config.nproc
+        self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
+        self.counters.extra.update(
+            full_groups=0, window_groups=0, all_here_groups=0, window_expiries=0, holds=0, total_wait_s=0.0
+        )
+
+    # -- protocol -----------------------------------------------------------------------------------
+    def request(self, worker: int, now_s: float) -> list[Answer]:
+        self._check_worker(worker)
+        if worker in self._waiting:
+            raise ConfigError(
+                f"worker {worker} is already waiting for its group; request once per iteration and "
+                "wait for the answer"
+            )
+        self.counts[worker] += 1
+        self.counters.requests += 1
+        self._waiting[worker] = now_s
+        return self._settle(worker, now_s)
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        self._check_worker(worker)
+        if worker in self._waiting:
+            raise ConfigError(f"worker {worker} is waiting for a group; call finish after receiving it")
+        self.finished[worker] = True
+        return self._settle(None, now_s)
+
+    def next_deadline(self) -> float | None:
+        if not self._waiting:
+            return None
+        return min(self._waiting.values()) + self.config.window_s
+
+    def poll(self, now_s: float) -> list[Answer]:
+        deadline = self.next_deadline()
+        if deadline is None or now_s < deadline:
+            return []
+        self._new_batch()
+        self.counters.extra["window_expiries"] += 1
+        answers: list[Answer] = []
+        while self._waiting:
+            answers += self._take(min(self.config.group_size, len(self._waiting)), None, "window", now_s)
+        return answers
+
+    def waiting(self) -> list[int]:
+        """Workers waiting for a group, oldest first."""
+        return list(self._waiting)
+
+    def last_met(self, a: int, b: int) -> int | None:
+        """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met)."""
+        return self._last_met.get((min(a, b), max(a, b)))
+
+    def stats(self) -> dict[str, float | int]:
+        out = super().stats()
+        members = self.counters.members
+        out["mean_wait_s"] = out.pop("total_wait_s") / members if members else 0.0
+        return out
+
+    # -- forming groups -----------------------------------------------------------------------------
+    def _settle(self, requester: int | None, now_s: float) -> list[Answer]:
+        size = self.config.group_size
+        idle = sum(not f for f in self.finished) - len(self._waiting)
+        self._new_batch()
+        answers: list[Answer] = []
+        while len(self._waiting) >= size:
+            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat():
+                self.counters.extra["holds"] += 1
+                break
+            answers += self._take(size, requester, "ready", now_s)
+        if idle == 0:
+            while self._waiting:
+                answers += self._take(min(size, len(self._waiting)), requester, "all_here", now_s)
+        return answers
+
+    def _is_repeat(self) -> bool:
+        """True when every pair of the waiting workers met within the last round of groups."""
+        floor = self._next_seq - self._horizon
+        return all(
+            self._last_met.get(pair, floor - 1) >= floor for pair in combinations(sorted(self._waiting), 2)
+        )
+
+    def _weight(self, candidate: int, chosen: list[int]) -> int:
+        horizon = self._horizon
+        staleness = min(
+            self._next_seq - self._last_met.get((min(candidate, m), max(candidate, m)), -horizon)
+            for m in chosen
+        )
+        return min(staleness, horizon) ** 2
+
+    def _take(self, k: int, requester: int | None, kind: str, now_s: float) -> list[Answer]:
+        """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers."""
+        anchor = min(self._waiting, key=self._waiting.__getitem__)
+        chosen = [anchor]
+        candidates = [w for w in self._waiting if w != anchor]
+        if k - 1 >= len(candidates):
+            chosen += candidates
+        else:
+            for _ in range(k - 1):
+                weights = [self._weight(c, chosen) for c in candidates]
+                chosen.append(candidates.pop(self.rng.choices(range(len(candidates)), weights)[0]))
+        group = self._form(chosen, requester, kind)
+        extra = self.counters.extra
+        extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
+        for m in group.members:
+            extra["total_wait_s"] += now_s - self._waiting.pop(m)
+            self._last_group[m] = group.members
+        for a, b in combinations(group.members, 2):
+            self._last_met[(a, b)] = group.seq
+        return [(m, group) for m in group.members]

@@ -1,0 +1,467 @@
+"""Property tests of the Group Generator policies, driven by a small discrete-event simulation.
+
+Each simulated worker computes (its own speed, jitter and the paper's random slowdowns), asks the policy
+for a group, and executes its groups in the order received with blocking semantics: a group executes only
+once all its members have reached it. After its last iteration a worker calls ``finish`` and executes
+the groups it was still committed to. The run must always complete (no deadlock), every member of a
+group must receive the same (seq, members), and the policy-specific rules must hold.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prague.errors import ConfigError
+from prague.groups import (
+    GENERATORS,
+    Formation,
+    GeneratorConfig,
+    Group,
+    GroupPolicy,
+    Topology,
+    make_generator,
+    static_group,
+    static_schedule,
+)
+from prague.groups.smart import chunk, divide
+
+# ------------------------------------------------------------------------------------------------
+# The event simulation
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SimResult:
+    received: dict[int, list[Group]]
+    formations: list[Formation]
+    waits_s: list[float]
+    end_s: float
+    stats: dict[str, float | int]
+    groups: dict[int, Group] = field(default_factory=dict)
+
+
+def simulate(
+    name: str,
+    config: GeneratorConfig,
+    compute_s: Callable[[int, int], float],
+    iterations: list[int],
+    comm_s: float = 0.01,
+) -> SimResult:
+    """Run every worker for ``iterations[w]`` requests; fail on any inconsistency or deadlock."""
+    formations: list[Formation] = []
+    policy: GroupPolicy = make_generator(name, config, observer=formations.append)
+    n = config.nproc
+    events: list[tuple[float, int, str, object]] = []
+    order = 0
+    inbox: list[deque[Group]] = [deque() for _ in range(n)]
+    at_group: list[Group | None] = [None] * n
+    iters_done = [0] * n
+    asked_at: list[float | None] = [None] * n
+    finished = [False] * n
+    done = [False] * n
+    received: dict[int, list[Group]] = {w: [] for w in range(n)}
+    by_seq: dict[int, Group] = {}
+    arrived: dict[int, set[int]] = {}
+    receivers: dict[int, list[int]] = defaultdict(list)
+    waits: list[float] = []
+
+    def push(t: float, kind: str, payload: object) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (t, order, kind, payload))
+
+    def advance(w: int, now: float) -> None:
+        if at_group[w] is None and inbox[w]:
+            g = inbox[w][0]
+            at_group[w] = g
+            here = arrived.setdefault(g.seq, set())
+            here.add(w)
+            if len(here) == g.size:
+                push(now + (0.0 if g.is_local else comm_s), "exec", g)
+
+    def deliver(answers: list[tuple[int, Group]], now: float) -> None:
+        for w, g in answers:
+            assert by_seq.setdefault(g.seq, g) == g, f"seq {g.seq} given as {by_seq[g.seq]} and as {g}"
+            assert w in g.members, f"worker {w} handed {g}"
+            assert not received[w] or received[w][-1].seq < g.seq, f"worker {w}: {g} after {received[w][-1]}"
+            if not finished[w]:
+                start = asked_at[w]
+                assert start is not None, f"worker {w} handed {g} without asking"
+                waits.append(now - start)
+                asked_at[w] = None
+            received[w].append(g)
+            receivers[g.seq].append(w)
+            inbox[w].append(g)
+        for w in {w for w, _ in answers}:
+            advance(w, now)
+
+    def next_step(w: int, now: float) -> None:
+        if finished[w]:
+            if inbox[w]:
+                advance(w, now)
+            else:
+                done[w] = True
+        elif iters_done[w] < iterations[w]:
+            push(now + compute_s(w, iters_done[w]), "request", w)
+        else:
+            finished[w] = True
+            deliver(policy.finish(w, now), now)
+            if not inbox[w]:
+                done[w] = True
+
+    for w in range(n):
+        push(compute_s(w, 0), "request", w)
+    now = 0.0
+    steps = 0
+    while True:
+        steps += 1
+        assert steps < 50 * (sum(iterations) + n) + 1000, "simulation does not terminate"
+        deadline = policy.next_deadline()
+        if deadline is not None and (not events or deadline <= events[0][0]):
+            now = max(now, deadline)
+            deliver(policy.poll(now), now)
+            continue
+        if not events:
+            break
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "request":
+            assert isinstance(payload, int)
+            iters_done[payload] += 1
+            asked_at[payload] = now
+            deliver(policy.request(payload, now), now)
+        else:
+            assert isinstance(payload, Group)
+            del arrived[payload.seq]
+            for m in payload.members:
+                assert inbox[m].popleft() == payload
+                at_group[m] = None
+            for m in payload.members:
+                next_step(m, now)
+
+    stuck = {w: (at_group[w], list(inbox[w])[:3], asked_at[w]) for w in range(n) if not done[w]}
+    assert not stuck, f"deadlock: workers not done (at group, inbox head, asked at): {stuck}"
+    assert list(policy.counts) == iterations  # type: ignore[attr-defined]
+    for seq, g in by_seq.items():
+        assert tuple(sorted(receivers[seq])) == g.members, f"{g} received by {receivers[seq]}"
+    assert {f.group.seq for f in formations} == set(by_seq), "a formed group was never handed out"
+    return SimResult(received, formations, waits, now, policy.stats(), by_seq)
+
+
+def compute_model(n: int, speeds: list[float], seed: int, discrete: bool, slowdown: float) -> Callable[[int, int], float]:
+    """Per-iteration compute time: speed x jitter, and the paper's model (X-fold with probability 1/n)."""
+    rng = random.Random(seed)
+
+    def compute_s(worker: int, iteration: int) -> float:
+        t = speeds[worker] * rng.uniform(0.5, 1.5)
+        if rng.random() < 1.0 / n:
+            t *= slowdown
+        return float(max(1, round(t))) if discrete else t
+
+    return compute_s
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, equal_iterations: bool = False) -> tuple[GeneratorConfig, Callable[[int, int], float], list[int]]:
+    nodes = draw(st.integers(1, 4))
+    wpn = draw(st.integers(1, 4))
+    n = nodes * wpn
+    config = GeneratorConfig(
+        nproc=n,
+        topology=Topology(nodes, wpn),
+        group_size=draw(st.integers(1, min(n, 5))),
+        delta_c=draw(st.integers(1, 6)),
+        seed=draw(st.integers(0, 2**31)),
+        window_s=draw(st.sampled_from([0.05, 0.5, 3.0])),
+        avoid_repeats=draw(st.booleans()),
+    )
+    speeds = draw(st.lists(st.floats(0.2, 5.0), min_size=n, max_size=n))
+    per_worker = REQUESTS_PER_EXAMPLE // n
+    if equal_iterations:
+        iterations = [per_worker] * n
+    else:
+        iterations = draw(st.lists(st.integers(per_worker, per_worker * 3 // 2), min_size=n, max_size=n))
+    compute = compute_model(n, speeds, draw(st.integers(0, 2**31)), draw(st.booleans()), draw(st.sampled_from([1.0, 5.0])))
+    return config, compute, iterations
+
+
+# 40 examples x at least 505 requests (520 // n per worker, n <= 16): over 20,000 requests per policy.
+EXAMPLES = 40
+REQUESTS_PER_EXAMPLE = 520
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ------------------------------------------------------------------------------------------------
+# Properties under random speeds and arrival orders
+# ------------------------------------------------------------------------------------------------
+
+
+def check_smart(config: GeneratorConfig, result: SimResult) -> None:
+    by_batch: dict[int, list[Formation]] = defaultdict(list)
+    for f in result.formations:
+        assert f.requester is not None and f.kind in ("intra", "inter")
+        by_batch[f.batch].append(f)
+        c = f.counts
+        for m in f.group.members:  # the threshold rule, with the counts at formation time
+            assert m == f.requester or c[m] > c[f.requester] - config.delta_c, (f, config.delta_c)
+    for batch, division in by_batch.items():
+        members = [m for f in division for m in f.group.members]
+        assert len(members) == len(set(members)), f"division {batch} not disjoint: {division}"
+        assert division[0].requester in members
+        sizes = sorted(f.group.size for f in division)
+        s = config.group_size
+        if division[0].kind == "inter" and s > 1:  # all full size but one (smaller, or S + 1 with a single)
+            assert all(x in (s, s + 1) for x in sizes[1:]) and sizes.count(s + 1) <= 1, (sizes, s)
+
+
+@SETTINGS
+@given(scenarios())
+def test_smart_consistent_deadlock_free_and_threshold(case: tuple) -> None:
+    config, compute, iterations = case
+    result = simulate("smart", config, compute, iterations)
+    check_smart(config, result)
+
+
+@SETTINGS
+@given(scenarios())
+def test_random_consistent_and_deadlock_free(case: tuple) -> None:
+    config, compute, iterations = case
+    result = simulate("random", config, compute, iterations)
+    for f in result.formations:
+        assert f.requester in f.group.members
+        assert f.group.size <= config.group_size
+    assert result.stats["conflicts"] == sum(f.conflict for f in result.formations)
+
+
+@SETTINGS
+@given(scenarios())
+def test_ready_consistent_deadlock_free_and_window(case: tuple) -> None:
+    config, compute, iterations = case
+    result = simulate("ready", config, compute, iterations)
+    for f in result.formations:
+        assert f.group.size <= config.group_size
+        if f.kind == "ready":
+            assert f.group.size == config.group_size
+    # No request waits for partners longer than the window.
+    assert max(result.waits_s) <= config.window_s + 1e-9
+
+
+@settings(max_examples=10, deadline=None)
+@given(scenarios(equal_iterations=True))
+def test_static_policy_consistent_and_deadlock_free(case: tuple) -> None:
+    config, compute, iterations = case
+    result = simulate("static", config, compute, iterations)
+    for f in result.formations:
+        it = f.group.seq // config.nproc
+        assert f.group in static_schedule(it, config.topo)
+
+
+@pytest.mark.parametrize("name", ["smart", "random", "ready", "static"])
+def test_long_run_16_workers_paper_slowdown(name: str, report: Callable[[str], None]) -> None:
+    """10,000 requests, 4 nodes x 4 workers, the paper's model: each iteration 5x slower with prob. 1/16."""
+    config = GeneratorConfig(nproc=16, topology=Topology(4, 4), group_size=3, delta_c=4, seed=7, window_s=0.3)
+    iterations = [625] * 16
+    result = simulate(name, config, compute_model(16, [1.0] * 16, 11, False, 5.0), iterations)
+    if name == "smart":
+        check_smart(config, result)
+    stats = result.stats
+    no_wait_s = 625 * 1.0 * (1 + 4.0 / 16)  # mean compute time with slowdowns, nobody ever waiting
+    line = (
+        f"{name:>6}: 16 workers, 10000 requests, S=3: groups={stats['groups']} "
+        f"mean_size={stats['mean_group_size']:.2f} local_steps={stats['local_steps']} "
+        f"throughput/no-wait limit={no_wait_s / result.end_s:.2f}"
+    )
+    if "conflicts" in stats:
+        line += f" conflicts={stats['conflicts']} ({stats['conflicts'] / stats['groups']:.0%} of groups)"
+    if name == "ready":
+        line += f" mean_wait={stats['mean_wait_s']:.3f}s holds={stats['holds']}"
+    report(line)
+    print(line)
+
+
+# ------------------------------------------------------------------------------------------------
+# Static schedule: the paper's table, cell by cell, and the general rule
+# ------------------------------------------------------------------------------------------------
+
+WHOLE_NODES = [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+PAPER_TABLE = {
+    0: [(0, 4, 8, 12), (2, 3), (6, 7), (10, 11), (14, 15), (1,), (5,), (9,), (13,)],
+    1: WHOLE_NODES,
+    2: [(1, 5, 9, 13), (0, 3), (4, 7), (8, 11), (12, 15), (2,), (6,), (10,), (14,)],
+    3: WHOLE_NODES,
+}
+
+
+@pytest.mark.parametrize("iteration", range(12))
+def test_static_table_matches_paper_4x4(iteration: int) -> None:
+    topo = Topology(4, 4)
+    expected = {rank: members for members in PAPER_TABLE[iteration % 4] for rank in members}
+    for rank in range(16):
+        g = static_group(iteration, rank, topo)
+        assert g.members == expected[rank], (iteration, rank, g)
+        assert g.seq == iteration * 16 + g.members[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(0, 40))
+def test_static_disjoint_and_covering(nodes: int, wpn: int, iteration: int) -> None:
+    topo = Topology(nodes, wpn)
+    groups = static_schedule(iteration, topo)
+    ranks = [r for g in groups for r in g.members]
+    assert sorted(ranks) == list(range(topo.size))
+    for g in groups:
+        for r in g.members:
+            assert static_group(iteration, r, topo) == g
+    assert all(g.seq // topo.size == iteration for g in groups)
+
+
+# ------------------------------------------------------------------------------------------------
+# Divisions, the ready preference, validation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_chunk_remainders() -> None:
+    assert chunk([1, 2, 3, 4, 5, 6, 7], 3) == [[1, 2, 3], [4, 5, 6, 7]]
+    assert chunk([1, 2, 3, 4, 5], 3) == [[1, 2, 3], [4, 5]]
+    assert chunk([1], 3) == [[1]]
+    assert chunk([1, 2, 3], 1) == [[1], [2], [3]]
+
+
+def test_divisions_intra_inside_nodes_inter_across() -> None:
+    topo = Topology(4, 4)
+    rng = random.Random(0)
+    for _ in range(50):
+        for g in divide(range(16), 4, topo, "intra", rng):
+            assert len({topo.node_of(r) for r in g}) == 1
+        for g in divide(range(16), 4, topo, "inter", rng):
+            assert sorted(topo.node_of(r) for r in g) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="valid choices: inter, intra"):
+        divide(range(4), 2, topo, "diagonal", rng)
+
+
+def test_smart_alternates_divisions_and_applies_threshold() -> None:
+    formations: list[Formation] = []
+    config = GeneratorConfig(nproc=8, topology=Topology(2, 4), group_size=2, delta_c=2)
+    smart = make_generator("smart", config, observer=formations.append)
+    for _ in range(3):  # worker 0 runs ahead alone; its FIFO empties every time
+        smart.request(0, 0.0)
+    kinds = []
+    for f in formations:
+        if not kinds or kinds[-1][0] != f.batch:
+            kinds.append((f.batch, f.kind))
+    assert [k for _, k in kinds] == ["intra", "inter"] + ["intra"] * (len(kinds) - 2)
+    # By its 3rd request worker 0 (c=3) is 2 ahead of everyone (c=0): 0 > 3 - 2 fails, so it is alone.
+    last = [f for f in formations if f.batch == formations[-1].batch]
+    assert [f.group.members for f in last] == [(0,)]
+
+
+def test_ready_forms_at_once_and_window() -> None:
+    config = GeneratorConfig(nproc=4, group_size=2, window_s=1.0)
+    ready = make_generator("ready", config)
+    assert ready.request(2, 0.0) == []
+    assert ready.next_deadline() == pytest.approx(1.0)
+    [(a, g), (b, h)] = ready.request(0, 0.5)
+    assert g == h and g.members == (0, 2) and {a, b} == {0, 2}
+    assert ready.next_deadline() is None
+    assert ready.request(1, 2.0) == []
+    assert ready.poll(2.5) == []
+    assert ready.poll(3.0) == [(1, Group(1, (1,)))]
+    with pytest.raises(ConfigError, match="already waiting"):
+        ready.request(3, 4.0)
+        ready.request(3, 4.1)
+
+
+def test_ready_forms_at_once_when_everyone_else_finished() -> None:
+    ready = make_generator("ready", GeneratorConfig(nproc=3, group_size=3, window_s=10.0))
+    assert ready.finish(2, 0.0) == []
+    assert ready.request(0, 0.0) == []
+    assert [g.members for _, g in ready.request(1, 0.1)] == [(0, 1), (0, 1)]
+
+
+def test_ready_prefers_partners_not_met_recently() -> None:
+    """0 and 1 just met; when both wait again with 2, the oldest (0) should mostly pick 2."""
+    picked_stranger = 0
+    trials = 200
+    for seed in range(trials):
+        ready = make_generator("ready", GeneratorConfig(nproc=3, group_size=2, seed=seed, window_s=5.0))
+        ready.request(0, 0.0)
+        ready.request(1, 0.1)  # group {0, 1}
+        assert ready.request(0, 1.0) == []
+        assert ready.request(1, 1.1) == []  # a repeat of {0, 1}: held for one more arrival
+        answers = ready.request(2, 1.2)
+        members = answers[0][1].members
+        assert 0 in members  # the oldest waiter anchors the group
+        picked_stranger += members == (0, 2)
+        assert ready.stats()["holds"] == 1
+    assert picked_stranger / trials > 0.7  # weights 4 : 1 -> expected 0.8
+
+
+def repeat_rate(groups: dict[int, Group], horizon: int) -> float:
+    """Share of groups (of 2 or more) in which every pair already met within the last ``horizon`` groups."""
+    last: dict[tuple[int, int], int] = {}
+    repeats = total = 0
+    for seq in sorted(groups):
+        pairs = list(itertools.combinations(groups[seq].members, 2))
+        if pairs:
+            total += 1
+            repeats += all(seq - last.get(p, -horizon - 1) <= horizon for p in pairs)
+            last.update((p, seq) for p in pairs)
+    return repeats / total
+
+
+def test_ready_avoid_repeats_improves_mixing(report: Callable[[str], None]) -> None:
+    """With the hold, fewer groups re-pair workers that met within the last round of groups."""
+    rates = {}
+    for avoid in (False, True):
+        config = GeneratorConfig(nproc=16, group_size=2, seed=0, window_s=0.3, avoid_repeats=avoid)
+        result = simulate("ready", config, compute_model(16, [1.0] * 16, 0, False, 5.0), [200] * 16)
+        rates[avoid] = (repeat_rate(result.groups, 8), 200 * 1.25 / result.end_s)
+    report(
+        " ready: 16 workers, S=2, groups re-pairing workers met within 8 groups: "
+        f"avoid_repeats=False {rates[False][0]:.1%} (throughput/limit {rates[False][1]:.2f}), "
+        f"True {rates[True][0]:.1%} ({rates[True][1]:.2f})"
+    )
+    assert rates[True][0] < rates[False][0]
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_unknown_and_finished_workers_rejected(name: str) -> None:
+    policy = make_generator(name, GeneratorConfig(nproc=4, group_size=2))
+    for bad in (-1, 4, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="unknown worker id"):
+            policy.request(bad, 0.0)  # type: ignore[arg-type]
+    assert policy.stats()["requests"] == 0
+    policy.finish(3, 0.0)
+    with pytest.raises(ConfigError, match="already called finish"):
+        policy.request(3, 0.0)
+
+
+def test_registry_and_config_validation() -> None:
+    with pytest.raises(ConfigError, match=r"unknown group generator 'clever'; valid choices: random, ready, smart, static"):
+        make_generator("clever", GeneratorConfig(nproc=2))
+    bad: list[tuple[dict, str]] = [
+        ({"nproc": 0}, "nproc must be an integer >= 1, got 0"),
+        ({"nproc": 8, "topology": Topology(3, 2)}, "holds 6 ranks but nproc is 8"),
+        ({"nproc": 4, "group_size": 0}, "group_size must be an integer >= 1, got 0"),
+        ({"nproc": 4, "delta_c": 0}, "delta_c must be an integer >= 1, got 0"),
+        ({"nproc": 4, "window_s": math.inf}, "window_s must be a finite number of seconds > 0, got inf"),
+        ({"nproc": 4, "window_s": 0}, "got 0"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            GeneratorConfig(**kwargs)
+    with pytest.raises(ConfigError, match="workers_per_node must be an integer >= 1, got 0"):
+        Topology(2, 0)
+    with pytest.raises(ConfigError, match="sorted and distinct"):
+        Group(0, (3, 1))
+    assert GeneratorConfig(nproc=6).topo == Topology(1, 6)
+    assert GeneratorConfig(nproc=2, group_size=5).group_size == 2
+    assert Topology(2, 3).node_of(4) == 1
