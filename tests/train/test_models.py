@@ -29,8 +29,8 @@ def test_resnet18_has_the_cifar_parameter_count() -> None:
 def test_small_model_parameter_counts() -> None:
     # flatten(64) -> 128 -> 128 -> 10
     assert parameter_count(build_model("mlp", (1, 8, 8), 10)) == 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
-    # The PyTorch MNIST CNN with padding 1: fc input 64 * 14 * 14.
-    expected_cnn = (9 * 32 + 32) + (32 * 9 * 64 + 64) + (64 * 14 * 14 * 128 + 128) + (128 * 10 + 10)
+    # conv-pool twice on 28x28: fc input 64 * 7 * 7.
+    expected_cnn = (9 * 32 + 32) + (32 * 9 * 64 + 64) + (64 * 7 * 7 * 128 + 128) + (128 * 10 + 10)
     assert parameter_count(build_model("cnn", (1, 28, 28), 10)) == expected_cnn
 
 

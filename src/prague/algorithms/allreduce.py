@@ -57,10 +57,25 @@ class AllReduce(Algorithm):
         )
         self._hook = _HookState(dist.group.WORLD)
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
-        self._backward_start = 0.0
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
+        # synchronous collective where a fast rank waits for a slow one. Time it as communication.
+        self._forward_called = 0.0
+        self._buffer_sync_s = 0.0
+        self._ddp.register_forward_pre_hook(self._on_ddp_forward)
+        model.register_forward_pre_hook(self._on_module_forward)
         return self._ddp
 
+    def _on_ddp_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_called = time.perf_counter()
+
+    def _on_module_forward(self, module: nn.Module, args: Any) -> None:
+        if self._forward_called:
+            self._buffer_sync_s += time.perf_counter() - self._forward_called
+            self._forward_called = 0.0
+
     def after_backward(self, step: int, times: StepTimes) -> None:
+        times.inner_comm_s += self._buffer_sync_s
+        self._buffer_sync_s = 0.0
         # DDP has waited for every bucket by the time backward returns; what followed the last launch
         # was communication that compute did not hide.
         if self._hook.last_launch:

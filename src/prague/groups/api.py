@@ -42,6 +42,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_worker_id(worker: object, nproc: int) -> None:
+    """Raise ConfigError unless ``worker`` is a rank in ``0..nproc - 1``."""
+    if not _is_int(worker) or not 0 <= worker < nproc:  # type: ignore[operator]
+        raise ConfigError(
+            f"unknown worker id {worker!r}; this group generator serves workers 0..{nproc - 1}"
+        )
+
+
 @dataclass(frozen=True)
 class Group:
     """One P-Reduce group: every member receives this same object.

@@ -12,7 +12,15 @@ import random
 from collections import deque
 
 from prague.errors import ConfigError
-from prague.groups.api import Answer, Formation, GeneratorConfig, Group, Observer, PolicyCounters
+from prague.groups.api import (
+    Answer,
+    Formation,
+    GeneratorConfig,
+    Group,
+    Observer,
+    PolicyCounters,
+    check_worker_id,
+)
 
 
 class PolicyBase:
@@ -32,10 +40,7 @@ class PolicyBase:
 
     # -- checks -------------------------------------------------------------------------------------
     def _check_worker(self, worker: int) -> None:
-        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < self.config.nproc:
-            raise ConfigError(
-                f"unknown worker id {worker!r}; this group generator serves workers 0..{self.config.nproc - 1}"
-            )
+        check_worker_id(worker, self.config.nproc)
         if self.finished[worker]:
             raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
 

@@ -9,7 +9,9 @@ variables runs as a job of one.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import signal
 import os
 import sys
 import time
@@ -25,6 +27,7 @@ from prague.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
+LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -54,6 +57,20 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+
+
+def set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when the launcher that started it dies (no-op elsewhere)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -88,6 +105,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
 
+    set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
         rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")

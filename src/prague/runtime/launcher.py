@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import json
-import ctypes
 import os
 import signal
 import subprocess
@@ -34,10 +33,9 @@ from typing import IO
 import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
-from prague.runtime.context import ERROR_KEY
+from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
 
 PROGRESS_KEY = "prague/progress/"
-LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 
 
 @dataclass(frozen=True)
@@ -70,20 +68,6 @@ class LaunchSpec:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if not self.argv:
             raise ConfigError("nothing to launch: the command is empty")
-
-
-def set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when the launcher that started it dies (no-op elsewhere)."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 class _Proc:

@@ -9,13 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from prague.runtime.context import DistContext, init, report_failure, shutdown
-from prague.runtime.launcher import set_parent_death_signal
 
 
 def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
     """Join the job and run ``body(ctx)``; on any exception publish the traceback for the launcher,
     print it, and exit 1 at once (peers blocked in a collective are stopped by the launcher)."""
-    set_parent_death_signal()
     ctx: DistContext | None = None
     try:
         ctx = init(backend=backend, timeout_s=timeout_s)

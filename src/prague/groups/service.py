@@ -1,0 +1,384 @@
+"""The Group Generator service: one gRPC server runs one policy for all workers of a job.
+
+The policy (:mod:`prague.groups`) is pure and single-threaded; this module is the edge that adds I/O:
+
+* one lock around the policy; an RPC whose answer is not determined yet (the ready policy waiting for
+  partners) blocks on a per-worker condition of that lock;
+* a timer thread calls ``policy.poll`` at ``policy.next_deadline()``; time is ``time.monotonic()``
+  since the server was built;
+* every request carries the job's shared token, compared in constant time. A wrong token gets
+  ``UNAUTHENTICATED``; an unknown worker id or an inconsistent request gets ``INVALID_ARGUMENT``; a
+  message that does not parse is rejected by gRPC itself. None of these changes the policy's state, and
+  the server keeps serving;
+* ``GetGroup`` is idempotent per (worker, iteration): a client that timed out may ask again and gets
+  the same group (a buffered policy must never lose a group, or its partners would wait forever).
+
+Run it standalone (the CLI's ``prague gg serve`` calls :func:`serve`)::
+
+    PYTHONPATH=src python -m prague.groups.service --host 127.0.0.1 --port 0 --nproc 8 \\
+        --token SECRET --generator smart --ready-file /tmp/gg.addr
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hmac
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+import grpc
+
+from prague.errors import CommError, ConfigError
+from prague.groups import GENERATORS, make_generator
+from prague.groups import gg_pb2 as pb
+from prague.groups import gg_pb2_grpc as pb_grpc
+from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+
+TOKEN_ENV = "PRAGUE_GG_TOKEN"
+_WAKE_S = 0.25  # how often a blocked GetGroup checks that its client is still there
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _Stopping(Exception):
+    pass
+
+
+class GroupGeneratorCore:
+    """The thread-safe state machine between RPC handlers and the policy (no gRPC in here).
+
+    Every public method may be called from any thread. ``ConfigError`` means the request was rejected
+    and nothing changed.
+    """
+
+    def __init__(self, policy: GroupPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._t0 = clock()
+        self._lock = threading.Lock()
+        self._timer_cond = threading.Condition(self._lock)
+        self._worker_cond = [threading.Condition(self._lock) for _ in range(policy.config.nproc)]
+        self._delivered: dict[int, Group] = {}  # worker -> answer not yet picked up by its RPC
+        self._pending: dict[int, int] = {}  # worker -> iteration it is waiting for
+        self._last: dict[int, tuple[int, Group]] = {}  # worker -> (iteration, group) last answered
+        self._finished: dict[int, list[Group]] = {}
+        self._stopping = False
+        self._timer = threading.Thread(target=self._timer_loop, name="gg-timer", daemon=True)
+        self._timer.start()
+
+    def now_s(self) -> float:
+        return self._clock() - self._t0
+
+
+    def _deliver(self, answers: list[Answer]) -> None:
+        for worker, group in answers:
+            self._delivered[worker] = group
+            self._worker_cond[worker].notify_all()
+        self._timer_cond.notify()  # the next deadline may have moved
+
+    def get_group(self, worker: int, iteration: int, is_active: Callable[[], bool] = lambda: True) -> Group | None:
+        """The group ``worker`` runs after ``iteration``; blocks until determined.
+
+        Returns ``None`` if ``is_active()`` turns false while waiting (the client went away; its answer
+        is kept for a retry). Raises ``ConfigError`` for a bad request, ``_Stopping`` on shutdown.
+        """
+        check_worker_id(worker, self.policy.config.nproc)
+        if iteration < 0:
+            raise ConfigError(f"iteration must be >= 0, got {iteration}")
+        with self._lock:
+            last = self._last.get(worker)
+            if last is not None and last[0] == iteration:
+                return last[1]
+            pending = self._pending.get(worker)
+            if pending is None:
+                if worker in self._finished:
+                    raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
+                if last is not None and iteration < last[0]:
+                    raise ConfigError(
+                        f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
+                        "iterations must increase"
+                    )
+                answers = self.policy.request(worker, self.now_s())
+                self._pending[worker] = iteration
+                self._deliver(answers)
+            elif pending != iteration:
+                raise ConfigError(
+                    f"worker {worker} asked for iteration {iteration} while its request for iteration "
+                    f"{pending} is still waiting; wait for that answer first"
+                )
+            cond = self._worker_cond[worker]
+            while True:
+                group = self._delivered.pop(worker, None)
+                if group is not None:
+                    del self._pending[worker]
+                    self._last[worker] = (iteration, group)
+                    return group
+                last = self._last.get(worker)
+                if last is not None and last[0] == iteration:  # a concurrent retry picked it up
+                    return last[1]
+                if self._stopping:
+                    raise _Stopping
+                if not is_active():
+                    return None
+                cond.wait(_WAKE_S)
+
+    def finish(self, worker: int) -> list[Group]:
+        """``worker`` leaves; returns the groups it must still execute, in order. Idempotent."""
+        check_worker_id(worker, self.policy.config.nproc)
+        with self._lock:
+            if worker in self._finished:
+                return self._finished[worker]
+            if worker in self._pending:
+                raise ConfigError(
+                    f"worker {worker} still waits for its group of iteration {self._pending[worker]}; "
+                    "call finish after receiving it"
+                )
+            answers = self.policy.finish(worker, self.now_s())
+            own = [g for w, g in answers if w == worker]
+            self._deliver([(w, g) for w, g in answers if w != worker])
+            self._finished[worker] = own
+            return own
+
+    def stats(self) -> dict[str, float | int]:
+        with self._lock:
+            out = dict(self.policy.stats())
+            out["waiting_rpcs"] = len(self._pending)
+            out["finished_workers"] = len(self._finished)
+            return out
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._timer_cond.notify_all()
+            for cond in self._worker_cond:
+                cond.notify_all()
+        self._timer.join(timeout=5.0)
+
+    def _timer_loop(self) -> None:
+        with self._lock:
+            while not self._stopping:
+                deadline = self.policy.next_deadline()
+                now = self.now_s()
+                if deadline is None:
+                    self._timer_cond.wait()
+                elif now < deadline:
+                    self._timer_cond.wait(deadline - now)
+                else:
+                    answers = self.policy.poll(now)
+                    self._deliver(answers)
+                    if not answers and self.policy.next_deadline() == deadline:
+                        self._timer_cond.wait(0.001)  # a policy that did not advance: do not spin
+
+
+class _Servicer(pb_grpc.GroupGeneratorServicer):
+    def __init__(self, core: GroupGeneratorCore, token: str, shutdown: threading.Event) -> None:
+        self._core = core
+        self._token = token.encode()
+        self._shutdown = shutdown
+
+    def _authorize(self, token: str, context: grpc.ServicerContext) -> None:
+        if not hmac.compare_digest(token.encode(), self._token):
+            self._abort(context, grpc.StatusCode.UNAUTHENTICATED,
+                        "wrong or missing token; pass the token the group generator was started with")
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        context.abort(code, message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _reject(self, context: grpc.ServicerContext, error: Exception) -> NoReturn:
+        self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    def GetGroup(self, request: pb.GroupRequest, context: grpc.ServicerContext) -> pb.GroupReply:
+        self._authorize(request.token, context)
+        try:
+            group = self._core.get_group(request.worker, request.iteration, context.is_active)
+        except ConfigError as error:
+            self._reject(context, error)
+        except _Stopping:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, "the group generator is shutting down")
+        if group is None:
+            self._abort(context, grpc.StatusCode.CANCELLED, "client went away")
+        return pb.GroupReply(seq=group.seq, members=group.members)
+
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
+        self._authorize(request.token, context)
+        try:
+            groups = self._core.finish(request.worker)
+        except ConfigError as error:
+            self._reject(context, error)
+        return pb.FinishReply(groups=[pb.GroupReply(seq=g.seq, members=g.members) for g in groups])
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        self._authorize(request.token, context)
+        return pb.StatsReply(json=json.dumps(self._core.stats(), sort_keys=True))
+
+    def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownReply:
+        self._authorize(request.token, context)
+        self._shutdown.set()
+        return pb.ShutdownReply()
+
+
+class GroupGeneratorServer:
+    """A gRPC server around one policy. Call :meth:`start`, then :meth:`stop` (or use ``with``).
+
+    ``max_workers`` bounds the RPCs handled at once; blocked ``GetGroup`` calls hold a thread each, so it
+    defaults to ``nproc + 16``.
+    """
+
+    def __init__(self, policy: GroupPolicy, token: str, *, max_workers: int | None = None) -> None:
+        if not isinstance(token, str) or not token:
+            raise ConfigError("the group generator needs a non-empty token shared with the workers")
+        self.policy = policy
+        self.core = GroupGeneratorCore(policy)
+        self.shutdown_requested = threading.Event()
+        threads = max_workers if max_workers is not None else policy.config.nproc + 16
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gg-rpc"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_GroupGeneratorServicer_to_server(  # type: ignore[no-untyped-call]
+            _Servicer(self.core, token, self.shutdown_requested), self._server
+        )
+        self._address: str | None = None
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind ``host:port`` (0: a free port chosen by the OS), start serving, return the bound port."""
+        wanted = format_address(host, port)
+        try:
+            bound = int(self._server.add_insecure_port(wanted))
+        except RuntimeError as error:
+            raise CommError(f"group generator could not bind {wanted}: {error}") from None
+        if bound == 0:
+            raise CommError(f"group generator could not bind {wanted}; pick another host or port")
+        self._server.start()
+        self._address = format_address(host, bound)
+        return bound
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (after :meth:`start`)."""
+        if self._address is None:
+            raise CommError("the group generator server is not started; call start() first")
+        return self._address
+
+    def wait_for_shutdown(self, timeout_s: float | None = None) -> bool:
+        """Block until a Shutdown RPC (or :meth:`request_shutdown`); False if ``timeout_s`` passed first."""
+        return self.shutdown_requested.wait(timeout_s)
+
+    def request_shutdown(self) -> None:
+        self.shutdown_requested.set()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving; blocked GetGroup calls fail with UNAVAILABLE. Safe to call twice."""
+        self.shutdown_requested.set()
+        self.core.stop()
+        self._server.stop(grace_s).wait(grace_s + 5.0)
+
+    def __enter__(self) -> GroupGeneratorServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def serve(
+    config: GeneratorConfig,
+    host: str,
+    port: int,
+    token: str,
+    ready_file: Path | None,
+    *,
+    generator: str = "smart",
+) -> None:
+    """Run the service until a Shutdown RPC, SIGTERM or SIGINT; for ``prague gg serve``.
+
+    Once listening, writes ``host:port`` (the bound port) to ``ready_file`` atomically, if given, so a
+    launcher can wait for the file and read the address. Signal handlers are installed only when called
+    from the main thread.
+    """
+    policy = make_generator(generator, config)
+    server = GroupGeneratorServer(policy, token)
+    previous: dict[signal.Signals, object] = {}
+    try:
+        server.start(host, port)
+        if threading.current_thread() is threading.main_thread():
+
+            def on_signal(signum: int, frame: FrameType | None) -> None:
+                server.request_shutdown()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
+        if ready_file is not None:
+            _write_atomically(Path(ready_file), server.address + "\n")
+        while not server.wait_for_shutdown(1.0):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m prague.groups.service``: the same as ``prague gg serve``."""
+    parser = argparse.ArgumentParser(prog="python -m prague.groups.service", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV, ""),
+                        help=f"shared secret (default: ${TOKEN_ENV})")
+    parser.add_argument("--generator", default="smart", help=f"one of {', '.join(sorted(GENERATORS))}")
+    parser.add_argument("--nodes", type=int, default=1)
+    defaults = {f.name: f.default for f in dataclasses.fields(GeneratorConfig)}
+    parser.add_argument("--group-size", type=int, default=defaults["group_size"])
+    parser.add_argument("--delta-c", type=int, default=defaults["delta_c"])
+    parser.add_argument("--window-s", type=float, default=defaults["window_s"])
+    parser.add_argument("--seed", type=int, default=defaults["seed"])
+    parser.add_argument("--ready-file", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.nodes < 1 or args.nproc % args.nodes:
+            raise ConfigError(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
+        config = GeneratorConfig(
+            nproc=args.nproc,
+            topology=Topology(args.nodes, args.nproc // args.nodes),
+            group_size=args.group_size,
+            delta_c=args.delta_c,
+            seed=args.seed,
+            window_s=args.window_s,
+        )
+        serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The Group Generator service over real gRPC on 127.0.0.1 (ports from the OS).
+
+Worker threads ask for groups and execute them with blocking semantics (a barrier per group), so a
+wrong answer shows up as a mismatch or a broken barrier rather than a hang. Every test runs under a hard
+timeout; the subprocess test kills its child on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+import prague
+from prague.errors import CommError, ConfigError
+from prague.groups import GeneratorConfig, Group, Topology, make_generator
+from prague.groups.client import GroupGeneratorClient
+from prague.groups.service import GroupGeneratorServer, main
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "test-token"
+StartServer = Callable[..., GroupGeneratorServer]
+
+
+@pytest.fixture
+def start_server() -> Iterator[StartServer]:
+    servers: list[GroupGeneratorServer] = []
+
+    def start(name: str, **config: object) -> GroupGeneratorServer:
+        server = GroupGeneratorServer(make_generator(name, GeneratorConfig(**config)), TOKEN)  # type: ignore[arg-type]
+        server.start("127.0.0.1", 0)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace_s=0.0)
+
+
+class Execution:
+    """Runs groups with blocking semantics: a group completes once all its members reached it."""
+
+    def __init__(self, timeout_s: float = 20.0) -> None:
+        self._lock = threading.Lock()
+        self._barriers: dict[int, threading.Barrier] = {}
+        self.groups: dict[int, Group] = {}
+        self.receivers: dict[int, list[int]] = defaultdict(list)
+        self.timeout_s = timeout_s
+
+    def run(self, worker: int, group: Group) -> None:
+        assert worker in group.members, (worker, group)
+        with self._lock:
+            assert self.groups.setdefault(group.seq, group) == group, (group, self.groups[group.seq])
+            self.receivers[group.seq].append(worker)
+            barrier = self._barriers.setdefault(group.seq, threading.Barrier(group.size))
+        barrier.wait(self.timeout_s)  # BrokenBarrierError: a member never came
+
+
+def run_workers(address: str, nproc: int, iterations: list[int], seed: int = 0) -> Execution:
+    """One thread and one client per worker; re-raises the first worker's exception."""
+    execution = Execution()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        rng = random.Random(seed * 1000 + w)
+        try:
+            with GroupGeneratorClient(address, TOKEN, timeout_s=20.0) as client:
+                last = -1
+                for it in range(iterations[w]):
+                    time.sleep(rng.random() * 0.002 * (1 + w % 3))  # uneven speeds, shuffled arrivals
+                    group = client.get_group(w, it)
+                    assert group.seq > last
+                    last = group.seq
+                    execution.run(w, group)
+                for group in client.finish(w):
+                    assert group.seq > last
+                    last = group.seq
+                    execution.run(w, group)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(nproc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40.0)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "worker threads hung"
+    for seq, group in execution.groups.items():
+        assert sorted(execution.receivers[seq]) == list(group.members), (group, execution.receivers[seq])
+    return execution
+
+
+@pytest.mark.parametrize("name", ["smart", "ready", "random", "static"])
+def test_concurrent_clients_get_consistent_groups(name: str, start_server: StartServer) -> None:
+    server = start_server(name, nproc=8, topology=Topology(2, 4), group_size=3, window_s=0.05, seed=1)
+    iterations = [25] * 8 if name == "static" else [20 + 2 * w for w in range(8)]
+    execution = run_workers(server.address, 8, iterations)
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        stats = client.stats()
+    assert stats["requests"] == sum(iterations)
+    assert stats["finished_workers"] == 8 and stats["waiting_rpcs"] == 0
+    assert len(execution.groups) == stats["groups"] or name == "static"
+
+
+def test_wrong_token_rejected_then_serves(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=2, group_size=2)
+    with GroupGeneratorClient(server.address, "not-the-token", timeout_s=5.0) as bad:
+        with pytest.raises(ConfigError, match="rejected GetGroup.*wrong or missing token"):
+            bad.get_group(0, 0)
+        with pytest.raises(ConfigError, match="wrong or missing token"):
+            bad.shutdown()
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as good:
+        assert good.get_group(0, 0).members == (0, 1)
+        assert good.stats()["requests"] == 1
+    assert not server.shutdown_requested.is_set()
+
+
+def test_unknown_worker_and_bad_iterations_rejected_then_serves(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=4, group_size=2)
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        with pytest.raises(ConfigError, match=r"unknown worker id 4; .*workers 0\.\.3"):
+            client.get_group(4, 0)
+        with pytest.raises(ConfigError, match="unknown worker id -1"):
+            client.get_group(-1, 0)
+        with pytest.raises(ConfigError, match="outside int32|out of range|cannot send"):
+            client.get_group(2**40, 0)
+        with pytest.raises(ConfigError, match="iteration must be >= 0, got -3"):
+            client.get_group(0, -3)
+        first = client.get_group(0, 5)
+        assert client.get_group(0, 5) == first  # a retry gets the same group
+        with pytest.raises(ConfigError, match="iteration 4 after iteration 5"):
+            client.get_group(0, 4)
+        assert client.get_group(1, 0).members in {(0, 1), (1, 2), (1, 3)}
+        assert client.stats()["requests"] == 2
+
+
+def test_malformed_message_rejected_then_serves(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=2, group_size=2)
+    with grpc.insecure_channel(server.address) as channel:
+        raw = channel.unary_unary("/prague.groups.GroupGenerator/GetGroup")  # bytes in, bytes out
+        for junk in (b"\x0a\xff\xff\xff", b"\x12\x80", b"\xff" * 7):
+            with pytest.raises(grpc.RpcError) as info:
+                raw(junk, timeout=5.0)
+            assert info.value.code() != grpc.StatusCode.OK  # type: ignore[attr-defined]
+        unknown = channel.unary_unary("/prague.groups.GroupGenerator/NoSuchMethod")
+        with pytest.raises(grpc.RpcError) as info:
+            unknown(b"", timeout=5.0)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        assert client.get_group(1, 0).members == (0, 1)
+
+
+def test_timeout_names_address_and_retry_gets_same_group(start_server: StartServer) -> None:
+    server = start_server("ready", nproc=3, group_size=2, window_s=30.0)
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=0.3) as impatient:
+        with pytest.raises(CommError, match=rf"{server.address}.*timeout_s=0.3"):
+            impatient.get_group(0, 0)  # nobody else is waiting: the ready policy holds it
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        group = client.get_group(1, 0)  # forms {0, 1}: worker 0's request is still registered
+        assert group.members == (0, 1)
+        assert client.get_group(0, 0) == group  # the retry picks up the answer kept for it
+        assert client.finish(2) == []
+        with pytest.raises(ConfigError, match="worker 2 already called finish"):
+            client.get_group(2, 0)
+        assert client.finish(2) == []  # finishing twice is harmless
+
+
+def test_unreachable_server_times_out() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with GroupGeneratorClient(address, TOKEN, timeout_s=0.3) as client:
+        with pytest.raises(CommError, match=rf"at {address} did not answer .* within timeout_s=0.3"):
+            client.get_group(0, 0)
+
+
+def _start_subprocess(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    ready_file = tmp_path / "gg.addr"
+    src = str(Path(prague.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prague.groups.service", "--host", "127.0.0.1", "--port", "0",
+         "--token", TOKEN, "--ready-file", str(ready_file), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 30.0
+    while not ready_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = proc.communicate(timeout=10)[0].decode(errors="replace")
+            pytest.fail(f"group generator subprocess did not start (exit {proc.returncode}):\n{out}")
+        time.sleep(0.05)
+    return proc, ready_file.read_text().strip()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> str:
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=10)[0].decode(errors="replace")
+
+
+def test_subprocess_serves_until_shutdown_rpc(tmp_path: Path) -> None:
+    proc, address = _start_subprocess(tmp_path, "--nproc", "4", "--generator", "ready", "--group-size", "2")
+    try:
+        assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
+        run_workers(address, 4, [10, 10, 10, 10])
+        with GroupGeneratorClient(address, TOKEN, timeout_s=5.0) as client:
+            assert client.stats()["requests"] == 40
+            client.shutdown()
+        assert proc.wait(timeout=15) == 0
+    finally:
+        out = _stop(proc)
+    assert proc.returncode == 0, out
+
+
+def test_subprocess_stops_on_sigterm(tmp_path: Path) -> None:
+    proc, address = _start_subprocess(tmp_path, "--nproc", "2")
+    try:
+        with GroupGeneratorClient(address, TOKEN, timeout_s=5.0) as client:
+            assert client.get_group(0, 0).members == (0, 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        _stop(proc)
+
+
+def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nproc", "6", "--nodes", "4", "--token", TOKEN]) == 2
+    assert "error: --nproc 6 must be a multiple of --nodes 4" in capsys.readouterr().err
+    assert main(["--nproc", "4", "--token", TOKEN, "--generator", "clever"]) == 2
+    assert "unknown group generator 'clever'; valid choices: random, ready, smart, static" in capsys.readouterr().err
+    assert main(["--nproc", "4", "--token", ""]) == 2
+    assert "non-empty token" in capsys.readouterr().err
+
+
+def test_server_needs_token() -> None:
+    with pytest.raises(ConfigError, match="non-empty token"):
+        GroupGeneratorServer(make_generator("smart", GeneratorConfig(nproc=2)), "")
