@@ -16,6 +16,7 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -157,7 +158,9 @@ def simulate(
     return SimResult(received, formations, waits, now, policy.stats(), by_seq)
 
 
-def compute_model(n: int, speeds: list[float], seed: int, discrete: bool, slowdown: float) -> Callable[[int, int], float]:
+def compute_model(
+    n: int, speeds: list[float], seed: int, discrete: bool, slowdown: float
+) -> Callable[[int, int], float]:
     """Per-iteration compute time: speed x jitter, and the paper's model (X-fold with probability 1/n)."""
     rng = random.Random(seed)
 
@@ -170,8 +173,11 @@ def compute_model(n: int, speeds: list[float], seed: int, discrete: bool, slowdo
     return compute_s
 
 
+Case = tuple[GeneratorConfig, Callable[[int, int], float], list[int]]
+
+
 @st.composite
-def scenarios(draw: st.DrawFn, equal_iterations: bool = False) -> tuple[GeneratorConfig, Callable[[int, int], float], list[int]]:
+def scenarios(draw: st.DrawFn, equal_iterations: bool = False) -> Case:
     nodes = draw(st.integers(1, 4))
     wpn = draw(st.integers(1, 4))
     n = nodes * wpn
@@ -190,7 +196,9 @@ def scenarios(draw: st.DrawFn, equal_iterations: bool = False) -> tuple[Generato
         iterations = [per_worker] * n
     else:
         iterations = draw(st.lists(st.integers(per_worker, per_worker * 3 // 2), min_size=n, max_size=n))
-    compute = compute_model(n, speeds, draw(st.integers(0, 2**31)), draw(st.booleans()), draw(st.sampled_from([1.0, 5.0])))
+    seed, discrete = draw(st.integers(0, 2**31)), draw(st.booleans())
+    slowdown = draw(st.sampled_from([1.0, 5.0]))
+    compute = compute_model(n, speeds, seed, discrete, slowdown)
     return config, compute, iterations
 
 
@@ -224,7 +232,7 @@ def check_smart(config: GeneratorConfig, result: SimResult) -> None:
 
 @SETTINGS
 @given(scenarios())
-def test_smart_consistent_deadlock_free_and_threshold(case: tuple) -> None:
+def test_smart_consistent_deadlock_free_and_threshold(case: Case) -> None:
     config, compute, iterations = case
     result = simulate("smart", config, compute, iterations)
     check_smart(config, result)
@@ -232,7 +240,7 @@ def test_smart_consistent_deadlock_free_and_threshold(case: tuple) -> None:
 
 @SETTINGS
 @given(scenarios())
-def test_random_consistent_and_deadlock_free(case: tuple) -> None:
+def test_random_consistent_and_deadlock_free(case: Case) -> None:
     config, compute, iterations = case
     result = simulate("random", config, compute, iterations)
     for f in result.formations:
@@ -243,7 +251,7 @@ def test_random_consistent_and_deadlock_free(case: tuple) -> None:
 
 @SETTINGS
 @given(scenarios())
-def test_ready_consistent_deadlock_free_and_window(case: tuple) -> None:
+def test_ready_consistent_deadlock_free_and_window(case: Case) -> None:
     config, compute, iterations = case
     result = simulate("ready", config, compute, iterations)
     for f in result.formations:
@@ -256,7 +264,7 @@ def test_ready_consistent_deadlock_free_and_window(case: tuple) -> None:
 
 @settings(max_examples=10, deadline=None)
 @given(scenarios(equal_iterations=True))
-def test_static_policy_consistent_and_deadlock_free(case: tuple) -> None:
+def test_static_policy_consistent_and_deadlock_free(case: Case) -> None:
     config, compute, iterations = case
     result = simulate("static", config, compute, iterations)
     for f in result.formations:
@@ -291,8 +299,8 @@ def test_long_run_16_workers_paper_slowdown(name: str, report: Callable[[str], N
 # Static schedule: the paper's table, cell by cell, and the general rule
 # ------------------------------------------------------------------------------------------------
 
-WHOLE_NODES = [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
-PAPER_TABLE = {
+WHOLE_NODES: list[tuple[int, ...]] = [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+PAPER_TABLE: dict[int, list[tuple[int, ...]]] = {
     0: [(0, 4, 8, 12), (2, 3), (6, 7), (10, 11), (14, 15), (1,), (5,), (9,), (13,)],
     1: WHOLE_NODES,
     2: [(1, 5, 9, 13), (0, 3), (4, 7), (8, 11), (12, 15), (2,), (6,), (10,), (14,)],
@@ -353,7 +361,7 @@ def test_smart_alternates_divisions_and_applies_threshold() -> None:
     smart = make_generator("smart", config, observer=formations.append)
     for _ in range(3):  # worker 0 runs ahead alone; its FIFO empties every time
         smart.request(0, 0.0)
-    kinds = []
+    kinds: list[tuple[int, str]] = []
     for f in formations:
         if not kinds or kinds[-1][0] != f.batch:
             kinds.append((f.batch, f.kind))
@@ -377,6 +385,13 @@ def test_ready_forms_at_once_and_window() -> None:
     with pytest.raises(ConfigError, match="already waiting"):
         ready.request(3, 4.0)
         ready.request(3, 4.1)
+
+
+def test_ready_group_size_one_is_an_immediate_local_step() -> None:
+    ready = make_generator("ready", GeneratorConfig(nproc=3, group_size=1, window_s=10.0))
+    for it in range(3):
+        assert ready.request(1, float(it)) == [(1, Group(it, (1,)))]
+    assert ready.next_deadline() is None
 
 
 def test_ready_forms_at_once_when_everyone_else_finished() -> None:
@@ -445,9 +460,10 @@ def test_unknown_and_finished_workers_rejected(name: str) -> None:
 
 
 def test_registry_and_config_validation() -> None:
-    with pytest.raises(ConfigError, match=r"unknown group generator 'clever'; valid choices: random, ready, smart, static"):
+    valid = "valid choices: random, ready, smart, static"
+    with pytest.raises(ConfigError, match=f"unknown group generator 'clever'; {valid}"):
         make_generator("clever", GeneratorConfig(nproc=2))
-    bad: list[tuple[dict, str]] = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"nproc": 0}, "nproc must be an integer >= 1, got 0"),
         ({"nproc": 8, "topology": Topology(3, 2)}, "holds 6 ranks but nproc is 8"),
         ({"nproc": 4, "group_size": 0}, "group_size must be an integer >= 1, got 0"),

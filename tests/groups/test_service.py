@@ -39,7 +39,8 @@ def start_server() -> Iterator[StartServer]:
     servers: list[GroupGeneratorServer] = []
 
     def start(name: str, **config: object) -> GroupGeneratorServer:
-        server = GroupGeneratorServer(make_generator(name, GeneratorConfig(**config)), TOKEN)  # type: ignore[arg-type]
+        policy = make_generator(name, GeneratorConfig(**config))  # type: ignore[arg-type]
+        server = GroupGeneratorServer(policy, TOKEN)
         server.start("127.0.0.1", 0)
         servers.append(server)
         return server
@@ -155,11 +156,11 @@ def test_malformed_message_rejected_then_serves(start_server: StartServer) -> No
         for junk in (b"\x0a\xff\xff\xff", b"\x12\x80", b"\xff" * 7):
             with pytest.raises(grpc.RpcError) as info:
                 raw(junk, timeout=5.0)
-            assert info.value.code() != grpc.StatusCode.OK  # type: ignore[attr-defined]
+            assert info.value.code() != grpc.StatusCode.OK
         unknown = channel.unary_unary("/prague.groups.GroupGenerator/NoSuchMethod")
         with pytest.raises(grpc.RpcError) as info:
             unknown(b"", timeout=5.0)
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
         assert client.get_group(1, 0).members == (0, 1)
 
@@ -244,7 +245,8 @@ def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--nproc", "6", "--nodes", "4", "--token", TOKEN]) == 2
     assert "error: --nproc 6 must be a multiple of --nodes 4" in capsys.readouterr().err
     assert main(["--nproc", "4", "--token", TOKEN, "--generator", "clever"]) == 2
-    assert "unknown group generator 'clever'; valid choices: random, ready, smart, static" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown group generator 'clever'; valid choices: random, ready, smart, static" in err
     assert main(["--nproc", "4", "--token", ""]) == 2
     assert "non-empty token" in capsys.readouterr().err
 

@@ -59,19 +59,21 @@ class AllReduce(Algorithm):
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
         # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
         # synchronous collective where a fast rank waits for a slow one. Time it as communication.
+        # Plain closures, not bound methods: copies of the model (deepcopy) must not drag this object along.
         self._forward_called = 0.0
         self._buffer_sync_s = 0.0
-        self._ddp.register_forward_pre_hook(self._on_ddp_forward)
-        model.register_forward_pre_hook(self._on_module_forward)
+
+        def on_ddp_forward(module: nn.Module, args: Any) -> None:
+            self._forward_called = time.perf_counter()
+
+        def on_module_forward(module: nn.Module, args: Any) -> None:
+            if self._forward_called:
+                self._buffer_sync_s += time.perf_counter() - self._forward_called
+                self._forward_called = 0.0
+
+        self._ddp.register_forward_pre_hook(on_ddp_forward)
+        model.register_forward_pre_hook(on_module_forward)
         return self._ddp
-
-    def _on_ddp_forward(self, module: nn.Module, args: Any) -> None:
-        self._forward_called = time.perf_counter()
-
-    def _on_module_forward(self, module: nn.Module, args: Any) -> None:
-        if self._forward_called:
-            self._buffer_sync_s += time.perf_counter() - self._forward_called
-            self._forward_called = 0.0
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         times.inner_comm_s += self._buffer_sync_s

@@ -83,7 +83,7 @@ class Group:
 
 @dataclass(frozen=True)
 class Topology:
-    """``nodes`` machines with ``workers_per_node`` workers each; rank r lives on node r // workers_per_node."""
+    """``nodes`` machines with ``workers_per_node`` workers each; rank r is on node r // workers_per_node."""
 
     nodes: int
     workers_per_node: int
@@ -136,9 +136,9 @@ class GeneratorConfig:
     smart policy's threshold: worker w may join a division triggered by i only if
     ``c_w > c_i - delta_c`` (c = requests made so far). ``window_s`` is how long the ready policy lets
     its oldest waiting request wait for partners before it forms a smaller group. ``avoid_repeats``
-    (ready only): when the S waiting workers would exactly repeat the group they all last ran together,
+    (ready only): when every pair among the S waiting workers met within the last round of groups,
     hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
-    can prefer partners that have not met recently.
+    can prefer partners that have not met recently (see :mod:`prague.groups.ready`).
     """
 
     nproc: int

@@ -33,6 +33,7 @@ class PolicyBase:
         self.rng = random.Random(config.seed)
         self.counts = [0] * config.nproc
         self.finished = [False] * config.nproc
+        self._active = tuple(range(config.nproc))
         self.counters = PolicyCounters()
         self._observer = observer
         self._next_seq = 0
@@ -44,9 +45,13 @@ class PolicyBase:
         if self.finished[worker]:
             raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
 
-    def active(self) -> list[int]:
+    def active(self) -> tuple[int, ...]:
         """Workers that have not finished, in rank order."""
-        return [w for w in range(self.config.nproc) if not self.finished[w]]
+        return self._active
+
+    def _mark_finished(self, worker: int) -> None:
+        self.finished[worker] = True
+        self._active = tuple(w for w in self._active if w != worker)
 
     # -- forming groups -----------------------------------------------------------------------------
     def _new_batch(self) -> int:
@@ -134,7 +139,7 @@ class BufferedPolicy(PolicyBase):
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         self._check_worker(worker)
-        self.finished[worker] = True
+        self._mark_finished(worker)
         fifo = self._fifos[worker]
         answers = [(worker, group) for group in fifo]
         fifo.clear()

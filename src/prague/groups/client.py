@@ -63,7 +63,9 @@ class GroupGeneratorClient:
                 ) from None
             if code in _REJECTED:
                 raise ConfigError(f"group generator at {self.address} rejected {what}: {details}") from None
-            raise CommError(f"group generator at {self.address} failed {what}: {code.name}: {details}") from None
+            raise CommError(
+                f"group generator at {self.address} failed {what}: {code.name}: {details}"
+            ) from None
 
     def get_group(self, worker: int, iteration: int) -> Group:
         """The group ``worker`` runs after step ``iteration``; blocks until the server has decided it."""

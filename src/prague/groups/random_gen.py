@@ -21,6 +21,9 @@ class RandomGenerator(BufferedPolicy):
         super().__init__(config, observer=observer)
 
     def _fill(self, requester: int) -> None:
-        others = [w for w in self.active() if w != requester]
-        partners = self.rng.sample(others, min(self.config.group_size - 1, len(others)))
+        # Draw S from all active workers and drop the requester (or, if absent, the last one drawn):
+        # a uniform choice of S - 1 partners in O(S), not O(nproc).
+        pool = self.active()
+        size = min(self.config.group_size, len(pool))
+        partners = [w for w in self.rng.sample(pool, size) if w != requester][: size - 1]
         self._commit([requester, *partners], requester, "random")

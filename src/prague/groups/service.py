@@ -83,14 +83,15 @@ class GroupGeneratorCore:
     def now_s(self) -> float:
         return self._clock() - self._t0
 
-
     def _deliver(self, answers: list[Answer]) -> None:
         for worker, group in answers:
             self._delivered[worker] = group
             self._worker_cond[worker].notify_all()
         self._timer_cond.notify()  # the next deadline may have moved
 
-    def get_group(self, worker: int, iteration: int, is_active: Callable[[], bool] = lambda: True) -> Group | None:
+    def get_group(
+        self, worker: int, iteration: int, is_active: Callable[[], bool] = lambda: True
+    ) -> Group | None:
         """The group ``worker`` runs after ``iteration``; blocks until determined.
 
         Returns ``None`` if ``is_active()`` turns false while waiting (the client went away; its answer
@@ -105,8 +106,6 @@ class GroupGeneratorCore:
                 return last[1]
             pending = self._pending.get(worker)
             if pending is None:
-                if worker in self._finished:
-                    raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
                 if last is not None and iteration < last[0]:
                     raise ConfigError(
                         f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
@@ -347,7 +346,9 @@ def serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m prague.groups.service``: the same as ``prague gg serve``."""
-    parser = argparse.ArgumentParser(prog="python -m prague.groups.service", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m prague.groups.service", description="Run the prague Group Generator service."
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
     parser.add_argument("--nproc", type=int, required=True)

@@ -101,6 +101,6 @@ class SmartGenerator(BufferedPolicy):
         self.divisions += 1
         extra = self.counters.extra
         extra["divisions"] = self.divisions
-        extra["excluded_by_threshold"] += sum(not f for f in self.finished) - len(eligible)
+        extra["excluded_by_threshold"] += len(self.active()) - len(eligible)
         for members in divide(eligible, self.config.group_size, self.config.topo, kind, self.rng):
             self._commit(members, requester, kind)

@@ -89,5 +89,5 @@ class StaticGenerator(PolicyBase):
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         self._check_worker(worker)
-        self.finished[worker] = True
+        self._mark_finished(worker)
         return []
