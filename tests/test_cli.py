@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
+from prague_testing import run_cli
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -89,13 +89,15 @@ def config_from_args(args: argparse.Namespace, algorithm: str, scenario: str, np
     parse_scenario(scenario).check_world(nproc)
     options = {k: getattr(args, k) for k in _option_names() if getattr(args, k, None) is not None}
     out = args.out or Path("runs") / f"{algorithm.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return RunConfig(
+    cfg = RunConfig(
         algorithm=algorithm, nproc=nproc, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, momentum=args.momentum, model=args.model, data=args.data, data_dir=args.data_dir,
         compute=args.compute, compute_ms=args.compute_ms, scenario=scenario, seed=args.seed, out=out,
         target_accuracy=args.target_accuracy, eval_every=args.eval_every, warmup_steps=args.warmup_steps,
         timeout_s=args.timeout_s, backend=args.backend, save_model=args.save_model, options=options,
     )
+    method_resources(cfg)  # validates the method's own options before anything starts
+    return cfg
 
 
 def worker_argv(cfg: Any) -> list[str]:
@@ -121,6 +123,18 @@ def check_data(cfg: Any) -> None:
     from prague.train.data import load_dataset
 
     load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+
+
+def method_resources(cfg: Any) -> Any:
+    """The services and environment the method of ``cfg`` needs; validates its options."""
+    from prague.algorithms.registry import get_algorithm, split_variant
+
+    name, variant = split_variant(cfg.algorithm)
+    cls = get_algorithm(name)
+    options = dict(cfg.options)
+    if variant is not None and cls.variant_field is not None:
+        options[cls.variant_field] = variant
+    return cls.job_resources(cls.options_from(options), cfg.nproc, Path(cfg.out), cfg.seed)
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
@@ -158,7 +172,9 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
-    spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs")
+    resources = method_resources(cfg)
+    spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=resources.services,
+                      env=resources.env)
     bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
     try:
         launch(spec, on_tick=tick)
@@ -277,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(b)
     b.add_argument("--quiet", action="store_true")
 
+    gg = sub.add_parser("gg", help="the Group Generator service")
+    gg_sub = gg.add_subparsers(dest="gg_command", required=True, parser_class=_Parser)
+    serve = gg_sub.add_parser("serve", help="run a Group Generator for a job (prague gg serve --help)", add_help=False)
+    serve.add_argument("rest", nargs=argparse.REMAINDER)
+
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log")
@@ -287,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:2] == ["gg", "serve"]:  # the service parses its own flags
+        from prague.groups.service import main as serve_main
+
+        return serve_main(argv[2:], prog="prague gg serve")
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench}
     try:

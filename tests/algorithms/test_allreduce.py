@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_cli
+from prague_testing import run_cli
 from prague.train.data import ShardLoader, load_dataset
 from prague.train.models import build_model
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, processes_mentioning, run_cli
+from prague_testing import REPO, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from prague.runtime.context import DistContext
+from prague.runtime.launcher import ServiceSpec
 
 
 @dataclass
@@ -39,6 +41,15 @@ class StepTimes:
 
     inner_comm_s: float = 0.0
     wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobResources:
+    """What a method needs from the launcher besides the workers: service processes to start before
+    them, and environment variables for every process of the job."""
+
+    services: tuple[ServiceSpec, ...] = ()
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,12 @@ class Algorithm:
         mapping = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
         names = {f.name for f in dataclasses.fields(cls.Options)}
         return cls.Options(**{k: v for k, v in mapping.items() if k in names and v is not None})
+
+    @classmethod
+    def job_resources(cls, options: Any, nproc: int, out_dir: Path, seed: int) -> JobResources:
+        """Services and environment the launcher provides for this method (none by default). Under
+        torchrun there is no launcher: a method that needs a service starts it from rank 0 instead."""
+        return JobResources()
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """Prepare the method for ``model`` (already on the context's device); return the module to run

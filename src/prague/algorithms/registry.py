@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from prague.algorithms.allreduce import AllReduce
 from prague.algorithms.api import Algorithm
+from prague.algorithms.dssync import DSSync
+from prague.algorithms.prague import Prague
 from prague.errors import ConfigError, unknown_choice
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     AllReduce.name: AllReduce,
+    Prague.name: Prague,
+    DSSync.name: DSSync,
 }
 
 

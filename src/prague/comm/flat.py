@@ -54,3 +54,27 @@ def consensus_distance(module: nn.Module, group: dist.ProcessGroup | None = None
     dev = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], device=flat.device)
     dist.all_reduce(dev, group=group)
     return float(dev.item()) / n
+
+
+def bind_flat(module: nn.Module) -> torch.Tensor:
+    """Move ``module``'s parameters and floating buffers into one contiguous buffer and return it.
+
+    Afterwards each parameter's ``.data`` (and each floating buffer) is a view into the returned tensor,
+    so averaging the buffer in place averages the model with no copies. Parameter objects are kept, so
+    an optimizer built before the call still holds the right parameters.
+    """
+    params = [p for p in module.parameters()]
+    buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items()
+               if b is not None and b.is_floating_point()]
+    tensors = [p.data for p in params] + [b for _, _, b in buffers]
+    flat = flatten(tensors)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[offset : offset + n].view_as(p)
+        offset += n
+    for owner, name, b in buffers:
+        n = b.numel()
+        owner._buffers[name] = flat[offset : offset + n].view_as(b)
+        offset += n
+    return flat

@@ -344,11 +344,9 @@ def serve(
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups.service") -> int:
     """``python -m prague.groups.service``: the same as ``prague gg serve``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m prague.groups.service", description="Run the prague Group Generator service."
-    )
+    parser = argparse.ArgumentParser(prog=prog, description="Run the prague Group Generator service.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
     parser.add_argument("--nproc", type=int, required=True)

@@ -43,12 +43,17 @@ class ServiceSpec:
     """A helper process the job needs (a group generator, a parameter-server shard).
 
     It is started before the workers with the job's environment plus ``env`` and stopped after them.
-    If it exits while workers are running, the job fails with its name and output.
+    If ``ready_file`` is set, the workers start only once the service has written its address there,
+    and that text is published in the job store under ``publish_key``. If the service exits while
+    workers are running, the job fails with its name and output.
     """
 
     name: str
     argv: Sequence[str]
     env: dict[str, str] = field(default_factory=dict)
+    ready_file: Path | None = None
+    publish_key: str | None = None
+    ready_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -145,12 +150,30 @@ class Job:
     def start(self) -> None:
         env = self.base_env()
         for svc in self.spec.services:
-            self.services.append(_Proc(svc.name, svc.argv, {**env, **svc.env}, self._log_path(svc.name), False))
+            if svc.ready_file is not None:
+                svc.ready_file.unlink(missing_ok=True)
+            proc = _Proc(svc.name, svc.argv, {**env, **svc.env}, self._log_path(svc.name), False)
+            self.services.append(proc)
+            if svc.ready_file is not None:
+                self._await_ready(svc, proc)
         for rank in range(self.spec.nproc):
             wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.workers.append(
                 _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks)
             )
+
+    def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> None:
+        assert svc.ready_file is not None
+        deadline = time.monotonic() + svc.ready_timeout_s
+        while not svc.ready_file.exists():
+            code = proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                proc.finish()
+                why = f"exited with code {code}" if code is not None else f"was not ready within {svc.ready_timeout_s:g} s"
+                raise WorkerFailed(-1, code, f"service {svc.name!r} {why}:\n{''.join(proc.tail) or '(no output)'}")
+            time.sleep(0.05)
+        if svc.publish_key:
+            self.store.set(svc.publish_key, svc.ready_file.read_text().strip())
 
     def progress(self) -> dict[int, str]:
         """Latest progress string each worker published (``step,steps,loss``)."""

@@ -6,6 +6,7 @@ branches on the method's name. Rank 0 writes ``summary.json`` at the end.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from prague.comm.flat import flatten, state_tensors, unflatten_into
 from prague.hetero.spec import parse_scenario
 from prague.metrics.io import atomic_write_json
 from prague.metrics.summary import WorkerTiming, mean_after, no_wait_limit, throughput, warmup_steps
@@ -49,6 +51,43 @@ class TrainClock:
             yield
         finally:
             self._paused += time.perf_counter() - t
+
+
+def all_gather_floats(value: float) -> list[float]:
+    """Every rank's ``value``. Collective."""
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    out[dist.get_rank()] = value
+    dist.all_reduce(out)
+    return out.tolist()
+
+
+class SnapshotLog:
+    """Copies of this rank's model state at evaluation points, evaluated after training.
+
+    Evaluating the average of all replicas mid-run would need a collective that every rank reaches at
+    the same step, which decentralised methods (whose ranks drift apart by design) cannot offer without
+    stalling or deadlocking. Instead each rank keeps its state at step k with its own training-clock
+    time; afterwards the states are averaged rank-wise and scored, and step k's wall time is the latest
+    rank's time to reach it.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, float, torch.Tensor]] = []
+
+    def take(self, model: nn.Module, step: int, wall_s: float) -> None:
+        self.entries.append((step, wall_s, flatten(state_tensors(model)).clone()))
+
+    def evaluate(self, model: nn.Module, data: Dataset, ctx: DistContext) -> list[dict[str, float]]:
+        """Score the rank-wise average of every snapshot. Collective: all ranks hold the same steps."""
+        history: list[dict[str, float]] = []
+        probe = copy.deepcopy(model)
+        for step, wall_s, flat in self.entries:
+            dist.all_reduce(flat)
+            flat /= ctx.world_size
+            unflatten_into(flat, state_tensors(probe))
+            history.append({"wall_s": max(all_gather_floats(wall_s)), "step": step, "accuracy": evaluate(probe, data, ctx)})
+        self.entries.clear()
+        return history
 
 
 @torch.no_grad()
@@ -95,19 +134,9 @@ def train(cfg: RunConfig, ctx: DistContext) -> dict[str, Any] | None:
     metrics_dir = Path(cfg.out) / "metrics"
     metrics_dir.mkdir(parents=True, exist_ok=True)
     eval_every = cfg.eval_every or (max(1, steps // 10) if cfg.target_accuracy is not None else None)
-    history: list[dict[str, float]] = []
+    snapshots = SnapshotLog()
     records: list[StepRecord] = []
     clock = TrainClock()
-    time_to_target: float | None = None
-
-    def eval_now(step: int) -> float:
-        nonlocal time_to_target
-        with clock.paused():
-            acc = evaluate(trainer.averaged_model(), data, ctx)
-        history.append({"wall_s": clock.now(), "step": step, "accuracy": acc})
-        if cfg.target_accuracy is not None and time_to_target is None and acc >= cfg.target_accuracy:
-            time_to_target = clock.now()
-        return acc
 
     try:
         with open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
@@ -123,17 +152,26 @@ def train(cfg: RunConfig, ctx: DistContext) -> dict[str, Any] | None:
                 log.write(json.dumps(rec.as_dict()) + "\n")
                 ctx.store.set(f"{PROGRESS_KEY}{ctx.rank}", f"{step + 1},{steps},{rec.loss if rec.loss is not None else ''}")
                 if not cfg.emulated and eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                    eval_now(step + 1)
+                    with clock.paused():
+                        snapshots.take(trainer.model, step + 1, clock.now())
         wall_s = clock.now()
     finally:
+        # Drains the method's pending group operations, so the collectives below cannot interleave with them.
         trainer.close()
 
-    accuracy = None if cfg.emulated else eval_now(steps)
+    history = [] if cfg.emulated else snapshots.evaluate(trainer.model, data, ctx)
+    accuracy: float | None = None
+    if not cfg.emulated:
+        final = trainer.averaged_model()
+        accuracy = evaluate(final, data, ctx)
+        history.append({"wall_s": max(all_gather_floats(wall_s)), "step": steps, "accuracy": accuracy})
+        if cfg.save_model and ctx.is_main:
+            torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
+    time_to_target = next(
+        (h["wall_s"] for h in history if cfg.target_accuracy is not None and h["accuracy"] >= cfg.target_accuracy),
+        None,
+    )
     consensus = trainer.consensus_distance()
-    if cfg.save_model and not cfg.emulated:
-        averaged = trainer.averaged_model()
-        if ctx.is_main:
-            torch.save(averaged.state_dict(), Path(cfg.out) / "model.pt")
 
     warmup = warmup_steps(steps, cfg.warmup_steps)
     mine = WorkerTiming(
