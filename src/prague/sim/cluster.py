@@ -1,0 +1,315 @@
+"""The simulated cluster: compute-time distribution, alpha-beta links, Group Generator and PS costs.
+
+A :class:`Cluster` is the whole cost model's input, validated when built. It comes from a preset
+(:data:`PRESETS`), a TOML file (:func:`load_cluster`), and flags that override single fields
+(:func:`Cluster.replace_fields`). The topology (nodes x workers per node) is *not* part of it: it comes
+from ``--nproc`` and ``--nodes`` like in the runtime, so one cluster file serves every job size.
+
+TOML layout (every key optional; units are in the key names)::
+
+    name = "my-gpu-cluster"
+    base = "paper"            # optional: start from a preset; keys below override it
+
+    [compute]                 # per-iteration compute of one worker: forward, backward, optimizer step
+    time_ms = 45.0
+    distribution = "normal"   # constant | uniform | normal | lognormal
+    cv = 0.03                 # coefficient of variation of the per-iteration draw
+    speeds = [1.0, 1.0, 0.5]  # optional per-rank time multipliers, cycled over the ranks
+
+    [links.intra]             # between two workers of one node
+    latency_us = 10.0
+    bandwidth_gbps = 80.0     # gigabits per second
+    [links.inter]             # between nodes (the node's network card is shared by its workers)
+    latency_us = 20.0
+    bandwidth_gbps = 40.0
+
+    [allreduce]
+    exposed_fraction = 0.5    # share of the ring all-reduce that backward does not hide (DDP overlap)
+
+    [preduce]
+    setup_ms = 0.0            # building a communicator for a member set not in the cache
+    cache = 64                # communicators each worker keeps (LRU)
+
+    [gg]
+    rtt_us = 600.0            # one Group Generator RPC round trip, network and (un)marshalling
+    service_us = 50.0         # time the GG's single thread spends per request (its queue's service time)
+
+    [ps]
+    server_bandwidth_gbps = 40.0   # one server shard's network card (incast: all pushes queue on it)
+    server_latency_us = 20.0
+    apply_ms = 0.0                 # server time to apply one push (per shard)
+
+    [network]
+    contention = true         # concurrent groups on one node share its fabric and network card
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prague.errors import ConfigError, unknown_choice
+
+DISTRIBUTIONS = ("constant", "uniform", "normal", "lognormal")
+GBIT = 1e9 / 8.0  # bytes per second in one gigabit per second
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"cluster {name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"cluster {name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link in the alpha-beta model: a message of m bytes takes ``latency_s + m / bandwidth``."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency_s", _positive("link latency_s", self.latency_s, allow_zero=True))
+        object.__setattr__(self, "bandwidth_bytes_per_s",
+                           _positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s))
+
+    @classmethod
+    def of(cls, latency_us: float, bandwidth_gbps: float) -> Link:
+        """A link from the units people quote: microseconds and gigabits per second."""
+        return cls(latency_us * 1e-6, bandwidth_gbps * GBIT)
+
+    def transfer_s(self, size_bytes: float) -> float:
+        return self.latency_s + size_bytes / self.bandwidth_bytes_per_s
+
+    def describe(self) -> dict[str, float]:
+        return {"latency_us": self.latency_s * 1e6, "bandwidth_gbps": self.bandwidth_bytes_per_s / GBIT}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Everything the cost model needs besides the topology and the model size; see the module docstring.
+
+    ``compute_s`` is the nominal per-iteration compute time; each iteration of worker r draws
+    ``compute_s * speeds[r % len(speeds)] * jitter`` (jitter of mean 1 from ``compute_dist`` with
+    coefficient of variation ``compute_cv``), and the scenario's slowdown multiplies that, exactly as the
+    runtime's emulated compute multiplies its nominal time.
+    """
+
+    name: str = "custom"
+    compute_s: float = 0.1
+    compute_dist: str = "constant"
+    compute_cv: float = 0.0
+    speeds: tuple[float, ...] = ()
+    intra: Link = field(default_factory=lambda: Link.of(10.0, 80.0))
+    inter: Link = field(default_factory=lambda: Link.of(20.0, 40.0))
+    allreduce_exposed: float = 1.0
+    preduce_setup_s: float = 0.0
+    comm_cache: int = 64
+    gg_rtt_s: float = 600e-6
+    gg_service_s: float = 50e-6
+    server: Link | None = None
+    ps_apply_s: float = 0.0
+    contention: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"cluster name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "compute_s", _positive("compute time_ms", self.compute_s, allow_zero=True))
+        if self.compute_dist not in DISTRIBUTIONS:
+            raise unknown_choice("compute distribution", self.compute_dist, DISTRIBUTIONS)
+        cv = _positive("compute cv", self.compute_cv, allow_zero=True)
+        if self.compute_dist == "uniform" and cv > 1 / math.sqrt(3):
+            raise ConfigError(f"a uniform compute distribution has cv <= 0.577 (times stay >= 0), got {cv!r}")
+        object.__setattr__(self, "compute_cv", cv)
+        speeds = tuple(_positive("compute speeds[]", s) for s in self.speeds)
+        object.__setattr__(self, "speeds", speeds)
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise ConfigError(f"cluster {name} must be a Link, got {getattr(self, name)!r}")
+        if self.server is not None and not isinstance(self.server, Link):
+            raise ConfigError(f"cluster server must be a Link or None, got {self.server!r}")
+        object.__setattr__(self, "allreduce_exposed",
+                           _positive("allreduce exposed_fraction", self.allreduce_exposed, allow_zero=True))
+        for name in ("preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
+        if isinstance(self.comm_cache, bool) or not isinstance(self.comm_cache, int) or self.comm_cache < 1:
+            raise ConfigError(f"cluster preduce cache must be an integer >= 1, got {self.comm_cache!r}")
+        if not isinstance(self.contention, bool):
+            raise ConfigError(f"cluster network contention must be true or false, got {self.contention!r}")
+
+    def speed(self, rank: int) -> float:
+        return self.speeds[rank % len(self.speeds)] if self.speeds else 1.0
+
+    def server_link(self, nodes: int) -> Link:
+        """The PS server's link: as given, else the inter-node link (the intra one on a single node)."""
+        if self.server is not None:
+            return self.server
+        return self.inter if nodes > 1 else self.intra
+
+    def replace_fields(self, **changes: Any) -> Cluster:
+        """A copy with the given fields replaced (``None`` values are ignored), validated again."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def describe(self) -> dict[str, Any]:
+        """The cluster as plain JSON values, in the TOML file's units (for records and reports)."""
+        return {
+            "name": self.name,
+            "compute_ms": self.compute_s * 1e3,
+            "compute_distribution": self.compute_dist,
+            "compute_cv": self.compute_cv,
+            "speeds": list(self.speeds),
+            "intra": self.intra.describe(),
+            "inter": self.inter.describe(),
+            "server": None if self.server is None else self.server.describe(),
+            "allreduce_exposed_fraction": self.allreduce_exposed,
+            "preduce_setup_ms": self.preduce_setup_s * 1e3,
+            "comm_cache": self.comm_cache,
+            "gg_rtt_us": self.gg_rtt_s * 1e6,
+            "gg_service_us": self.gg_service_s * 1e6,
+            "ps_apply_ms": self.ps_apply_s * 1e3,
+            "contention": self.contention,
+        }
+
+
+# The paper's setting (Prague, ASPLOS 2020, section 7): 4 nodes x 4 GPUs (GTX 1080 Ti) joined by
+# 56 Gb/s FDR InfiniBand; ResNet-18 on CIFAR-10. Our stated assumptions, not the paper's measurements:
+# 60 ms per iteration (forward + backward + step at batch 128 on one 1080 Ti), 3% jitter; intra-node
+# PCIe 3.0 peer-to-peer at 64 Gb/s (8 GB/s) and 10 us per step; inter-node 45 Gb/s achievable of the
+# 56 and 25 us per step (NCCL over IB verbs); Horovod hides about half of its all-reduce behind backward;
+# the GG's gRPC round trip 0.6 ms with 50 us of service per request; building a NCCL communicator for a
+# new member set 2 ms (the Group Buffer's divisions reuse a small set).
+PAPER = Cluster(
+    name="paper-4x4-1080ti",
+    compute_s=0.060,
+    compute_dist="normal",
+    compute_cv=0.03,
+    intra=Link.of(10.0, 64.0),
+    inter=Link.of(25.0, 45.0),
+    allreduce_exposed=0.5,
+    preduce_setup_s=0.002,
+    gg_rtt_s=600e-6,
+    gg_service_s=50e-6,
+)
+
+# One machine of this project (gloo on loopback, 2 cores): the starting point calibration refines.
+LOCAL = Cluster(
+    name="local-loopback",
+    compute_s=0.1,
+    intra=Link.of(100.0, 8.0),
+    inter=Link.of(100.0, 8.0),
+    allreduce_exposed=1.0,
+    preduce_setup_s=0.008,
+    gg_rtt_s=600e-6,
+    gg_service_s=100e-6,
+)
+
+PRESETS: dict[str, Cluster] = {"paper": PAPER, "local": LOCAL}
+
+
+def _section(data: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{key}] must be a table, got {value!r}")
+    return value
+
+
+def _link(table: dict[str, Any], base: Link, where: str, source: str) -> Link:
+    unknown = set(table) - {"latency_us", "bandwidth_gbps"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)} in [{where}]; valid: latency_us, bandwidth_gbps")
+    latency_us = table.get("latency_us", base.latency_s * 1e6)
+    gbps = table.get("bandwidth_gbps", base.bandwidth_bytes_per_s / GBIT)
+    return Link.of(_positive(f"{where}.latency_us", latency_us, allow_zero=True),
+                   _positive(f"{where}.bandwidth_gbps", gbps))
+
+
+_KEYS = {
+    "": {"name", "compute", "links", "allreduce", "preduce", "gg", "ps", "network"},
+    "compute": {"time_ms", "distribution", "cv", "speeds"},
+    "links": {"intra", "inter"},
+    "allreduce": {"exposed_fraction"},
+    "preduce": {"setup_ms", "cache"},
+    "gg": {"rtt_us", "service_us"},
+    "ps": {"server_bandwidth_gbps", "server_latency_us", "apply_ms"},
+    "network": {"contention"},
+}
+
+
+def cluster_from_dict(data: dict[str, Any], base: Cluster = Cluster(), source: str = "cluster") -> Cluster:
+    """Build a cluster from the TOML layout of the module docstring; missing keys keep ``base``'s values."""
+    for section, keys in _KEYS.items():
+        table = data if not section else _section(data, section, source)
+        unknown = set(table) - keys
+        if unknown:
+            where = f"[{section}]" if section else "the top level"
+            raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)} at {where}; valid: {sorted(keys)}")
+    compute = _section(data, "compute", source)
+    links = _section(data, "links", source)
+    allreduce = _section(data, "allreduce", source)
+    preduce = _section(data, "preduce", source)
+    gg = _section(data, "gg", source)
+    ps = _section(data, "ps", source)
+    network = _section(data, "network", source)
+    server = base.server
+    if ps.get("server_bandwidth_gbps") is not None or ps.get("server_latency_us") is not None:
+        ref = server or base.inter
+        server = _link({k.removeprefix("server_"): v for k, v in ps.items() if k.startswith("server_")},
+                       ref, "ps.server", source)
+
+    def scaled(table: dict[str, Any], key: str, default_s: float, unit: float) -> float:
+        value = table.get(key)
+        return default_s if value is None else _positive(key, value, allow_zero=True) * unit
+
+    try:
+        return Cluster(
+            name=str(data.get("name", base.name)),
+            compute_s=scaled(compute, "time_ms", base.compute_s, 1e-3),
+            compute_dist=compute.get("distribution", base.compute_dist),
+            compute_cv=compute.get("cv", base.compute_cv),
+            speeds=tuple(compute.get("speeds", base.speeds)),
+            intra=_link(_section(links, "intra", source), base.intra, "links.intra", source),
+            inter=_link(_section(links, "inter", source), base.inter, "links.inter", source),
+            allreduce_exposed=allreduce.get("exposed_fraction", base.allreduce_exposed),
+            preduce_setup_s=scaled(preduce, "setup_ms", base.preduce_setup_s, 1e-3),
+            comm_cache=preduce.get("cache", base.comm_cache),
+            gg_rtt_s=scaled(gg, "rtt_us", base.gg_rtt_s, 1e-6),
+            gg_service_s=scaled(gg, "service_us", base.gg_service_s, 1e-6),
+            server=server,
+            ps_apply_s=scaled(ps, "apply_ms", base.ps_apply_s, 1e-3),
+            contention=network.get("contention", base.contention),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_cluster(spec: str | Path) -> Cluster:
+    """A preset name (``paper``, ``local``) or the path of a TOML file (see the module docstring).
+
+    A file may start from a preset with a top-level ``base = "paper"``; keys it leaves out keep that
+    preset's values (without ``base``, the defaults of :class:`Cluster`). Raises ConfigError naming the
+    file and the bad key.
+    """
+    text = str(spec)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError(
+            f"cluster {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a TOML file; "
+            "pass a preset name or the path of a cluster file"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read cluster file {text!r}: {exc}") from None
+    base_name = data.pop("base", None)
+    if base_name is not None and base_name not in PRESETS:
+        raise unknown_choice(f"base preset in cluster file {text!r}", base_name, PRESETS)
+    base = PRESETS[base_name] if base_name is not None else Cluster()
+    return cluster_from_dict(data, base, source=f"cluster file {text!r}")

@@ -1,0 +1,212 @@
+"""Optional real arithmetic (``--math real``): every simulated worker holds real parameters.
+
+The simulator decides *when* things happen; this module does *what* they do to the models, called by
+the simulated methods in event order: a local SGD step at the end of a worker's compute, a group
+average when a P-Reduce completes, a server update when a push arrives, and so on. So accuracy comes
+out against simulated wall-clock time, for hundreds of workers, on one CPU.
+
+All replicas live in one tensor ``X`` of shape ``(n + 1, P)`` (row ``n`` is a parameter server's copy,
+unused by decentralised methods), with one momentum buffer per row: the optimizer is
+``torch.optim.SGD``'s rule (``buf = momentum * buf + g; x -= lr * buf``), as in ``prague run``. Gradients
+come from ``torch.func.functional_call`` of the real model (:func:`prague.train.models.build_model`) on
+a flat parameter vector. Data: each worker's batches come from :class:`prague.train.data.ShardLoader`
+(its shard of the training set, by global step) when every shard holds at least one batch; with more
+workers than that (digits has 1,437 training images) each worker instead draws its batch uniformly from
+the whole training set, seeded by (seed, rank, step). Models with buffers (BatchNorm) are not
+supported: buffers would be shared by all simulated workers.
+
+:class:`NoMath` has the same methods and does nothing, so a method's code never branches on the mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from prague.errors import ConfigError, unknown_choice
+from prague.hetero.spec import uniform
+from prague.train.data import Dataset, ShardLoader, load_dataset
+from prague.train.models import build_model
+
+MATH_MODES = ("none", "real")
+_DATA_STREAM = 11  # stream of hetero.spec.uniform used for batch draws (the paper slowdowns use 1)
+
+
+@dataclass(frozen=True)
+class MathConfig:
+    model: str = "mlp"
+    data: str = "digits"
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    eval_every: int | None = None
+    target_accuracy: float | None = None
+
+
+class NoMath:
+    """Timing only: every hook is a no-op and there is nothing to report."""
+
+    enabled = False
+
+    def snapshot(self, w: int) -> None: ...
+
+    def local_step(self, w: int, step: int, scale: float = 1.0) -> None: ...
+
+    def gradient(self, w: int, step: int, at_snapshot: bool = False) -> Any:
+        return None
+
+    def apply(self, w: int, grad: Any, scale: float = 1.0) -> None: ...
+
+    def average(self, members: Sequence[int]) -> None: ...
+
+    def allreduce_step(self, members: Sequence[int], step: int) -> None: ...
+
+    def server_apply(self, grads: Sequence[Any], scale: float = 1.0) -> None: ...
+
+    def pull(self, w: int) -> None: ...
+
+    def reached(self, w: int, step: int, now_s: float) -> None: ...
+
+    def results(self) -> dict[str, Any]:
+        return {"test_accuracy": None, "eval_history": [], "consensus_distance": None, "time_to_target_s": None}
+
+
+class RealMath(NoMath):
+    """Real parameters for ``nproc`` simulated workers (and one server row); see the module docstring."""
+
+    enabled = True
+
+    def __init__(self, nproc: int, steps: int, config: MathConfig, dataset: Dataset | None = None) -> None:
+        self.n = nproc
+        self.config = config
+        self.data = dataset if dataset is not None else load_dataset(config.data, seed=config.seed)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.model, self.data.input_shape, self.data.num_classes)
+        if any(True for _ in self.model.buffers()):
+            raise ConfigError(
+                f"--math real supports models without buffers (mlp, cnn), got {config.model!r}; "
+                "simulate its timing with --math none"
+            )
+        self.model.train()
+        self._names = [name for name, _ in self.model.named_parameters()]
+        self._shapes = [p.shape for _, p in self.model.named_parameters()]
+        self._sizes = [p.numel() for _, p in self.model.named_parameters()]
+        flat0 = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        self.X = flat0.repeat(nproc + 1, 1)
+        self.M = torch.zeros_like(self.X)
+        self._snap: dict[int, torch.Tensor] = {}
+        n_train = int(self.data.train_y.shape[0])
+        self._loaders: list[ShardLoader] | None = None
+        if n_train // nproc >= config.batch_size:
+            self._loaders = [ShardLoader(self.data.train_x, self.data.train_y, w, nproc, config.batch_size,
+                                         config.seed) for w in range(nproc)]
+        self._n_train = n_train
+        self.eval_every = config.eval_every or max(1, steps // 10)
+        self.steps = steps
+        self._pending: dict[int, list[Any]] = {}  # eval step -> [count, sum of states, latest time]
+        self.history: list[dict[str, float]] = []
+
+    # -- data and gradients -------------------------------------------------------------------------
+    def _batch(self, w: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._loaders is not None:
+            return self._loaders[w].batch(step)
+        gen = torch.Generator().manual_seed(int(uniform(self.config.seed, w, step, _DATA_STREAM) * 2**53))
+        rows = torch.randint(0, self._n_train, (self.config.batch_size,), generator=gen)
+        return self.data.train_x[rows], self.data.train_y[rows]
+
+    def _params(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, shape, size in zip(self._names, self._shapes, self._sizes):
+            out[name] = flat[offset : offset + size].view(shape)
+            offset += size
+        return out
+
+    def _grad(self, flat: torch.Tensor, w: int, step: int) -> torch.Tensor:
+        x, y = self._batch(w, step)
+        p = flat.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(functional_call(self.model, self._params(p), (x,)), y)
+        (g,) = torch.autograd.grad(loss, p)
+        return g
+
+    # -- hooks the simulated methods call ------------------------------------------------------------
+    def snapshot(self, w: int) -> None:
+        """Remember x_w as it is now: the gradient of this iteration is taken there (asynchronous methods)."""
+        self._snap[w] = self.X[w].clone()
+
+    def gradient(self, w: int, step: int, at_snapshot: bool = False) -> torch.Tensor:
+        flat = self._snap.pop(w) if at_snapshot and w in self._snap else self.X[w]
+        return self._grad(flat, w, step)
+
+    def apply(self, w: int, grad: torch.Tensor, scale: float = 1.0) -> None:
+        buf = self.M[w]
+        buf.mul_(self.config.momentum).add_(grad)
+        self.X[w].add_(buf, alpha=-self.config.lr * scale)
+
+    def local_step(self, w: int, step: int, scale: float = 1.0) -> None:
+        self.apply(w, self.gradient(w, step), scale)
+
+    def average(self, members: Sequence[int]) -> None:
+        idx = torch.as_tensor(list(members))
+        self.X[idx] = self.X[idx].mean(dim=0)
+
+    def allreduce_step(self, members: Sequence[int], step: int) -> None:
+        grad = torch.stack([self._grad(self.X[w], w, step) for w in members]).mean(dim=0)
+        for w in members:
+            self.apply(w, grad)
+
+    def server_apply(self, grads: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+        if grads:
+            self.apply(self.n, torch.stack(list(grads)).mean(dim=0), scale)
+
+    def pull(self, w: int) -> None:
+        self.X[w].copy_(self.X[self.n])
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def reached(self, w: int, step: int, now_s: float) -> None:
+        """Worker ``w`` finished ``step`` (0-based) at ``now_s``: take part in that evaluation point."""
+        done = step + 1
+        if done % self.eval_every and done != self.steps:
+            return
+        entry = self._pending.setdefault(done, [0, torch.zeros_like(self.X[0]), 0.0])
+        entry[0] += 1
+        entry[1].add_(self.X[w])
+        entry[2] = max(entry[2], now_s)
+        if entry[0] == self.n:
+            del self._pending[done]
+            acc = self.accuracy(entry[1] / self.n)
+            self.history.append({"wall_s": entry[2], "step": done, "accuracy": acc})
+
+    @torch.no_grad()
+    def accuracy(self, flat: torch.Tensor) -> float:
+        out = functional_call(self.model, self._params(flat), (self.data.test_x,))
+        return float((out.argmax(dim=1) == self.data.test_y).float().mean())
+
+    def results(self) -> dict[str, Any]:
+        workers = self.X[: self.n]
+        mean = workers.mean(dim=0)
+        consensus = float(torch.linalg.vector_norm(workers - mean, dim=1).mean())
+        target = self.config.target_accuracy
+        history = sorted(self.history, key=lambda h: h["step"])
+        return {
+            "test_accuracy": self.accuracy(mean),
+            "eval_history": history,
+            "consensus_distance": consensus if math.isfinite(consensus) else None,
+            "time_to_target_s": next((h["wall_s"] for h in history if target is not None and h["accuracy"] >= target),
+                                     None),
+        }
+
+
+def make_math(mode: str, nproc: int, steps: int, config: MathConfig) -> NoMath:
+    """``none`` (timing only) or ``real`` (real parameters); an unknown mode lists the valid ones."""
+    if mode == "none":
+        return NoMath()
+    if mode == "real":
+        return RealMath(nproc, steps, config)
+    raise unknown_choice("math mode", mode, MATH_MODES)

@@ -1,0 +1,161 @@
+"""What every simulated method shares: the clock, the workers' compute times and logs, groups meeting.
+
+One :class:`World` per simulated run. A method (:mod:`prague.sim.methods`) starts one process per worker
+on ``world.engine``; each process calls :meth:`World.compute_s` for the length of its compute, and
+:meth:`World.record` once per iteration with the same split the runtime's
+:class:`~prague.train.trainer.DistributedTrainer` writes (compute, communication, waiting), so the
+throughput and no-wait limit of :mod:`prague.metrics.summary` apply unchanged.
+
+Compute: ``cluster.compute_s x speed(rank) x jitter x scenario.slowdown(rank, step, n)``. The slowdown
+is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same slow iterations as a
+real run), and the jitter is a pure function of (seed, rank, step) drawn from the same counter-based
+hash, so a run does not depend on event order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from statistics import NormalDist
+from typing import Any
+
+from prague.groups.api import Topology
+from prague.hetero.spec import Scenario, uniform
+from prague.metrics.summary import WorkerTiming
+from prague.sim.cluster import Cluster
+from prague.sim.costs import Fabric
+from prague.sim.engine import Engine, Signal
+from prague.sim.math import NoMath
+
+_JITTER_STREAM = 7
+_STD_NORMAL = NormalDist()
+
+
+def jitter(dist: str, cv: float, u: float) -> float:
+    """A multiplier of mean 1 and coefficient of variation ``cv`` from a uniform draw ``u`` in [0, 1)."""
+    if cv == 0.0 or dist == "constant":
+        return 1.0
+    if dist == "uniform":
+        return 1.0 + cv * math.sqrt(3.0) * (2.0 * u - 1.0)
+    z = _STD_NORMAL.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
+    if dist == "normal":
+        return max(0.05, 1.0 + cv * z)  # truncated far in the tail: a compute time is never <= 0
+    sigma2 = math.log1p(cv * cv)  # lognormal
+    return math.exp(math.sqrt(sigma2) * z - sigma2 / 2.0)
+
+
+class World:
+    """Clock, cluster, topology, scenario, model size and per-worker logs of one simulated run."""
+
+    def __init__(self, *, cluster: Cluster, topology: Topology, scenario: Scenario, steps: int,
+                 state_bytes: float, seed: int, math: NoMath | None = None,
+                 trace: list[tuple[Any, ...]] | None = None) -> None:
+        self.engine = Engine()
+        self.cluster = cluster
+        self.topology = topology
+        self.n = topology.size
+        self.scenario = scenario
+        self.steps = steps
+        self.state_bytes = float(state_bytes)
+        self.seed = seed
+        self.math = math if math is not None else NoMath()
+        self.trace = trace  # when a list: every Group Generator call, in order (tests replay it)
+        self.fabric = Fabric(topology, cluster)
+        self.end_s: list[list[float]] = [[] for _ in range(self.n)]
+        self.compute_log: list[list[float]] = [[] for _ in range(self.n)]
+        self.comm_log: list[list[float]] = [[] for _ in range(self.n)]
+        self.wait_log: list[list[float]] = [[] for _ in range(self.n)]
+        self._meetings: dict[Any, list[Signal]] = {}
+        self.groups_run = 0
+        self.group_members = 0
+        # A communicator cache per worker (LRU by member set), to charge set-up for new member sets.
+        self._comm_cache: list[dict[tuple[int, ...], None]] = [{} for _ in range(self.n)]
+        self.communicators_created = 0
+
+    # -- compute ------------------------------------------------------------------------------------
+    def compute_s(self, rank: int, step: int) -> float:
+        """This worker's compute time at ``step``, slowdowns included."""
+        c = self.cluster
+        base = c.compute_s * (c.speeds[rank % len(c.speeds)] if c.speeds else 1.0)
+        if c.compute_cv > 0.0 and c.compute_dist != "constant":
+            base *= jitter(c.compute_dist, c.compute_cv, uniform(self.seed, rank, step, _JITTER_STREAM))
+        return base * self.scenario.slowdown(rank, step, self.n)
+
+    def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
+        """Log one finished iteration of ``rank`` at the current time."""
+        self.end_s[rank].append(self.engine.now)
+        self.compute_log[rank].append(compute_s)
+        self.comm_log[rank].append(comm_s)
+        self.wait_log[rank].append(wait_s)
+        self.math.reached(rank, len(self.end_s[rank]) - 1, self.engine.now)
+
+    def timings(self) -> list[WorkerTiming]:
+        return [WorkerTiming(end_s=self.end_s[w], compute_s=self.compute_log[w], comm_s=self.comm_log[w],
+                             wait_s=self.wait_log[w]) for w in range(self.n)]
+
+    # -- groups -------------------------------------------------------------------------------------
+    def _setup_s(self, members: tuple[int, ...]) -> float:
+        """Communicator set-up the group pays: the members lacking one for this member set build it."""
+        if self.cluster.preduce_setup_s == 0.0:
+            return 0.0
+        missing = False
+        cap = self.cluster.comm_cache
+        for m in members:
+            cache = self._comm_cache[m]
+            if members in cache:
+                del cache[members]  # re-insert below: most recently used last
+            else:
+                missing = True
+                if len(cache) >= cap:
+                    del cache[next(iter(cache))]
+            cache[members] = None
+        if missing:
+            self.communicators_created += 1
+            return self.cluster.preduce_setup_s
+        return 0.0
+
+    def meet(self, key: Any, members: tuple[int, ...], size_bytes: float | None = None,
+             on_done: Callable[[tuple[int, ...]], None] | None = None,
+             cost_s: Callable[[float], float] | None = None) -> Signal:
+        """Join the ring all-reduce ``key`` over ``members``; the returned signal fires when it completes.
+
+        Blocking semantics of the runtime: it starts when the last member joins and takes the ring's
+        alpha-beta time on its bottleneck link, shared with groups already running on the same nodes
+        (:class:`~prague.sim.costs.Fabric`), plus communicator set-up for a member set new to a member.
+        ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``on_done(members)``
+        runs at completion, before anyone resumes (the group average, in real-arithmetic mode).
+        """
+        sig = Signal(self.engine)
+        waiting = self._meetings.get(key)
+        if waiting is None:
+            waiting = self._meetings[key] = []
+        waiting.append(sig)
+        if len(waiting) == len(members):
+            del self._meetings[key]
+            self._start_group(members, waiting, self.state_bytes if size_bytes is None else size_bytes,
+                              on_done, cost_s)
+        return sig
+
+    def _start_group(self, members: tuple[int, ...], signals: list[Signal], size_bytes: float,
+                     on_done: Callable[[tuple[int, ...]], None] | None,
+                     cost_s: Callable[[float], float] | None) -> None:
+        ring_s, token = self.fabric.start(members, size_bytes)
+        if cost_s is not None:
+            ring_s = cost_s(ring_s)
+        duration = ring_s + self._setup_s(members)
+        self.groups_run += 1
+        self.group_members += len(members)
+
+        def done(_: Any) -> None:
+            self.fabric.end(token)
+            if on_done is not None:
+                on_done(members)
+            for s in signals:
+                s.fire()
+
+        self.engine.after(duration, done)
+
+    @property
+    def open_meetings(self) -> int:
+        """Groups some member joined but not all (non-zero at the end means a deadlock)."""
+        return len(self._meetings)

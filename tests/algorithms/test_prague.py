@@ -1,0 +1,108 @@
+"""``prague`` (every generator) and ``dssync`` end to end: real processes, the real GG service."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prague.algorithms.dssync import dssync_groups
+from prague_testing import run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_eight_workers_smart_200_iterations_finish(tmp_path: Path) -> None:
+    out = tmp_path / "smart8"
+    res = run_cli("run", "--algorithm", "prague:smart", "--nproc", "8", "--steps", "200", "--model", "mlp",
+                  "--slowdown", "paper:5", "--compute", "emulated", "--compute-ms", "2", "--out", str(out), "--quiet",
+                  timeout_s=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert (s["algorithm"], s["variant"], s["steps"]) == ("prague", "smart", 200)
+    for worker in s["algorithm_stats"]:
+        assert worker["groups_run"] >= 200  # one group per step, plus groups committed before leaving
+        assert worker["preduces"] + worker["local_steps"] == worker["groups_run"]
+    gg = s["algorithm_stats"][0]["generator_stats"]
+    assert gg["requests"] >= 200 and gg["divisions"] >= 1
+
+
+@pytest.mark.parametrize("variant", ["static", "random", "ready"])
+def test_each_generator_trains_digits(tmp_path: Path, variant: str) -> None:
+    out = tmp_path / variant
+    res = run_cli("run", "--algorithm", f"prague:{variant}", "--nproc", "4", "--steps", "120", "--model", "mlp",
+                  "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert s["variant"] == variant
+    assert s["test_accuracy"] > 0.85
+    assert s["consensus_distance"] < 1.0  # replicas stay close to their average
+    assert sum(w["preduces"] for w in s["algorithm_stats"]) > 0
+
+
+def test_dssync_trains_and_partitions_are_shared() -> None:
+    for step in range(50):
+        groups = dssync_groups(step, 7, 3, seed=1)
+        ranks = sorted(r for g in groups for r in g)
+        assert ranks == list(range(7)) and all(len(g) >= 2 for g in groups)
+        assert groups == dssync_groups(step, 7, 3, seed=1)
+    assert dssync_groups(0, 8, 2, 1) != dssync_groups(1, 8, 2, 1)
+
+
+def test_dssync_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    res = run_cli("run", "--algorithm", "dssync", "--nproc", "4", "--group-size", "2", "--steps", "100",
+                  "--model", "mlp", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert s["test_accuracy"] > 0.85
+    assert all(w["preduces"] == 100 for w in s["algorithm_stats"])
+
+
+def test_prague_under_torchrun_starts_its_own_service(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun not installed beside this Python")
+    out = tmp_path / "tr"
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "3", "-m", "prague", "worker", "--algorithm",
+           "prague:smart", "--steps", "30", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert s["nproc"] == 3 and s["algorithm_stats"][0]["generator_stats"]["requests"] >= 30
+
+
+def test_external_group_generator_via_gg_serve(tmp_path: Path) -> None:
+    ready = tmp_path / "gg.addr"
+    env = {**os.environ, "PRAGUE_GG_TOKEN": "s3cret"}
+    server = subprocess.Popen([sys.executable, "-m", "prague", "gg", "serve", "--nproc", "3", "--generator", "ready",
+                               "--ready-file", str(ready)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "gg serve did not start"
+            time.sleep(0.1)
+        out = tmp_path / "ext"
+        res = run_cli("run", "--algorithm", "prague", "--gg-address", ready.read_text().strip(), "--nproc", "3",
+                      "--steps", "25", "--out", str(out), "--quiet", env={"PRAGUE_GG_TOKEN": "s3cret"})
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert _summary(out)["algorithm_stats"][0]["generator_stats"]["requests"] >= 25
+        bad = run_cli("run", "--algorithm", "prague", "--gg-address", ready.read_text().strip(), "--nproc", "2",
+                      "--steps", "5", "--out", str(tmp_path / "bad"), "--quiet", "--gg-timeout-s", "20",
+                      env={"PRAGUE_GG_TOKEN": "wrong"})
+        assert bad.returncode == 1 and "token" in bad.stderr.lower()
+        assert server.poll() is None  # a rejected client does not take the service down
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
