@@ -10,7 +10,7 @@ launched, so the time backward spent waiting on communication can be reported.
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at run time.
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from prague.errors import ConfigError
 
 @dataclass(frozen=True)
 class AllReduceOptions:
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = field(default=25.0, metadata={"help": "DDP gradient bucket size"})
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:

@@ -10,7 +10,7 @@ order, which rules out deadlock. A new shuffle each iteration mixes the replicas
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from prague.groups.smart import chunk
 @dataclass(frozen=True)
 class DSSyncOptions:
     group_size: int = 3
-    shuffle_seed: int = 0
+    shuffle_seed: int = field(default=0, metadata={"help": "seed of the shared per-iteration shuffles"})
     comm_cache: int = 64
 
     def __post_init__(self) -> None:

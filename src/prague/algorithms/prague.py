@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +45,15 @@ MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
 @dataclass(frozen=True)
 class PragueOptions:
-    generator: str = "ready"
-    group_size: int = 3
-    delta_c: int = 4
-    nodes: int = 1
-    window_ms: float = 50.0
-    gg_address: str = ""
-    gg_timeout_s: float = 300.0
-    comm_cache: int = 64
-    gg_seed: int = 0
+    generator: str = field(default="ready", metadata={"help": "group generator: static, smart, random, ready"})
+    group_size: int = field(default=3, metadata={"help": "workers per group (smart, random, ready; dssync's k)"})
+    delta_c: int = field(default=4, metadata={"help": "smart's threshold: join only if c_w > c_i - delta_c"})
+    nodes: int = field(default=1, metadata={"help": "topology: nodes (nproc must be a multiple)"})
+    window_ms: float = field(default=50.0, metadata={"help": "ready: how long a request waits for partners"})
+    gg_address: str = field(default="", metadata={"help": "host:port of a running `prague gg serve` (token from $PRAGUE_GG_TOKEN)"})
+    gg_timeout_s: float = field(default=300.0, metadata={"help": "timeout of one group generator call"})
+    comm_cache: int = field(default=64, metadata={"help": "members-only communicators kept (LRU)"})
+    gg_seed: int = field(default=0, metadata={"help": "seed of the group generator (0: the run's --seed)"})
 
     def __post_init__(self) -> None:
         if self.generator not in GENERATORS:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from prague.algorithms.adpsgd import ADPSGD
 from prague.algorithms.allreduce import AllReduce
 from prague.algorithms.api import Algorithm
 from prague.algorithms.dssync import DSSync
 from prague.algorithms.prague import Prague
+from prague.algorithms.ps import ParameterServer
+from prague.algorithms.ps_eager import EagerParameterServer
 from prague.errors import ConfigError, unknown_choice
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     AllReduce.name: AllReduce,
     Prague.name: Prague,
     DSSync.name: DSSync,
+    ParameterServer.name: ParameterServer,
+    EagerParameterServer.name: EagerParameterServer,
+    ADPSGD.name: ADPSGD,
 }
 
 

@@ -21,8 +21,10 @@ for the buffer part (buffers have no gradient; the shard averages them, see
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -115,3 +117,12 @@ class Reply:
     def decode(cls, header: torch.Tensor) -> "Reply":
         v, tau, acc, wait = (int(x) for x in header.tolist())
         return cls(v, tau, bool(acc), wait)
+
+
+def shard_argv(shard: int, shards: int, nproc: int, mode: str, staleness_lr: str, max_staleness: int,
+               timeout_s: float, ready_file: Path, exit_when_done: bool) -> list[str]:
+    """The command that runs one shard, :mod:`prague.comm.ps_server` (for the launcher, or rank 0 under torchrun)."""
+    argv = [sys.executable, "-m", "prague.comm.ps_server", "--shard", str(shard), "--shards", str(shards),
+            "--nproc", str(nproc), "--mode", mode, "--staleness-lr", staleness_lr,
+            "--max-staleness", str(max_staleness), "--timeout-s", str(timeout_s), "--ready-file", str(ready_file)]
+    return argv + (["--exit-when-done"] if exit_when_done else [])

@@ -40,6 +40,7 @@ It reads the job's store address from ``MASTER_ADDR``/``MASTER_PORT`` and connec
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -321,7 +322,7 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
             reply(r, out if out is not None else state.values)
         elif op == OP_BYE:
             r = state.finish(worker)
-            store.set(stats_key(shard, worker), _json(state.stats(worker)))
+            store.set(stats_key(shard, worker), json.dumps(state.stats(worker)))
             reply(r, state.values)  # final: nothing changes any more
             break
         else:
@@ -331,12 +332,6 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
             pg.shutdown()
         except Exception:  # noqa: BLE001 - the peer may already be gone; nothing left to send
             pass
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj)
 
 
 def serve(state: ShardState, store: dist.Store, shard: int, timeout: timedelta) -> None:
@@ -358,15 +353,6 @@ def serve(state: ShardState, store: dist.Store, shard: int, timeout: timedelta) 
         t.start()
     for t in threads:
         t.join()
-
-
-def shard_argv(shard: int, shards: int, nproc: int, mode: str, staleness_lr: str, max_staleness: int,
-               timeout_s: float, ready_file: Path, exit_when_done: bool) -> list[str]:
-    """The command that runs one shard (used by the launcher's service spec and by rank 0 under torchrun)."""
-    argv = [sys.executable, "-m", "prague.comm.ps_server", "--shard", str(shard), "--shards", str(shards),
-            "--nproc", str(nproc), "--mode", mode, "--staleness-lr", staleness_lr,
-            "--max-staleness", str(max_staleness), "--timeout-s", str(timeout_s), "--ready-file", str(ready_file)]
-    return argv + (["--exit-when-done"] if exit_when_done else [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

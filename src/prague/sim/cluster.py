@@ -12,6 +12,7 @@ TOML layout (every key optional; units are in the key names)::
 
     [compute]                 # per-iteration compute of one worker: forward, backward, optimizer step
     time_ms = 45.0
+    overhead_ms = 0.0         # per-iteration time that slowdowns do not scale (framework work)
     distribution = "normal"   # constant | uniform | normal | lognormal
     cv = 0.03                 # coefficient of variation of the per-iteration draw
     speeds = [1.0, 1.0, 0.5]  # optional per-rank time multipliers, cycled over the ranks
@@ -94,14 +95,16 @@ class Link:
 class Cluster:
     """Everything the cost model needs besides the topology and the model size; see the module docstring.
 
-    ``compute_s`` is the nominal per-iteration compute time; each iteration of worker r draws
-    ``compute_s * speeds[r % len(speeds)] * jitter`` (jitter of mean 1 from ``compute_dist`` with
-    coefficient of variation ``compute_cv``), and the scenario's slowdown multiplies that, exactly as the
-    runtime's emulated compute multiplies its nominal time.
+    ``compute_s`` is the nominal per-iteration compute time. Iteration k of worker r takes
+    ``(compute_s * speeds[r % len(speeds)] * slowdown(r, k) + compute_overhead_s) * jitter``: the
+    scenario's slowdown scales the nominal time, as the runtime's emulated compute does (its sleep is
+    stretched, the framework's own work is not), and the jitter (mean 1, coefficient of variation
+    ``compute_cv``, distribution ``compute_dist``) applies to the whole.
     """
 
     name: str = "custom"
     compute_s: float = 0.1
+    compute_overhead_s: float = 0.0
     compute_dist: str = "constant"
     compute_cv: float = 0.0
     speeds: tuple[float, ...] = ()
@@ -135,7 +138,7 @@ class Cluster:
             raise ConfigError(f"cluster server must be a Link or None, got {self.server!r}")
         object.__setattr__(self, "allreduce_exposed",
                            _positive("allreduce exposed_fraction", self.allreduce_exposed, allow_zero=True))
-        for name in ("preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s"):
+        for name in ("compute_overhead_s", "preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s"):
             object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
         if isinstance(self.comm_cache, bool) or not isinstance(self.comm_cache, int) or self.comm_cache < 1:
             raise ConfigError(f"cluster preduce cache must be an integer >= 1, got {self.comm_cache!r}")
@@ -161,6 +164,7 @@ class Cluster:
         return {
             "name": self.name,
             "compute_ms": self.compute_s * 1e3,
+            "compute_overhead_ms": self.compute_overhead_s * 1e3,
             "compute_distribution": self.compute_dist,
             "compute_cv": self.compute_cv,
             "speeds": list(self.speeds),
@@ -231,7 +235,7 @@ def _link(table: dict[str, Any], base: Link, where: str, source: str) -> Link:
 
 _KEYS = {
     "": {"name", "compute", "links", "allreduce", "preduce", "gg", "ps", "network"},
-    "compute": {"time_ms", "distribution", "cv", "speeds"},
+    "compute": {"time_ms", "overhead_ms", "distribution", "cv", "speeds"},
     "links": {"intra", "inter"},
     "allreduce": {"exposed_fraction"},
     "preduce": {"setup_ms", "cache"},
@@ -270,6 +274,7 @@ def cluster_from_dict(data: dict[str, Any], base: Cluster = Cluster(), source: s
         return Cluster(
             name=str(data.get("name", base.name)),
             compute_s=scaled(compute, "time_ms", base.compute_s, 1e-3),
+            compute_overhead_s=scaled(compute, "overhead_ms", base.compute_overhead_s, 1e-3),
             compute_dist=compute.get("distribution", base.compute_dist),
             compute_cv=compute.get("cv", base.compute_cv),
             speeds=tuple(compute.get("speeds", base.speeds)),

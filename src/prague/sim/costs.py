@@ -9,7 +9,7 @@ Pure formulas first (they are what the tests check the simulator against):
 
   The slowest link is the inter-node one as soon as the members span two nodes (a ring ordered by node
   crosses each node's network card once in each direction), the intra-node one otherwise;
-* a point-to-point transfer: ``alpha + m / beta``;
+* a point-to-point transfer: ``alpha + m / beta`` (AD-PSGD's exchange is two of them, one each way);
 * a queue with one server (the PS's network card, the Group Generator's thread): a job that arrives at
   ``t`` starts at ``max(t, free_at)``; this is where parameter-server incast and GG load come from.
 
@@ -21,6 +21,7 @@ of fair sharing that keeps one event per group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prague.groups.api import Topology
@@ -35,6 +36,12 @@ def ring_allreduce_s(members: int, size_bytes: float, link: Link, bandwidth_shar
         return 0.0
     steps = 2 * (members - 1)
     return steps * link.latency_s + steps * size_bytes / (members * link.bandwidth_bytes_per_s * bandwidth_share)
+
+
+def exchange_s(members: int, size_bytes: float, link: Link, bandwidth_share: float = 1.0) -> float:
+    """AD-PSGD's pairwise exchange: the active's values to the passive, then the mean back (two messages
+    of ``size_bytes``, one after the other)."""
+    return 2.0 * (link.latency_s + size_bytes / (link.bandwidth_bytes_per_s * bandwidth_share))
 
 
 def spans_nodes(members: tuple[int, ...], topology: Topology) -> bool:
@@ -76,8 +83,14 @@ class Fabric:
         self.bus = [0] * topology.nodes  # running single-node groups on each node's intra-node fabric
         self.max_share_denominator = 1
 
-    def start(self, members: tuple[int, ...], size_bytes: float) -> tuple[float, tuple[str, tuple[int, ...]]]:
-        """Begin a ring over ``members``; return its duration and a token for :meth:`end`."""
+    def start(self, members: tuple[int, ...], size_bytes: float,
+              cost: Callable[[int, float, Link, float], float] | None = None,
+              ) -> tuple[float, tuple[str, tuple[int, ...]]]:
+        """Begin a transfer among ``members``; return its duration and a token for :meth:`end`.
+
+        ``cost(members, size_bytes, link, bandwidth_share)`` gives the duration; the default is the ring
+        all-reduce, :func:`ring_allreduce_s`.
+        """
         wpn = self.topology.workers_per_node
         if spans_nodes(members, self.topology):
             nodes = tuple(sorted({m // wpn for m in members}))
@@ -92,7 +105,8 @@ class Fabric:
             worst = max(loads[node] for node in nodes)
             self.max_share_denominator = max(self.max_share_denominator, worst)
             share = 1.0 / worst
-        return ring_allreduce_s(len(members), size_bytes, link, share), (kind, nodes)
+        duration = (cost or ring_allreduce_s)(len(members), size_bytes, link, share)
+        return duration, (kind, nodes)
 
     def end(self, token: tuple[str, tuple[int, ...]]) -> None:
         kind, nodes = token

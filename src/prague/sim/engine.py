@@ -15,8 +15,8 @@ Contract:
   its inputs: the same seed gives the same event order, bit for bit.
 * A *process* is a generator driven by :meth:`Engine.process`. It yields either a ``float`` (sleep that
   many simulated seconds; ``0.0`` yields the turn to events already due) or a :class:`Signal` (sleep
-  until someone calls :meth:`Signal.fire`; the process resumes with the fired value). A generator that
-  returns ends the process.
+  until someone calls :meth:`Signal.fire`; the process resumes with the fired value, inside the
+  ``fire`` call). A generator that returns ends the process.
 * Nothing here knows about workers, links or methods (see :mod:`prague.sim.methods`).
 """
 
@@ -32,11 +32,13 @@ Process = Generator["float | Signal", Any, None]
 
 
 class Signal:
-    """A one-shot wake-up for one waiting process (or a callback), carrying a value.
+    """A one-shot wake-up for one waiting process (or callback), carrying a value.
 
-    ``fire(value)`` resumes the waiter at the current simulated time (scheduled, not called inline, so
-    the firing code finishes first). Firing before anyone waits is fine: the waiter resumes at once
-    when it yields the signal.
+    ``fire(value)`` resumes the waiter *inside the caller*, at the current simulated time: the waiter
+    runs until its next yield before ``fire`` returns. That saves an event per wake-up (the simulator
+    wakes every worker several times per iteration), and is safe because a simulated worker always
+    yields a delay or a new signal before it could wake anyone else. Firing before anyone waits is
+    fine: the waiter resumes at once (as a new event) when it yields the signal.
     """
 
     __slots__ = ("_engine", "_waiter", "_fired", "_value")
@@ -56,8 +58,14 @@ class Signal:
             raise RuntimeError("a Signal fires once; make a new one for the next wake-up")
         self._fired = True
         self._value = value
-        if self._waiter is not None:
-            self._engine.after(0.0, self._waiter, value)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter(value)
+
+    def fire_after(self, delay_s: float, value: Any = None) -> None:
+        """``fire(value)`` ``delay_s`` seconds from now (one event)."""
+        self._engine.after(delay_s, self.fire, value)
 
     def _wait(self, resume: Callable[[Any], None]) -> None:
         if self._fired:

@@ -70,7 +70,10 @@ class NoMath:
 
     def server_apply(self, grads: Sequence[Any], scale: float = 1.0) -> None: ...
 
-    def pull(self, w: int) -> None: ...
+    def server_values(self) -> Any:
+        return None
+
+    def install(self, w: int, values: Any) -> None: ...
 
     def reached(self, w: int, step: int, now_s: float) -> None: ...
 
@@ -165,8 +168,13 @@ class RealMath(NoMath):
         if grads:
             self.apply(self.n, torch.stack(list(grads)).mean(dim=0), scale)
 
-    def pull(self, w: int) -> None:
-        self.X[w].copy_(self.X[self.n])
+    def server_values(self) -> torch.Tensor:
+        """A copy of the server's values now (what a pull answered now carries)."""
+        return self.X[self.n].clone()
+
+    def install(self, w: int, values: torch.Tensor) -> None:
+        """Worker ``w`` takes pulled ``values`` as its parameters."""
+        self.X[w].copy_(values)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def reached(self, w: int, step: int, now_s: float) -> None:

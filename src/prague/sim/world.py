@@ -6,42 +6,46 @@ on ``world.engine``; each process calls :meth:`World.compute_s` for the length o
 :class:`~prague.train.trainer.DistributedTrainer` writes (compute, communication, waiting), so the
 throughput and no-wait limit of :mod:`prague.metrics.summary` apply unchanged.
 
-Compute: ``cluster.compute_s x speed(rank) x jitter x scenario.slowdown(rank, step, n)``. The slowdown
+Compute: ``(cluster.compute_s x speed(rank) x scenario.slowdown(rank, step, n) + overhead) x jitter``
+(see :class:`~prague.sim.cluster.Cluster`). The slowdown
 is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same slow iterations as a
-real run), and the jitter is a pure function of (seed, rank, step) drawn from the same counter-based
-hash, so a run does not depend on event order.
+real run). The jitter comes from one seeded generator per worker (all its steps drawn up front), so a
+worker's compute times depend only on (seed, rank, step), never on the order of events.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from statistics import NormalDist
 from typing import Any
 
+import numpy as np
+
 from prague.groups.api import Topology
-from prague.hetero.spec import Scenario, uniform
+from prague.hetero.spec import Scenario
 from prague.metrics.summary import WorkerTiming
 from prague.sim.cluster import Cluster
 from prague.sim.costs import Fabric
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
 
-_JITTER_STREAM = 7
-_STD_NORMAL = NormalDist()
 
 
-def jitter(dist: str, cv: float, u: float) -> float:
-    """A multiplier of mean 1 and coefficient of variation ``cv`` from a uniform draw ``u`` in [0, 1)."""
+def jitter_draws(dist: str, cv: float, seed: int, rank: int, steps: int) -> list[float] | None:
+    """``steps`` multipliers of mean 1 and coefficient of variation ``cv`` for one worker, from a
+    generator seeded by (seed, rank) only; ``None`` when there is no jitter."""
     if cv == 0.0 or dist == "constant":
-        return 1.0
+        return None
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, rank, 0x5EED])
     if dist == "uniform":
-        return 1.0 + cv * math.sqrt(3.0) * (2.0 * u - 1.0)
-    z = _STD_NORMAL.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
-    if dist == "normal":
-        return max(0.05, 1.0 + cv * z)  # truncated far in the tail: a compute time is never <= 0
-    sigma2 = math.log1p(cv * cv)  # lognormal
-    return math.exp(math.sqrt(sigma2) * z - sigma2 / 2.0)
+        half = cv * math.sqrt(3.0)
+        draws = rng.uniform(1.0 - half, 1.0 + half, steps)
+    elif dist == "normal":
+        draws = np.maximum(rng.normal(1.0, cv, steps), 0.05)  # truncated far in the tail: times stay > 0
+    else:  # lognormal of mean 1
+        sigma = math.sqrt(math.log1p(cv * cv))
+        draws = rng.lognormal(-sigma * sigma / 2.0, sigma, steps)
+    return draws.tolist()
 
 
 class World:
@@ -71,15 +75,21 @@ class World:
         # A communicator cache per worker (LRU by member set), to charge set-up for new member sets.
         self._comm_cache: list[dict[tuple[int, ...], None]] = [{} for _ in range(self.n)]
         self.communicators_created = 0
+        self._base_s = [cluster.compute_s * cluster.speed(w) for w in range(self.n)]
+        self._overhead_s = cluster.compute_overhead_s
+        self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
+        self._slow = not scenario.is_homogeneous
+        self._math_on = self.math.enabled
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:
-        """This worker's compute time at ``step``, slowdowns included."""
-        c = self.cluster
-        base = c.compute_s * (c.speeds[rank % len(c.speeds)] if c.speeds else 1.0)
-        if c.compute_cv > 0.0 and c.compute_dist != "constant":
-            base *= jitter(c.compute_dist, c.compute_cv, uniform(self.seed, rank, step, _JITTER_STREAM))
-        return base * self.scenario.slowdown(rank, step, self.n)
+        """This worker's compute time at ``step`` (0 <= step < steps), slowdowns included."""
+        t = self._base_s[rank]
+        if self._slow:
+            t *= self.scenario.slowdown(rank, step, self.n)
+        t += self._overhead_s
+        jitter = self._jitter[rank]
+        return t if jitter is None else t * jitter[step]
 
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
@@ -87,7 +97,8 @@ class World:
         self.compute_log[rank].append(compute_s)
         self.comm_log[rank].append(comm_s)
         self.wait_log[rank].append(wait_s)
-        self.math.reached(rank, len(self.end_s[rank]) - 1, self.engine.now)
+        if self._math_on:
+            self.math.reached(rank, len(self.end_s[rank]) - 1, self.engine.now)
 
     def timings(self) -> list[WorkerTiming]:
         return [WorkerTiming(end_s=self.end_s[w], compute_s=self.compute_log[w], comm_s=self.comm_log[w],
@@ -116,12 +127,13 @@ class World:
 
     def meet(self, key: Any, members: tuple[int, ...], size_bytes: float | None = None,
              on_done: Callable[[tuple[int, ...]], None] | None = None,
-             cost_s: Callable[[float], float] | None = None) -> Signal:
+             cost_s: Callable[[float], float] | None = None, setup: bool = True) -> Signal:
         """Join the ring all-reduce ``key`` over ``members``; the returned signal fires when it completes.
 
         Blocking semantics of the runtime: it starts when the last member joins and takes the ring's
         alpha-beta time on its bottleneck link, shared with groups already running on the same nodes
-        (:class:`~prague.sim.costs.Fabric`), plus communicator set-up for a member set new to a member.
+        (:class:`~prague.sim.costs.Fabric`), plus (``setup``) communicator set-up for a member set new
+        to a member.
         ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``on_done(members)``
         runs at completion, before anyone resumes (the group average, in real-arithmetic mode).
         """
@@ -133,16 +145,16 @@ class World:
         if len(waiting) == len(members):
             del self._meetings[key]
             self._start_group(members, waiting, self.state_bytes if size_bytes is None else size_bytes,
-                              on_done, cost_s)
+                              on_done, cost_s, setup)
         return sig
 
     def _start_group(self, members: tuple[int, ...], signals: list[Signal], size_bytes: float,
                      on_done: Callable[[tuple[int, ...]], None] | None,
-                     cost_s: Callable[[float], float] | None) -> None:
+                     cost_s: Callable[[float], float] | None, setup: bool) -> None:
         ring_s, token = self.fabric.start(members, size_bytes)
         if cost_s is not None:
             ring_s = cost_s(ring_s)
-        duration = ring_s + self._setup_s(members)
+        duration = ring_s + (self._setup_s(members) if setup else 0.0)
         self.groups_run += 1
         self.group_members += len(members)
 

@@ -1,0 +1,113 @@
+"""``ps-eager``: an asynchronous parameter server whose pull is decoupled from the push and never waited for.
+
+The "eager pull" variant of the parameter server (DESIGN.md section 1), on the shards and protocol of
+:mod:`prague.algorithms.ps` (Li et al., OSDI 2014) in ``async`` mode. After backward a worker sends its
+push and, at once, posts the pull of the values that follow it; it does not wait for either. The
+answer arrives in a second buffer while the worker computes its next gradient, and is installed
+
+* before the next forward pass if it has already arrived (checked without blocking), else
+* right after the next backward, before that gradient is pushed (it then waits only if the shard has
+  not answered within a whole iteration).
+
+So a worker never waits on the server in the steady state; the price is staleness: a gradient may be
+computed on values one pull older than in plain ``async``. Each push carries the versions its gradient
+was computed on; a shard measures the staleness tau (versions it advanced since) and scales the update's
+learning rate by ``--staleness-lr``: ``inverse`` (default), lr/max(1, tau), as in Zhang, Gupta, Lian,
+Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016; ``exp``; or ``none``.
+``--max-staleness T`` rejects (and counts) any update with tau > T; the worker still receives fresh
+values. Staleness histograms, rejected updates and how often the pull was installed before the forward
+pass are in the run's ``algorithm_stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from prague.algorithms.api import StepTimes
+from prague.algorithms.ps import _BOUND_HELP, _RULE_HELP, ParameterServerBase, _check_common
+from prague.comm.ps_client import PendingReplies
+
+
+@dataclass(frozen=True)
+class PSEagerOptions:
+    ps_shards: int = field(default=1, metadata={"help": "number of server shard processes"})
+    max_staleness: int = field(default=0, metadata={"help": _BOUND_HELP})
+    staleness_lr: str = field(default="inverse", metadata={"help": _RULE_HELP})
+    ps_timeout_s: float = field(default=300.0, metadata={"help": "how long a shard or worker waits for the other side"})
+
+    def __post_init__(self) -> None:
+        _check_common(self.ps_shards, self.max_staleness, self.staleness_lr, self.ps_timeout_s)
+
+
+class _BeforeForward(nn.Module):
+    """Runs ``hook()`` before every forward of ``module`` (the algorithm's hook is a plain closure, so a
+    deepcopy of the wrapped model never drags the algorithm along)."""
+
+    def __init__(self, module: nn.Module, hook: Callable[[], None]) -> None:
+        super().__init__()
+        self.module = module
+        self._hook = hook
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook()
+        return self.module(*args, **kwargs)
+
+
+class EagerParameterServer(ParameterServerBase):
+    """Push, post the pull, keep computing; see the module docstring."""
+
+    name = "ps-eager"
+    Options = PSEagerOptions
+    variant_field = "staleness_lr"
+    eager = True
+
+    @classmethod
+    def shard_mode(cls, options: Any) -> str:
+        return "async"
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        super().setup(model, optimizer)
+        self.incoming = torch.empty_like(self.flat)
+        self.pending: PendingReplies | None = None
+        self.installs_before_forward = 0
+        self.installs_after_backward = 0
+        self.rejections_seen = 0
+
+        def before_forward() -> None:
+            if self.pending is not None and self.pending.done():
+                self._install()
+                self.installs_before_forward += 1
+
+        return _BeforeForward(model, before_forward)
+
+    def _install(self) -> None:
+        """Take the pending answer (waiting for it if need be) as this worker's values."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        replies = self._guard(pending.wait)
+        self.rejections_seen += sum(not r.accepted for r in replies)
+        self._took(replies)
+        self.flat.copy_(self.incoming)
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        bases = list(self.versions)  # the values this gradient was computed on
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            self._install()
+            self.installs_after_backward += 1
+            times.wait_s += time.perf_counter() - t0
+        self.pending = self._push(step, bases, self.incoming)
+
+    def _drain(self) -> None:
+        if self.pending is not None:
+            self._install()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "installs_before_forward": self.installs_before_forward,
+                "installs_after_backward": self.installs_after_backward, "rejections_seen": self.rejections_seen}

@@ -1,0 +1,318 @@
+"""Parameter servers: ``ps`` (sync, async) and ``ps-eager``.
+
+Pure parts (staleness rules, the SGD rule, a shard's state machine) are tested in-process; the rest runs
+the real CLI or ``prague launch`` under hard timeouts, including a shard process killed mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from prague_testing import processes_mentioning, run_cli
+from prague.algorithms.ps import PSOptions, layout_for
+from prague.algorithms.ps_eager import PSEagerOptions
+from prague.comm.ps_protocol import Layout, shard_bounds
+from prague.comm.ps_server import SGDRule, ShardState, accepts, staleness_scale
+from prague.errors import CommError, ConfigError
+from prague.train.data import load_dataset
+from prague.train.models import build_model
+
+pytestmark = pytest.mark.timeout(240)
+
+SHARD_MARKER = "prague.comm.ps_server"
+
+
+# ---------------------------------------------------------------------------------------------- pure
+
+
+def test_staleness_rules() -> None:
+    assert staleness_scale("none", 7, 4) == 1.0
+    assert staleness_scale("inverse", 0, 4) == 1.0 and staleness_scale("inverse", 4, 4) == 0.25
+    assert staleness_scale("exp", 1, 4) == 1.0
+    assert staleness_scale("exp", 5, 4) == pytest.approx(math.exp(-1))
+    with pytest.raises(ConfigError, match="inverse"):
+        staleness_scale("linear", 1, 4)
+    assert accepts(100, 0) and accepts(3, 3) and not accepts(4, 3)
+
+
+def test_options_are_validated_with_the_bad_value() -> None:
+    with pytest.raises(ConfigError, match="'bogus'.*async, sync"):
+        PSOptions(ps_mode="bogus")
+    with pytest.raises(ConfigError, match="-1"):
+        PSEagerOptions(max_staleness=-1)
+    with pytest.raises(ConfigError, match="0"):
+        PSOptions(ps_shards=0)
+    assert PSEagerOptions().staleness_lr == "inverse" and PSOptions().staleness_lr == "none"
+
+
+def test_shard_bounds_cover_the_state() -> None:
+    bounds = shard_bounds(10, 3)
+    assert bounds == [(0, 3), (3, 6), (6, 10)]
+    with pytest.raises(ConfigError):
+        shard_bounds(2, 3)
+
+
+def test_layout_needs_sgd_over_the_model() -> None:
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="Adam"):
+        layout_for(model, torch.optim.Adam(model.parameters()), 8, 8)
+    layout = layout_for(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5, nesterov=True), 8, 8)
+    assert (layout.lr, layout.momentum, layout.nesterov) == (0.1, 0.5, True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
+                                    dict(momentum=0.5, dampening=0.1), dict()])
+def test_sgd_rule_is_torch_sgd_bit_for_bit(kwargs: dict[str, float]) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(50))
+    opt = torch.optim.SGD([ref], lr=0.05, **kwargs)
+    mine = ref.detach().clone()
+    rule = SGDRule(lr=0.05, **kwargs)
+    buf = None
+    for _ in range(4):
+        grad = torch.randn(50)
+        ref.grad = grad.clone()
+        opt.step()
+        buf = rule.step(mine, grad.clone(), buf)
+    assert torch.equal(mine, ref.detach())
+
+
+def _layout(total: int = 6, n_params: int = 4, lr: float = 0.5) -> Layout:
+    return Layout(total, n_params, lr=lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)
+
+
+def test_sync_shard_applies_the_mean_once_all_have_pushed() -> None:
+    state = ShardState("sync", 3, 0, 6, _layout())
+    state.initialize(torch.zeros(6))
+    pushes = [torch.tensor([1.0, 2, 3, 4, 10, 20]) * (w + 1) for w in range(3)]
+    replies: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda w=w: replies.__setitem__(w, state.push(w, 0, pushes[w].clone())))
+               for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert state.version == 1 and len(replies) == 3
+    # mean gradient (x2) times -lr on the parameters; buffers take the mean of the pushed values
+    assert torch.equal(state.values, torch.tensor([-1.0, -2, -3, -4, 20, 40]))
+    assert state.stats(1)["staleness_histogram"] == {"0": 1}
+
+
+def test_sync_shard_fails_when_a_worker_leaves_mid_round() -> None:
+    state = ShardState("sync", 2, 0, 6, _layout(), timeout_s=5)
+    state.initialize(torch.zeros(6))
+    t = threading.Thread(target=lambda: pytest.raises(CommError, state.push, 0, 0, torch.ones(6)))
+    t.start()
+    time.sleep(0.2)
+    with pytest.raises(CommError, match="same number of steps"):
+        state.finish(1)
+    t.join(timeout=10)
+    assert not t.is_alive()
+
+
+def test_async_shard_records_staleness_scales_and_rejects() -> None:
+    state = ShardState("async", 2, 0, 6, _layout(lr=1.0), staleness_lr="inverse", max_staleness=2)
+    state.initialize(torch.zeros(6))
+    out = torch.empty(6)
+    grad = torch.tensor([1.0, 1, 1, 1, 0, 0])
+    assert state.push(0, 0, grad.clone(), out).tau == 0            # v0 -> v1, full step
+    assert state.push(0, 0, grad.clone(), out).tau == 1            # v1 -> v2, full step
+    r = state.push(1, 0, grad.clone(), out)                         # computed on v0, now v2: tau 2, half step
+    assert (r.tau, r.accepted, r.version) == (2, True, 3)
+    assert torch.equal(out[:4], torch.full((4,), -2.5))
+    r = state.push(1, 0, grad.clone(), out)                         # tau 3 > 2: rejected, fresh values anyway
+    assert (r.tau, r.accepted, r.version) == (3, False, 3)
+    assert state.stats(0)["staleness_histogram"] == {"0": 1, "1": 1}
+    assert state.stats(1) == {"staleness_histogram": {"2": 1}, "applied": 1, "rejected": 1, "version": 3}
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _run(out: Path, *args: str, timeout_s: float = 180) -> dict:
+    res = run_cli("run", *args, "--out", str(out), "--quiet", timeout_s=timeout_s)
+    assert res.returncode == 0, res.stderr
+    return _summary(out)
+
+
+def _wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and processes_mentioning(marker):
+        time.sleep(0.2)
+    return processes_mentioning(marker)
+
+
+def test_sync_ps_equals_allreduce_after_ten_steps(tmp_path: Path) -> None:
+    common = ["--nproc", "3", "--steps", "10", "--batch-size", "16", "--seed", "5", "--model", "mlp",
+              "--data", "digits", "--save-model"]
+    _run(tmp_path / "ar", "--algorithm", "allreduce", *common)
+    summary = _run(tmp_path / "ps", "--algorithm", "ps", "--ps-mode", "sync", "--ps-shards", "2", *common)
+    ar, ps = torch.load(tmp_path / "ar" / "model.pt"), torch.load(tmp_path / "ps" / "model.pt")
+    data = load_dataset("digits", seed=5)
+    torch.manual_seed(5)
+    start = build_model("mlp", data.input_shape, data.num_classes).state_dict()
+    moved = 0.0
+    for name, ref in ar.items():
+        torch.testing.assert_close(ps[name], ref, atol=1e-5, rtol=0)
+        moved = max(moved, float((ref - start[name]).abs().max()))
+    assert moved > 1e-3  # training really moved the parameters, so the comparison means something
+    assert summary["consensus_distance"] == pytest.approx(0.0, abs=1e-6)  # everyone pulled the same values
+    for stats in summary["algorithm_stats"]:
+        assert stats["mode"] == "sync" and stats["staleness_histogram"] == {"0": 20}  # 10 pushes x 2 shards
+        assert stats["server_versions"] == [10, 10]
+
+
+def test_async_ps_records_and_bounds_staleness(tmp_path: Path) -> None:
+    summary = _run(tmp_path / "async", "--algorithm", "ps", "--ps-mode", "async", "--max-staleness", "1",
+                   "--nproc", "3", "--steps", "20", "--model", "mlp", "--data", "digits")
+    stats = summary["algorithm_stats"]
+    applied = sum(s["applied"] for s in stats)
+    assert applied + sum(s["rejected"] for s in stats) == 3 * 20
+    assert all(int(t) <= 1 for s in stats for t in s["staleness_histogram"])
+    assert all(s["server_versions"] == [applied] for s in stats)  # every applied update is one version
+    assert summary["consensus_distance"] == pytest.approx(0.0, abs=1e-6)  # the final pull is common
+    assert summary["variant"] == "async"
+
+
+def test_eager_ps_rejects_updates_above_max_staleness(tmp_path: Path) -> None:
+    summary = _run(tmp_path / "eager", "--algorithm", "ps-eager", "--max-staleness", "1",
+                   "--nproc", "3", "--steps", "20", "--model", "mlp", "--data", "digits")
+    stats = summary["algorithm_stats"]
+    rejected = sum(s["rejected"] for s in stats)
+    assert rejected > 0  # a pull lags one push behind, so others' pushes make tau >= 2 regularly
+    assert rejected == sum(s["rejections_seen"] for s in stats)
+    assert all(int(t) <= 1 for s in stats for t in s["staleness_histogram"])
+    assert sum(s["applied"] for s in stats) + rejected == 3 * 20
+    assert summary["test_accuracy"] is not None
+
+
+def test_eight_workers_with_eager_pulls_finish(tmp_path: Path) -> None:
+    summary = _run(tmp_path / "eight", "--algorithm", "ps-eager", "--nproc", "8", "--steps", "5", "--compute", "emulated",
+                   "--compute-ms", "20", "--model", "mlp", "--slowdown", "paper:5", "--ps-shards", "2", timeout_s=200)
+    stats = summary["algorithm_stats"]
+    assert sum(s["applied"] + s["rejected"] for s in stats) == 8 * 5 * 2  # every push reached both shards
+    assert len({tuple(s["server_versions"]) for s in stats}) == 1
+    assert _wait_gone(str(tmp_path / "eight")) == []
+
+
+def _shard_pids(marker: str) -> list[int]:
+    return [p for p in processes_mentioning(marker) if SHARD_MARKER in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def _kill_when_running(marker: str, progress_dir: Path, find: Callable[[str], list[int]]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pids = find(marker)
+        if pids and any(progress_dir.glob("rank*.jsonl")) and all(
+                f.stat().st_size > 0 for f in progress_dir.glob("rank*.jsonl")):
+            os.kill(pids[0], signal.SIGKILL)
+            return
+        time.sleep(0.2)
+    pytest.fail("the run never got going")
+
+
+def test_dead_shard_fails_the_run_clearly(tmp_path: Path) -> None:
+    out = tmp_path / "dies"
+    killer = threading.Thread(target=_kill_when_running, args=(str(out), out / "metrics", _shard_pids))
+    killer.start()
+    t0 = time.monotonic()
+    res = run_cli("run", "--algorithm", "ps", "--ps-mode", "async", "--nproc", "2", "--steps", "100000",
+                  "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--out", str(out), "--quiet",
+                  timeout_s=180)
+    killer.join()
+    assert res.returncode == 1
+    assert "ps-shard-0" in res.stderr or "parameter-server shard 0" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 150
+    assert _wait_gone(str(out)) == []
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    import prague
+
+    algorithm, steps, result = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    ctx = prague.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = prague.wrap(model, opt, algorithm=algorithm, ps_shards=2)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        y = (x[:, 0] > 0).long()
+        trainer.step(lambda m: F.cross_entropy(m(x), y))
+        time.sleep(0.01)
+    trainer.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(flat) for _ in range(ctx.world_size)]
+    dist.all_gather(every, flat)
+    if ctx.rank == 0:
+        spread = max(float((f - every[0]).abs().max()) for f in every)
+        json.dump({"spread": spread, "stats": trainer.stats()}, open(result, "w"))
+    prague.shutdown()
+""")
+
+
+def test_without_launcher_rank0_runs_the_shards(tmp_path: Path) -> None:
+    script, result = tmp_path / "ps_script.py", tmp_path / "result.json"
+    script.write_text(SCRIPT)
+    res = run_cli("launch", "--nproc", "3", str(script), "ps-eager", "15", str(result), timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    outcome = json.loads(result.read_text())
+    assert outcome["spread"] == 0.0  # all ended on the server's final values
+    assert outcome["stats"]["shards"] == 2 and outcome["stats"]["applied"] + outcome["stats"]["rejected"] == 30
+    assert _wait_gone(str(script)) == []
+
+
+def _children_shards(script: str) -> list[int]:
+    workers = set(processes_mentioning(script))
+    found = []
+    for pid in processes_mentioning(SHARD_MARKER):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid in workers:
+            found.append(pid)
+    return found
+
+
+def test_without_launcher_a_dead_shard_fails_the_workers(tmp_path: Path) -> None:
+    script, result = tmp_path / "ps_dies.py", tmp_path / "result.json"
+    script.write_text(SCRIPT)
+    killer_done = threading.Event()
+
+    def kill() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killer_done.is_set():
+            pids = _children_shards(str(script))
+            if pids:
+                time.sleep(3.0)  # let training start
+                os.kill(pids[0], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    res = run_cli("launch", "--nproc", "2", str(script), "ps", "1000000", str(result), timeout_s=150)
+    killer_done.set()
+    killer.join()
+    assert res.returncode == 1
+    assert "parameter-server shard" in res.stderr and "died" in res.stderr, res.stderr
+    assert _wait_gone(str(script)) == []

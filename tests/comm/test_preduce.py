@@ -1,0 +1,323 @@
+"""P-Reduce across real ranks: exact group means, a bounded communicator cache, and failures that stay local.
+
+Every test starts real worker processes joined the way ``prague launch`` joins them: the test process
+hosts the job's ``TCPStore`` (port from the OS) and each rank calls ``prague.init`` with
+``TORCHELASTIC_USE_AGENT_STORE=True``. Ranks are forked from a forkserver that has imported torch once
+(8 fresh interpreters importing torch would take most of the time budget on 2 cores); each is a clean
+process, as with ``spawn``. :func:`run_ranks` puts the ranks under a hard deadline, kills whatever is
+left whatever happens, and fails the test with the failing rank's traceback.
+
+Exactness: a member's input to each P-Reduce is a fresh seeded integer-valued tensor, so the members' sum
+is exact in any order and the mean is rounded once, on the ranks as in the parent: results are compared
+with ``torch.equal``, not a tolerance. (Carrying averaged values from group to group would bring in
+thirds, whose sums depend on the order in which gloo adds them.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import random
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import prague
+from prague.comm.preduce import GroupCommunicators, preduce
+from prague.errors import CommError
+from prague.runtime.context import DistContext
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB_TIMEOUT_S = 40.0  # the job's store and default group; every test deadline below is shorter
+_MP = mp.get_context("forkserver")
+_MP.set_forkserver_preload(["torch", "torch.distributed", "prague", "prague.comm.preduce"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Harness
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
+               results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        ctx = prague.init(backend="gloo", timeout_s=JOB_TIMEOUT_S)
+        # Plain pickle copies tensors; the queue's pickler would share them through this process,
+        # which may be gone by the time the test reads them.
+        results.put((rank, None, pickle.dumps(fn(ctx, *args))))
+    except BaseException:  # noqa: BLE001 - everything goes back to the test, which fails with it
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        prague.shutdown()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 60.0,
+              may_exit: frozenset[int] = frozenset()) -> dict[int, Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    Ranks in ``may_exit`` are allowed to end (with code 0) without a result: a test that kills a peer.
+    The test fails with the tracebacks of the ranks that raised (in the order they reported), or names
+    the ranks still missing after ``deadline_s`` (or 2 s after the first failure: its peers may be
+    stuck waiting for it). Every child is killed and reaped before this returns or raises.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    results = _MP.Queue()
+    procs = [_MP.Process(target=_rank_main, args=(fn, r, world_size, store.port, args, results), daemon=True)
+             for r in range(world_size)]
+    outs: dict[int, Any] = {}
+    errors: list[tuple[int, str]] = []
+    try:
+        for p in procs:
+            p.start()
+        deadline, waited = time.monotonic() + deadline_s, f"within {deadline_s:g} s"
+        while pending := [r for r in range(world_size) if r not in outs and all(r != e for e, _ in errors)]:
+            all_exited = not any(procs[r].is_alive() for r in pending)
+            try:  # once every pending rank has exited, a last report may still be in the pipe
+                rank, tb, out = results.get(timeout=0.5 if all_exited else 0.1)
+            except queue.Empty:
+                if all_exited:
+                    errors.extend((r, f"exited with code {procs[r].exitcode} without a result") for r in pending
+                                  if not (r in may_exit and procs[r].exitcode == 0))
+                    break
+                if time.monotonic() > deadline:
+                    state = ", ".join(f"{r} ({'running' if procs[r].is_alive() else f'exit code {procs[r].exitcode}'})"
+                                      for r in pending)
+                    errors.append((-1, f"no result {waited} from ranks {state}"))
+                    break
+                continue
+            if tb is None:
+                outs[rank] = pickle.loads(out)
+                continue
+            errors.append((rank, tb))
+            if time.monotonic() + 2.0 < deadline:
+                deadline, waited = time.monotonic() + 2.0, f"within 2 s of rank {rank}'s failure"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+    if errors:
+        pytest.fail("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors), pytrace=False)
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared by the ranks and the parent: inputs and the expected outcome
+
+
+def member_input(rank: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Integer-valued input of ``rank`` to the group at ``step`` (exact sums in float32 and float64)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(-1000, 1000, (numel,), generator=g).to(dtype)
+
+
+def initial_buffer(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return member_input(rank, -1, numel, dtype)
+
+
+def expected_snapshots(schedule: list[tuple[int, ...]], world_size: int, numel: int,
+                       dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """Each rank's buffer after each step: the members' mean, or unchanged for a non-member."""
+    state = [initial_buffer(r, numel, dtype) for r in range(world_size)]
+    snaps: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for step, members in enumerate(schedule):
+        total = sum((member_input(r, step, numel, dtype) for r in members), torch.zeros(numel, dtype=dtype))
+        for r in members:
+            state[r] = total / len(members)
+        for r in range(world_size):
+            snaps[r].append(state[r].clone())
+    return snaps
+
+
+def run_schedule(ctx: DistContext, comms: GroupCommunicators, schedule: list[tuple[int, ...]], numel: int,
+                 dtype: torch.dtype, max_skew_s: float = 0.0, seed: int = 0) -> list[torch.Tensor]:
+    """This rank's part of ``schedule`` in its global order; optional random sleeps skew arrival order."""
+    rng = random.Random(seed * 1000 + ctx.rank)
+    buf = initial_buffer(ctx.rank, numel, dtype)
+    snaps = []
+    for step, members in enumerate(schedule):
+        if ctx.rank in members:
+            if max_skew_s and rng.random() < 0.5:
+                time.sleep(rng.uniform(0.0, max_skew_s))
+            buf.copy_(member_input(ctx.rank, step, numel, dtype))
+            preduce(buf, members, comms)
+        snaps.append(buf.clone())
+    return snaps
+
+
+def assert_snapshots(outs: dict[int, dict[str, Any]], schedule: list[tuple[int, ...]], numel: int,
+                     dtype: torch.dtype) -> None:
+    expected = expected_snapshots(schedule, len(outs), numel, dtype)
+    for rank, out in sorted(outs.items()):
+        for step, (got, want) in enumerate(zip(out["snaps"], expected[rank], strict=True)):
+            assert torch.equal(got, want), (
+                f"rank {rank} after step {step} (group {schedule[step]}): max error {(got - want).abs().max()}")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# (a) random groups in one global order, created in skewed orders
+
+
+def _random_groups_rank(ctx: DistContext, schedule: list[tuple[int, ...]], numel: int) -> dict[str, Any]:
+    comms = GroupCommunicators(ctx, capacity=16, timeout_s=30)
+    snaps = run_schedule(ctx, comms, schedule, numel, torch.float64, max_skew_s=0.05, seed=7)
+    stats = comms.stats
+    comms.close()
+    return {"snaps": snaps, "created": stats.created, "reduces": stats.reduces, "failed": stats.failed}
+
+
+def test_random_groups_give_exact_means_and_leave_non_members_alone() -> None:
+    world, numel = 8, 4096
+    rng = random.Random(12)
+    pool = sorted({tuple(sorted(rng.sample(range(world), rng.randint(2, 4)))) for _ in range(12)})
+    schedule = [rng.choice(pool) for _ in range(30)]  # repeats: cached communicators are reused
+    assert set().union(*schedule) == set(range(world)) and {len(g) for g in schedule} == {2, 3, 4}
+    outs = run_ranks(_random_groups_rank, world, schedule, numel)
+
+    assert_snapshots(outs, schedule, numel, torch.float64)
+    for rank, out in outs.items():
+        mine = [g for g in schedule if rank in g]
+        assert out["reduces"] == len(mine)
+        assert out["created"] == len(set(mine)), "no eviction or failure happened, so each set is built once"
+        assert out["failed"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# (b) a bounded cache whose members evict different sets
+
+
+# Rank 0 is in three sets and must evict with capacity 2; ranks 1-3 are in two sets each and never
+# evict. So rank 0 keeps dropping {0, 1}, {0, 2}, {0, 3} while the peer still holds it: the next use
+# must rebuild on both sides, not pair a fresh communicator with a stale one.
+_EVICTION_SCHEDULE = [(0, 1), (0, 2), (0, 3), (1, 2, 3), (0, 1), (1, 2, 3), (0, 2), (0, 3), (0, 1), (0, 2),
+                      (1, 2, 3), (0, 3), (0, 1)]
+
+
+def _eviction_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20)
+    warm = GroupCommunicators(ctx, capacity=1, timeout_s=20)  # load gloo's lazy parts before counting fds
+    if ctx.rank in (0, 1):
+        preduce(torch.zeros(4), (0, 1), warm)
+    warm.close()
+    fds_before = open_fds()
+    snaps = run_schedule(ctx, comms, _EVICTION_SCHEDULE, numel, torch.float32)
+    fds_held = open_fds() - fds_before
+    s = comms.stats
+    comms.close()
+    return {"snaps": snaps, "created": s.created, "evicted": s.evicted, "failed": s.failed,
+            "reduces": s.reduces, "fds_held": fds_held, "fds_after_close": open_fds() - fds_before}
+
+
+def test_cache_is_bounded_and_eviction_on_one_member_rebuilds_on_all() -> None:
+    numel = 1000
+    outs = run_ranks(_eviction_rank, 4, numel)
+
+    assert_snapshots(outs, _EVICTION_SCHEDULE, numel, torch.float32)
+    r0 = outs[0]
+    uses0 = [g for g in _EVICTION_SCHEDULE if 0 in g]
+    assert r0["evicted"] > 0 and r0["created"] == len(uses0), "rank 0 cycles through 3 sets in 2 slots: every use rebuilds"
+    assert r0["created"] - r0["evicted"] <= 2
+    for rank in (1, 2, 3):
+        assert outs[rank]["evicted"] == 0, "two sets fit in two slots"
+        assert outs[rank]["created"] > 2, f"rank {rank} must rebuild the pair rank 0 evicted"
+    assert all(out["failed"] == 0 for out in outs.values())
+    # Evicted groups are shut down, not left holding sockets: 4-5 rebuilt pairs would hold 20 or more.
+    assert r0["fds_held"] <= 2 * 8, r0
+    assert all(out["fds_after_close"] <= 2 for out in outs.values()), outs
+
+
+# ---------------------------------------------------------------------------------------------------
+# (c) a peer that dies, a peer that is late: the survivor gets CommError and goes on with others
+
+
+FAIL_TIMEOUT_S = 3.0
+# The test orders its steps through the store, so that no rank waits on a peer still busy failing
+# (which would take longer than the short timeout and fail for the wrong reason).
+GAVE_UP_KEY = "test/rank2-gave-up"
+DONE_KEY = "test/rank3-failed"
+AGAIN_KEY = "test/pair-2-3-works-again"
+
+
+def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
+    comms = GroupCommunicators(ctx, capacity=4, timeout_s=FAIL_TIMEOUT_S)
+    rank, out = ctx.rank, {}
+    buf = torch.full((numel,), float(rank))
+
+    def expect_comm_error(members: tuple[int, ...]) -> float:
+        t0 = time.monotonic()
+        with pytest.raises(CommError, match=r"ranks \[" + ", ".join(map(str, members)) + r"\]"):
+            preduce(buf, members, comms)
+        return time.monotonic() - t0
+
+    if rank in (0, 1):
+        preduce(buf, (0, 1), comms)  # built, cached, works
+        out["first"] = buf.clone()
+    if rank == 1:  # dies between the handshake and the collective of its next group
+        comms.get((0, 1))
+        os._exit(0)
+    if rank == 0:
+        out["dead_peer_s"] = expect_comm_error((0, 1))
+        out["failed_after_dead_peer"] = comms.stats.failed
+    if rank == 2:  # rank 3 is late: the handshake times out
+        out["late_peer_s"] = expect_comm_error((2, 3))
+        ctx.store.set(GAVE_UP_KEY, "1")
+    if rank == 3:  # arrives after rank 2 gave up: its own creation times out, so both count the use
+        ctx.store.wait([GAVE_UP_KEY])
+        out["too_late_s"] = expect_comm_error((2, 3))
+        ctx.store.set(DONE_KEY, "1")
+    if rank in (0, 2):  # the survivors work with a new peer
+        ctx.store.wait([GAVE_UP_KEY])
+        buf.fill_(float(10 * rank))
+        preduce(buf, (0, 2), comms)
+        out["new_peer"] = buf.clone()
+    if rank in (2, 3):  # and the pair whose member was late works again once both have seen the failure
+        ctx.store.wait([DONE_KEY])
+        buf.fill_(float(rank))
+        preduce(buf, (2, 3), comms)
+        out["again"] = buf.clone()
+        ctx.store.set(AGAIN_KEY, "1")
+    if rank in (0, 2, 3):
+        ctx.store.wait([AGAIN_KEY])
+        buf.fill_(float(rank))
+        preduce(buf, (0, 2, 3), comms)
+        out["last"] = buf.clone()
+    out["failed"] = comms.stats.failed
+    comms.close()
+    return out
+
+
+def test_failed_group_raises_comm_error_and_later_groups_work() -> None:
+    numel = 256
+    outs = run_ranks(_failure_rank, 4, numel, may_exit=frozenset({1}))
+
+    assert 1 not in outs
+    full = lambda v: torch.full((numel,), v)  # noqa: E731
+    assert torch.equal(outs[0]["first"], full(0.5))
+    # Each survivor saw exactly one failure, within its short timeout (not the job's 40 s).
+    assert outs[0]["failed_after_dead_peer"] == 1
+    assert outs[0]["dead_peer_s"] < FAIL_TIMEOUT_S + 5
+    assert outs[2]["late_peer_s"] < FAIL_TIMEOUT_S + 5
+    assert outs[3]["too_late_s"] < FAIL_TIMEOUT_S + 5
+    assert [outs[r]["failed"] for r in (0, 2, 3)] == [1, 1, 1]
+    assert torch.equal(outs[0]["new_peer"], full(10.0)) and torch.equal(outs[2]["new_peer"], full(10.0))
+    assert torch.equal(outs[2]["again"], full(2.5)) and torch.equal(outs[3]["again"], full(2.5))
+    for r in (0, 2, 3):
+        assert torch.equal(outs[r]["last"], full(5 / 3)), r
