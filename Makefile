@@ -26,6 +26,7 @@ demo: $(VENV)/.installed
 		--nproc 4 --model cnn --data digits --epochs 10 --out runs/demo
 
 test: $(VENV)/.dev-installed
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 clean:

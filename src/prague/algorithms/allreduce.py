@@ -55,7 +55,9 @@ class AllReduce(Algorithm):
             model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
-        self._hook = _HookState(dist.group.WORLD)
+        world = dist.group.WORLD
+        assert world is not None, "init_process_group has run (prague.init) before setup"
+        self._hook = _HookState(world)
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
         # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
         # synchronous collective where a fast rank waits for a slow one. Time it as communication.

@@ -96,10 +96,11 @@ class Scenario:
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError if a term names a rank that does not exist in a job of ``world_size``."""
-        for term in (*self.stragglers, *self.crashes):
-            if term.rank >= world_size:
+        ranks = [s.rank for s in self.stragglers] + [c.rank for c in self.crashes]
+        for rank in ranks:
+            if rank >= world_size:
                 raise ConfigError(
-                    f"scenario {self.text!r} names rank {term.rank}, but the job has only {world_size} "
+                    f"scenario {self.text!r} names rank {rank}, but the job has only {world_size} "
                     f"workers (ranks 0..{world_size - 1}); use a smaller rank or a larger --nproc"
                 )
 

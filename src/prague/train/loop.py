@@ -184,8 +184,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> dict[str, Any] | None:
         return None
 
     timings = [WorkerTiming(**g["timing"]) for g in gathered]
-    name, _, variant = cfg.algorithm.partition(":")
-    variant = variant or trainer.algorithm.variant
+    name = cfg.algorithm.partition(":")[0]
+    variant = trainer.algorithm.variant
     thr = throughput(timings, cfg.batch_size, warmup)
     limit = no_wait_limit(timings, cfg.batch_size, warmup)
     summary: dict[str, Any] = {

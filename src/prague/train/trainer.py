@@ -80,7 +80,7 @@ class DistributedTrainer:
                 options[cls.variant_field] = variant
             algorithm = cls(self.ctx, cls.options_from(options))
         self.algorithm = algorithm
-        self.scenario = parse_scenario(scenario) if isinstance(scenario, str) or scenario is None else scenario
+        self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")
         self.scenario.check_world(self.ctx.world_size)
         self.model = model.to(self.ctx.device)
         self.optimizer = optimizer
