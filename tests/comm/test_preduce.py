@@ -258,7 +258,8 @@ AGAIN_KEY = "test/pair-2-3-works-again"
 
 def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
     comms = GroupCommunicators(ctx, capacity=4, timeout_s=FAIL_TIMEOUT_S)
-    rank, out = ctx.rank, {}
+    rank = ctx.rank
+    out: dict[str, Any] = {}
     buf = torch.full((numel,), float(rank))
 
     def expect_comm_error(members: tuple[int, ...]) -> float:

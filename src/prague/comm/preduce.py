@@ -19,7 +19,8 @@ member publishes the name of the communicator it holds for the set (or none), an
 unless all hold the same one. The k-th use of a member set is the same on every member (global order,
 below), so it names both the handshake's keys and a rebuilt communicator: a replacement never meets the
 store keys or broken pairs of an earlier one. The handshake costs three or four store round trips
-(about 0.15 ms on loopback), small next to moving a model.
+(about 0.15 ms on loopback) plus waiting for the last member, which the collective would wait for
+anyway; ``benchmarks/preduce.py`` measures it.
 
 Ordering: every member must run its groups in one global order (the Group Generator's sequence
 numbers). That total order is what rules out deadlock; this module does not reorder anything.
@@ -27,6 +28,7 @@ numbers). That total order is what rules out deadlock; this module does not reor
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from prague.runtime.context import DistContext
 
 GROUP_STORE_PREFIX = "prague/preduce"
 NONE_HELD = "-"  # handshake value of a member that holds no communicator for the set
+_instances = itertools.count()  # numbers each process's GroupCommunicators, so their store keys never meet
 
 
 @dataclass
@@ -54,20 +57,23 @@ class CommStats:
 
 
 def _backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    # torch's stubs declare these backends as ``Backend``, which (in the stubs) has no collectives.
     if ctx.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)  # type: ignore[return-value]
+    return dist.ProcessGroupGloo(store, rank, size, timeout=timeout)  # type: ignore[return-value]
 
 
 class GroupCommunicators:
     """Members-only communicators, cached by member set (LRU of ``capacity`` entries).
 
-    Only the members of a group call :meth:`get` for it, all at the same point of their global order,
-    and each member calls it once for every occurrence of the group (the handshake counts uses). The
-    call blocks until every member has arrived; a member missing for ``timeout_s`` (default: the job's
-    timeout) or a failed rendezvous raises :class:`CommError` and counts as a failure.
+    Every rank creates its instances in the same order (usually one per process): an instance's store
+    keys are numbered by that order. Only the members of a group call :meth:`get` for it, all at the same
+    point of their global order, and each member calls it once for every occurrence of the group (the
+    handshake counts uses). The call blocks until every member has arrived; a member missing for
+    ``timeout_s`` (default: the job's timeout) or a failed rendezvous raises :class:`CommError` and
+    counts as a failure.
     """
 
     def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None) -> None:
@@ -80,6 +86,7 @@ class GroupCommunicators:
         self.timeout = timedelta(seconds=timeout_s if timeout_s is not None else ctx.timeout_s)
         self._cache: OrderedDict[tuple[int, ...], tuple[str, dist.ProcessGroup]] = OrderedDict()
         self._uses: dict[tuple[int, ...], int] = {}
+        self._prefix = f"{GROUP_STORE_PREFIX}/{next(_instances)}"
         self.stats = CommStats()
 
     def _check(self, members: tuple[int, ...]) -> None:
@@ -96,7 +103,7 @@ class GroupCommunicators:
     def _agree(self, members: tuple[int, ...], use: int, held: str | None) -> bool:
         """Handshake of the ``use``-th occurrence of ``members``: True if every member holds ``held``."""
         store, rank = self.ctx.store, self.ctx.rank
-        base = f"{GROUP_STORE_PREFIX}/{_set_name(members)}/use"
+        base = f"{self._prefix}/{_set_name(members)}/use"
         keys = [f"{base}{use}/{r}" for r in members]
         store.set(keys[members.index(rank)], held or NONE_HELD)
         store.wait(keys, self.timeout)
@@ -121,7 +128,7 @@ class GroupCommunicators:
             del self._cache[members]
             self._shutdown(cached[1])
         t0 = time.perf_counter()
-        name = f"{GROUP_STORE_PREFIX}/{_set_name(members)}/pg{use}"
+        name = f"{self._prefix}/{_set_name(members)}/pg{use}"
         try:
             pg = _backend_group(self.ctx, dist.PrefixStore(name, self.ctx.store), members.index(self.ctx.rank),
                                 len(members), self.timeout)
@@ -165,8 +172,9 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
     """Average ``buffer`` in place over ``members`` (sorted ranks, this rank among them).
 
     Called by every member, at the same point of the global group order. A group of one returns at once.
-    If the operation fails or times out, the communicator is discarded and :class:`CommError` raised;
-    ``buffer`` may then hold a partial result.
+    If a member does not arrive within the communicators' timeout, or the operation fails or times out,
+    the communicator is discarded and :class:`CommError` raised; ``buffer`` may then hold a partial
+    result. The members can form the same group again later: its next use rebuilds the communicator.
     """
     if len(members) == 1:
         return
