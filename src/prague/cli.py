@@ -4,6 +4,8 @@
     prague bench  --algorithms a,b:VARIANT --scenarios homogeneous,paper:5 --nproc N ...
     prague launch --nproc N script.py [script args]     (any script using the prague API)
     prague worker ...                                   (one rank; what torchrun runs)
+    prague simulate --algorithms ... --nproc N --nodes M (the same methods in simulated time)
+    prague gg serve --nproc N --token T                 (a Group Generator service)
 
 Bad input exits with code 2 and a one-line message naming the bad value and the valid choices.
 """
@@ -303,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
+
+    from prague.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
@@ -315,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[2:], prog="prague gg serve")
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench}
+    from prague.sim.cli import cmd_simulate
+
+    handlers = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench,
+                "simulate": cmd_simulate}
     try:
         return handlers[args.command](args)
     except ConfigError as exc:

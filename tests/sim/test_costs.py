@@ -59,7 +59,8 @@ def test_homogeneous_allreduce_run_matches_the_closed_form(nproc: int, nodes: in
                                 model="resnet18", data="synthetic", cluster=cluster, warmup_steps=0))
     link = cluster.inter if nodes > 1 else cluster.intra
     _, state_bytes = model_size("resnet18", "synthetic")
-    iteration_s = 0.05 + 2 * (nproc - 1) * link.latency_s + 2 * (nproc - 1) / nproc * state_bytes / link.bandwidth_bytes_per_s
+    alpha, beta = link.latency_s, link.bandwidth_bytes_per_s
+    iteration_s = 0.05 + 2 * (nproc - 1) * alpha + 2 * (nproc - 1) / nproc * state_bytes / beta
     assert record["wall_s"] == pytest.approx(steps * iteration_s, rel=1e-9)
     assert record["throughput_samples_per_s"] == pytest.approx(nproc * batch / iteration_s, rel=1e-9)
     assert record["fraction_of_limit"] == pytest.approx(0.05 / iteration_s, rel=1e-9)

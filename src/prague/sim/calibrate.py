@@ -18,8 +18,10 @@ link matters):
   without slowdowns (their answer needs no partner, so their wait is the RPC alone).
 * fitted, in this order, each by a one-dimensional search minimising the squared log error between
   simulated and measured throughput: the link bandwidth on the P-Reduce methods (``prague``, ``dssync``,
-  ``adpsgd``); the all-reduce's exposed fraction on ``allreduce``; the server link's bandwidth on
-  ``ps`` and ``ps-eager``. A group of methods absent from the benchmark keeps the base cluster's value.
+  ``adpsgd``); the all-reduce's exposed fraction on ``allreduce``; the server link's bandwidth and the
+  server's work per push on ``ps`` and ``ps-eager``, with the shard's receiving and sending either
+  overlapping (full duplex) or sharing one queue, whichever fits better. A group of methods absent
+  from the benchmark keeps the base cluster's value.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def _error(records: Iterable[dict[str, Any]], cluster: Cluster) -> float:
     return total
 
 
-def _search(objective: Callable[[float], float], lo: float, hi: float, iterations: int = 24) -> float:
+def _search(objective: Callable[[float], float], lo: float, hi: float, iterations: int = 16) -> float:
     """Golden-section search of ``objective`` over [lo, hi] in log space (a coarse grid first)."""
     grid = [lo * (hi / lo) ** (i / 12) for i in range(13)]
     best = min(range(13), key=lambda i: objective(grid[i]))
@@ -183,9 +185,18 @@ def calibrate(bench_json: Path, base: Cluster = LOCAL) -> Calibration:
     ps = [r for r in records if r["algorithm"] in _PS_METHODS]
     if ps:
         latency = cluster.intra.latency_s
-        bw = _search(lambda b: _error(ps, cluster.replace_fields(server=Link(latency, b))), 1e7, 1e11)
-        cluster = cluster.replace_fields(server=Link(latency, bw))
-        sources["server_link"] = f"fitted on {len(ps)} parameter-server runs"
+        fits = []
+        for duplex in (False, True):  # one machine's loopback may behave as either: keep the better
+            fit = cluster.replace_fields(ps_full_duplex=duplex)
+            for _ in range(2):  # bandwidth and server work trade off: alternate twice
+                bw = _search(lambda b: _error(ps, fit.replace_fields(server=Link(latency, b))), 1e7, 1e11)
+                fit = fit.replace_fields(server=Link(latency, bw))
+                apply_s = _search(lambda a: _error(ps, fit.replace_fields(ps_apply_s=a)), 1e-4, 1.0)
+                fit = fit.replace_fields(ps_apply_s=apply_s)
+            fits.append((_error(ps, fit), duplex, fit))
+        _, duplex, cluster = min(fits, key=lambda f: f[0])
+        sources["server"] = (f"link bandwidth and work per push fitted on {len(ps)} parameter-server runs "
+                             f"({'full' if duplex else 'half'} duplex fitted better)")
 
     rows = []
     for record in records:
@@ -211,9 +222,11 @@ def calibration_table(cal: Calibration) -> str:
         f"cv {c.compute_cv:.3f}; link {c.intra.bandwidth_bytes_per_s / 1e6:.0f} MB/s, "
         f"{c.intra.latency_s * 1e6:.0f} us; allreduce exposed {c.allreduce_exposed:.2f}; "
         f"GG round trip {c.gg_rtt_s * 1e3:.2f} ms"
-        + (f"; PS server link {c.server.bandwidth_bytes_per_s / 1e6:.0f} MB/s" if c.server else ""),
+        + (f"; PS server link {c.server.bandwidth_bytes_per_s / 1e6:.0f} MB/s, {c.ps_apply_s * 1e3:.1f} ms per push"
+           if c.server else ""),
         "",
-        "| method | scenario | measured (samples/s) | simulated (samples/s) | error | measured / sim of no-wait limit |",
+        "| method | scenario | measured (samples/s) | simulated (samples/s) | error "
+        "| measured / sim of no-wait limit |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for row in cal.rows:

@@ -38,7 +38,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``simulate`` to the ``prague`` command's subparsers; its handler is :func:`cmd_simulate`."""
     from prague.cli import _add_run_arguments
 
-    p = subparsers.add_parser("simulate", help="simulate methods on a cluster of any size, in simulated time")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate", help="simulate methods on a cluster of any size, in simulated time")
     p.add_argument("--algorithms", default=None,
                    help=f"comma-separated methods, NAME or NAME:VARIANT (default {DEFAULT_ALGORITHMS})")
     p.add_argument("--scenarios", default="homogeneous,paper:5", help="comma-separated scenarios")
@@ -47,8 +48,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--math", default="none", choices=MATH_MODES,
                    help="real: every simulated worker trains real parameters (accuracy vs simulated time)")
     c = p.add_argument_group("cluster (override single values of --cluster)")
-    c.add_argument("--cluster", default="paper",
-                   help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file (default paper)")
+    c.add_argument("--cluster", default=None,
+                   help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file (default paper; the base "
+                        "that --calibrate fits: local)")
     c.add_argument("--compute-cv", type=float, help="coefficient of variation of per-iteration compute")
     c.add_argument("--compute-dist", help="constant | uniform | normal | lognormal")
     c.add_argument("--intra-latency-us", type=float)
@@ -67,7 +69,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> Cluster:
     """``--cluster`` (or ``base``) with the single-value flags applied."""
-    cluster = base if base is not None else load_cluster(args.cluster)
+    cluster = base if base is not None else load_cluster(args.cluster or "paper")
 
     def link(old: Link, latency_us: float | None, gbps: float | None) -> Link | None:
         if latency_us is None and gbps is None:
@@ -103,7 +105,8 @@ def cluster_to_toml(cluster: Cluster) -> str:
     lines += ["[allreduce]", f"exposed_fraction = {cluster.allreduce_exposed:.6g}", "",
               "[preduce]", f"setup_ms = {cluster.preduce_setup_s * 1e3:.6g}", f"cache = {cluster.comm_cache}", "",
               "[gg]", f"rtt_us = {cluster.gg_rtt_s * 1e6:.6g}", f"service_us = {cluster.gg_service_s * 1e6:.6g}", "",
-              "[ps]", f"apply_ms = {cluster.ps_apply_s * 1e3:.6g}"]
+              "[ps]", f"apply_ms = {cluster.ps_apply_s * 1e3:.6g}",
+              f"full_duplex = {'true' if cluster.ps_full_duplex else 'false'}"]
     if cluster.server is not None:
         lines += [f"server_latency_us = {cluster.server.latency_s * 1e6:.6g}",
                   f"server_bandwidth_gbps = {cluster.server.bandwidth_bytes_per_s * 8 / 1e9:.6g}"]
@@ -116,8 +119,8 @@ def _steps(args: argparse.Namespace, nproc: int) -> int:
         return int(args.steps)
     if args.epochs is None:
         return DEFAULT_STEPS
-    per_epoch = max(1, (TRAIN_SAMPLES.get(args.data, 0) // max(1, nproc)) // max(1, args.batch_size))
-    return max(1, math.ceil(args.epochs * per_epoch))
+    per_epoch = max(1, (TRAIN_SAMPLES.get(args.data, 0) // max(1, nproc)) // max(1, int(args.batch_size)))
+    return max(1, math.ceil(float(args.epochs) * per_epoch))
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -140,7 +143,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     base: Cluster | None = None
     if args.calibrate is not None:
-        cal = calibrate(args.calibrate, load_cluster(args.cluster) if args.cluster != "paper" else PRESETS["local"])
+        cal = calibrate(args.calibrate, load_cluster(args.cluster or "local"))
         table = calibration_table(cal)
         print(table)
         atomic_write_text(out / "calibration.md", f"# prague simulate --calibrate\n\n```\n{command}\n```\n\n{table}")

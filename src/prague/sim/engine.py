@@ -3,10 +3,11 @@
 Why not SimPy: the simulator's inner loop is "a worker computes, asks, waits for its partners,
 communicates" for up to a million worker-iterations per run, and every SimPy event is an object with
 callbacks and a trip through its environment. Measured by ``benchmarks/simulator.py --engine`` on this
-machine (1,024 workers x 300 iterations of compute, then a pairwise rendezvous, then a transfer; the
-same workload and the same event count in both): SimPy 4.1.2 runs it in about 3x the time of this
-loop's generator processes, and the callback form here is faster still. The 1,024-worker target (1,000
-iterations of Prague smart in under 60 s) leaves no room for that factor, so the engine is this file.
+project's 2-core machine (1,024 workers x 300 iterations of compute, a pairwise rendezvous and a
+transfer; the same workload, the same simulated end time): SimPy 4.1.2 needed 2.4 s and 4.1 s of CPU in
+two runs, this loop 1.1 s and 1.7 s (2.1-2.5x less). A whole Prague-smart run spends about a third of
+its time in the engine, and the 1,024-worker target (1,000 iterations in under 60 s; about 35 s of CPU
+here) leaves no room for that factor, nor for a dependency, so the engine is this file.
 
 Contract:
 
@@ -32,20 +33,20 @@ Process = Generator["float | Signal", Any, None]
 
 
 class Signal:
-    """A one-shot wake-up for one waiting process (or callback), carrying a value.
+    """A one-shot wake-up for the processes (or callbacks) waiting on it, carrying a value.
 
-    ``fire(value)`` resumes the waiter *inside the caller*, at the current simulated time: the waiter
-    runs until its next yield before ``fire`` returns. That saves an event per wake-up (the simulator
-    wakes every worker several times per iteration), and is safe because a simulated worker always
-    yields a delay or a new signal before it could wake anyone else. Firing before anyone waits is
-    fine: the waiter resumes at once (as a new event) when it yields the signal.
+    ``fire(value)`` resumes the waiters *inside the caller*, in the order they started waiting, at the
+    current simulated time: each runs until its next yield before ``fire`` returns. That saves an event
+    per wake-up (the simulator wakes every worker several times per iteration), and is safe because a
+    simulated worker always yields a delay or a new signal before it could wake anyone else. Firing
+    before anyone waits is fine: a waiter resumes at once (as a new event) when it yields the signal.
     """
 
-    __slots__ = ("_engine", "_waiter", "_fired", "_value")
+    __slots__ = ("_engine", "_waiters", "_fired", "_value")
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._waiter: Callable[[Any], None] | None = None
+        self._waiters: list[Callable[[Any], None]] = []
         self._fired = False
         self._value: Any = None
 
@@ -58,10 +59,9 @@ class Signal:
             raise RuntimeError("a Signal fires once; make a new one for the next wake-up")
         self._fired = True
         self._value = value
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            waiter(value)
+        waiters, self._waiters = self._waiters, []
+        for resume in waiters:
+            resume(value)
 
     def fire_after(self, delay_s: float, value: Any = None) -> None:
         """``fire(value)`` ``delay_s`` seconds from now (one event)."""
@@ -71,7 +71,7 @@ class Signal:
         if self._fired:
             self._engine.after(0.0, resume, self._value)
         else:
-            self._waiter = resume
+            self._waiters.append(resume)
 
 
 class Engine:
@@ -108,11 +108,11 @@ class Engine:
                 what = gen.send(value)
             except StopIteration:
                 return
-            if what.__class__ is float or what.__class__ is int:
+            if isinstance(what, Signal):
+                what._wait(step)
+            elif what.__class__ is float or what.__class__ is int:
                 self._seq += 1
                 heapq.heappush(self._heap, (self.now + what, self._seq, step, None))
-            elif what.__class__ is Signal:
-                what._wait(step)
             else:
                 raise TypeError(f"a simulated process yielded {what!r}; yield a delay in seconds or a Signal")
 

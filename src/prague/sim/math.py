@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -48,6 +49,12 @@ class MathConfig:
     seed: int = 0
     eval_every: int | None = None
     target_accuracy: float | None = None
+
+
+@lru_cache(maxsize=4)
+def _dataset(name: str, seed: int) -> Dataset:
+    """Loaded once per process: tensors are only read."""
+    return load_dataset(name, seed=seed)
 
 
 class NoMath:
@@ -89,7 +96,7 @@ class RealMath(NoMath):
     def __init__(self, nproc: int, steps: int, config: MathConfig, dataset: Dataset | None = None) -> None:
         self.n = nproc
         self.config = config
-        self.data = dataset if dataset is not None else load_dataset(config.data, seed=config.seed)
+        self.data = dataset if dataset is not None else _dataset(config.data, config.seed)
         torch.manual_seed(config.seed)
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes)
         if any(True for _ in self.model.buffers()):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def jitter_draws(dist: str, cv: float, seed: int, rank: int, steps: int) -> list
     else:  # lognormal of mean 1
         sigma = math.sqrt(math.log1p(cv * cv))
         draws = rng.lognormal(-sigma * sigma / 2.0, sigma, steps)
-    return draws.tolist()
+    return cast(list[float], draws.tolist())
 
 
 class World:
@@ -69,7 +69,7 @@ class World:
         self.compute_log: list[list[float]] = [[] for _ in range(self.n)]
         self.comm_log: list[list[float]] = [[] for _ in range(self.n)]
         self.wait_log: list[list[float]] = [[] for _ in range(self.n)]
-        self._meetings: dict[Any, list[Signal]] = {}
+        self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived]
         self.groups_run = 0
         self.group_members = 0
         # A communicator cache per worker (LRU by member set), to charge set-up for new member sets.
@@ -137,18 +137,18 @@ class World:
         ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``on_done(members)``
         runs at completion, before anyone resumes (the group average, in real-arithmetic mode).
         """
-        sig = Signal(self.engine)
-        waiting = self._meetings.get(key)
-        if waiting is None:
-            waiting = self._meetings[key] = []
-        waiting.append(sig)
-        if len(waiting) == len(members):
+        entry = self._meetings.get(key)
+        if entry is None:
+            entry = self._meetings[key] = [Signal(self.engine), 0]
+        entry[1] += 1
+        sig: Signal = entry[0]
+        if entry[1] == len(members):
             del self._meetings[key]
-            self._start_group(members, waiting, self.state_bytes if size_bytes is None else size_bytes,
+            self._start_group(members, sig, self.state_bytes if size_bytes is None else size_bytes,
                               on_done, cost_s, setup)
         return sig
 
-    def _start_group(self, members: tuple[int, ...], signals: list[Signal], size_bytes: float,
+    def _start_group(self, members: tuple[int, ...], sig: Signal, size_bytes: float,
                      on_done: Callable[[tuple[int, ...]], None] | None,
                      cost_s: Callable[[float], float] | None, setup: bool) -> None:
         ring_s, token = self.fabric.start(members, size_bytes)
@@ -162,8 +162,7 @@ class World:
             self.fabric.end(token)
             if on_done is not None:
                 on_done(members)
-            for s in signals:
-                s.fire()
+            sig.fire()
 
         self.engine.after(duration, done)
 

@@ -29,6 +29,9 @@ class SimAllReduce(SimMethod):
             compute = world.compute_s(w, k)
             yield compute
             t0 = engine.now
-            yield world.meet(("allreduce", k), everyone, cost_s=charged, setup=False,
-                             on_done=lambda members, k=k: math.allreduce_step(members, k))
+
+            def update(members: tuple[int, ...], k: int = k) -> None:
+                math.allreduce_step(members, k)
+
+            yield world.meet(("allreduce", k), everyone, cost_s=charged, setup=False, on_done=update)
             world.record(w, compute, engine.now - t0, 0.0)

@@ -19,23 +19,23 @@ class SimDSSync(SimMethod):
 
     def __init__(self, world: Any, options: Any) -> None:
         super().__init__(world, options)
-        self._partitions: dict[int, list[list[tuple[int, ...]] | int]] = {}  # step -> [rank -> group, users]
+        self._by_rank: dict[int, list[tuple[int, ...]]] = {}  # step -> each rank's group
+        self._users: dict[int, int] = {}  # step -> workers that looked it up so far
 
     def _group(self, step: int, rank: int) -> tuple[int, ...]:
         """``rank``'s group at ``step``; each partition is computed once and dropped when all used it."""
-        entry = self._partitions.get(step)
-        if entry is None:
+        by_rank = self._by_rank.get(step)
+        if by_rank is None:
             n = self.world.n
-            by_rank: list[tuple[int, ...]] = [()] * n
+            by_rank = self._by_rank[step] = [()] * n
             for g in dssync_groups(step, n, self.options.group_size, self.options.shuffle_seed):
                 for r in g:
                     by_rank[r] = g
-            entry = self._partitions[step] = [by_rank, 0]
-        by_rank, used = entry
-        entry[1] = used + 1  # type: ignore[operator]
-        if entry[1] == self.world.n:
-            del self._partitions[step]
-        return by_rank[rank]  # type: ignore[index]
+            self._users[step] = 0
+        self._users[step] += 1
+        if self._users[step] == self.world.n:
+            del self._by_rank[step], self._users[step]
+        return by_rank[rank]
 
     def worker(self, w: int) -> Process:
         world = self.world

@@ -1,11 +1,13 @@
 """``ps`` (``sync`` and ``async``) in simulated time, and the server shards ``ps-eager`` shares.
 
 Mirrors :mod:`prague.algorithms.ps` and :mod:`prague.comm.ps_server`: the flat state is split over K
-shards; a worker pushes its gradient to every shard and waits for the new values. Time is modelled per
-shard as a network card with a receive queue and a send queue on ``cluster.server_link`` (FIFO, one
-message at a time at full bandwidth, so n pushes arriving together are served one after another: the
-incast at the server), plus ``cluster.ps_apply_s`` of server work per push. The update rules are the
-runtime's own: :func:`prague.comm.ps_server.staleness_scale` and :func:`prague.comm.ps_server.accepts`.
+shards; a worker pushes its gradient to every shard and waits for the new values. Each shard is three
+FIFO stages in a row: receiving on its network card (``cluster.server_link``, one message at a time at
+full bandwidth, so n pushes arriving together are served one after another: the incast), applying the
+update under the shard's lock (``cluster.ps_apply_s``), sending the values back. With
+``cluster.ps_full_duplex`` false, receiving and sending share one queue (one machine, where both are
+memory copies by the same CPUs). The update rules are the runtime's own:
+:func:`prague.comm.ps_server.staleness_scale` and :func:`prague.comm.ps_server.accepts`.
 
 * ``sync``: a shard's round completes when the last of the n pushes is in; every worker then gets the
   new values through the send queue, in arrival order. Runtime accounting: ``wait_s`` is the time the
@@ -36,14 +38,21 @@ class Shards:
         self.message_s = world.state_bytes / shards / link.bandwidth_bytes_per_s
         self.apply_s = world.cluster.ps_apply_s
         self.receive = [Queue() for _ in range(shards)]
-        self.send = [Queue() for _ in range(shards)]
+        # Full duplex: receiving and sending overlap (a real network card). Otherwise one queue serves
+        # both, as on one machine where every transfer is a memory copy by the same CPUs.
+        self.send = [Queue() for _ in range(shards)] if world.cluster.ps_full_duplex else self.receive
+        self.lock = [Queue() for _ in range(shards)]
         self.version = 0
         self.histogram: Counter[int] = Counter()
         self.rejected = 0
 
     def push(self, now: float) -> list[float]:
-        """A push sent now: when each shard has received (and, async, applied) it."""
-        return [q.reserve(now + self.latency_s, self.message_s + self.apply_s) for q in self.receive]
+        """A push sent now: when each shard has received it."""
+        return [q.reserve(now + self.latency_s, self.message_s) for q in self.receive]
+
+    def apply(self, received: list[float]) -> list[float]:
+        """One update per shard, under its lock, once the payload is in: when each is applied."""
+        return [q.reserve(t, self.apply_s) for q, t in zip(self.lock, received)]
 
     def reply(self, ready: list[float]) -> float:
         """Values leaving shard s at ``ready[s]``: when the last of them reaches the worker."""
@@ -55,7 +64,7 @@ class Shards:
 
         Every shard sees pushes in the same order, so one version counter stands for all of them.
         """
-        received = self.push(now)
+        received = self.apply(self.push(now))
         tau = self.version - base_version
         if accepts(tau, bound):
             world.math.server_apply([grad], staleness_scale(rule, tau, world.n))
@@ -96,7 +105,8 @@ class SimPS(SimMethod):
         self._round.append((w, self.shards.push(now), grad, sig))
         if len(self._round) == self.world.n:
             members, self._round = self._round, []
-            done = [max(arrived[s] for _, arrived, _, _ in members) for s in range(self.shards.count)]
+            done = self.shards.apply([max(arrived[s] for _, arrived, _, _ in members)
+                                      for s in range(self.shards.count)])
             math = self.world.math
             math.server_apply([g for _, _, g, _ in sorted(members, key=lambda m: m[0])])
             self.shards.version += 1

@@ -1,0 +1,226 @@
+"""Simulator benchmarks: the engine, the paper's setting, and scale. Prints tables, writes JSON.
+
+    .venv/bin/python benchmarks/simulator.py --engine                 # heap loop vs SimPy (if installed)
+    .venv/bin/python benchmarks/simulator.py --paper                  # 16 workers, 4 x 4, vs the paper
+    .venv/bin/python benchmarks/simulator.py --scale --steps 200      # 16..1,024 workers, every generator
+    .venv/bin/python benchmarks/simulator.py --timing                 # 1,024 workers x 1,000 steps, smart
+    .venv/bin/python benchmarks/simulator.py --all --out runs/bench_sim.json
+
+``--paper`` runs every method on the ``paper`` cluster preset (:data:`prague.sim.cluster.PAPER`: 4 nodes x
+4 GPUs, ResNet-18's 11,173,962 parameters, batch 128; its assumptions are in its comment) and prints each
+method's throughput relative to homogeneous ``allreduce`` next to the Prague paper's figures (Luo et al.,
+ASPLOS 2020; DESIGN.md section 5), plus one row per sensitivity variant. ``--scale`` keeps 4 workers per
+node and reports, per generator, throughput as a fraction of the no-wait limit under ``paper:5`` and the
+Group Generator's load: the simulated GG thread's utilisation and the real policy code's CPU per request,
+timed while simulating. ``--engine`` times the same workload (1,024 workers x 300 iterations of compute,
+a pairwise rendezvous and a transfer) on this package's heap loop and on SimPy (``pip install simpy``);
+SimPy is not a dependency, so that row is skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from prague.sim.cluster import PAPER
+from prague.sim.engine import Engine, Process
+from prague.sim.run import SimConfig, simulate
+
+GENERATORS = ("static", "smart", "random", "ready")
+PAPER_METHODS = ("allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "dssync", "prague:static",
+                 "prague:smart", "prague:random", "prague:ready")
+# Relative to homogeneous All-Reduce, DESIGN.md section 5 (the paper's 16-worker ResNet-18 figures).
+PAPER_FIGURES = {
+    ("prague:smart", "homogeneous"): 1.1, ("adpsgd", "homogeneous"): 0.6, ("ps:sync", "homogeneous"): 0.2,
+    ("allreduce", "paper:5"): 0.24, ("adpsgd", "paper:5"): 0.28, ("prague:smart", "paper:5"): 0.45,
+}
+
+
+# -- engine -------------------------------------------------------------------------------------------
+def _engine_workload(n: int, k: int, seed: int = 1) -> list[list[float]]:
+    rng = random.Random(seed)
+    return [[0.1 * (0.5 + rng.random()) for _ in range(k)] for _ in range(n)]
+
+
+def run_heap(compute: list[list[float]]) -> float:
+    engine = Engine()
+    meet: dict[tuple[int, int], Any] = {}
+
+    def worker(w: int) -> Process:
+        for k, c in enumerate(compute[w]):
+            yield c
+            key = (w >> 1, k)
+            sig = meet.pop(key, None)
+            if sig is None:
+                meet[key] = sig = engine.signal()
+                yield sig
+            else:
+                sig.fire()
+            yield 0.01
+
+    for w in range(len(compute)):
+        engine.process(worker(w))
+    return engine.run()
+
+
+def run_simpy(compute: list[list[float]]) -> float:
+    import simpy  # optional: not a dependency of prague
+
+    env = simpy.Environment()
+    meet: dict[tuple[int, int], Any] = {}
+
+    def worker(w: int) -> Any:
+        for k, c in enumerate(compute[w]):
+            yield env.timeout(c)
+            key = (w >> 1, k)
+            ev = meet.pop(key, None)
+            if ev is None:
+                meet[key] = ev = env.event()
+                yield ev
+            else:
+                ev.succeed()
+            yield env.timeout(0.01)
+
+    for w in range(len(compute)):
+        env.process(worker(w))
+    env.run()
+    return float(env.now)
+
+
+def bench_engine(n: int = 1024, k: int = 300, repeats: int = 3) -> list[dict[str, Any]]:
+    compute = _engine_workload(n, k)
+    rows = []
+    for name, fn in (("heap loop (prague.sim.engine)", run_heap), ("SimPy", run_simpy)):
+        try:
+            best_wall = best_cpu = float("inf")
+            end = 0.0
+            for _ in range(repeats):
+                t, c = time.perf_counter(), time.process_time()
+                end = fn(compute)
+                best_wall, best_cpu = min(best_wall, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
+        except ImportError:
+            print(f"{name}: not installed, skipped")
+            continue
+        rows.append({"engine": name, "workers": n, "iterations": k, "wall_s": best_wall, "cpu_s": best_cpu,
+                     "simulated_end_s": end})
+    print("\n| engine | wall (s) | CPU (s) | simulated end (s) |\n|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['simulated_end_s']:.3f} |")
+    return rows
+
+
+# -- the paper's setting ------------------------------------------------------------------------------
+def _paper_config(algorithm: str, scenario: str, steps: int, **cluster: Any) -> SimConfig:
+    return SimConfig(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=steps, batch_size=128,
+                     model="resnet18", data="synthetic", cluster=PAPER.replace_fields(**cluster))
+
+
+def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
+    variants: dict[str, dict[str, Any]] = {
+        "paper preset": {},
+        "no link sharing": {"contention": False},
+        "all-reduce half hidden": {"allreduce_exposed": 0.5},
+    }
+    rows = []
+    for variant, changes in variants.items():
+        thr: dict[tuple[str, str], float] = {}
+        for scenario in ("homogeneous", "paper:5"):
+            methods = PAPER_METHODS if variant == "paper preset" else ("allreduce", "prague:smart", "prague:ready",
+                                                                       "prague:static", "adpsgd")
+            for algorithm in methods:
+                thr[(algorithm, scenario)] = simulate(_paper_config(algorithm, scenario, steps, **changes))[
+                    "throughput_samples_per_s"]
+        base = thr[("allreduce", "homogeneous")]
+        for (algorithm, scenario), value in thr.items():
+            paper = PAPER_FIGURES.get((algorithm, scenario))
+            rel = value / base
+            rows.append({"variant": variant, "method": algorithm, "scenario": scenario, "relative": rel,
+                         "paper": paper, "within_15pct": None if paper is None else abs(rel / paper - 1) <= 0.15})
+    print("\n| variant | method | scenario | simulated vs homogeneous allreduce | paper | within 15% |")
+    print("|---|---|---|---:|---:|---|")
+    for r in rows:
+        paper = "-" if r["paper"] is None else f"{r['paper']:.2f}"
+        ok = "-" if r["within_15pct"] is None else ("yes" if r["within_15pct"] else "no")
+        print(f"| {r['variant']} | {r['method']} | {r['scenario']} | {r['relative']:.2f} | {paper} | {ok} |")
+    return rows
+
+
+# -- scale ---------------------------------------------------------------------------------------------
+def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        for generator in GENERATORS:
+            t, c = time.perf_counter(), time.process_time()
+            r = simulate(SimConfig(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
+                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER))
+            stats = r["algorithm_stats"][0]
+            rows.append({
+                "workers": n, "generator": generator, "fraction_of_limit": r["fraction_of_limit"],
+                "mean_wait_ms": 1e3 * sum(r["mean_wait_s"]) / n,
+                "gg_utilization": stats["gg_utilization"], "gg_mean_queue_ms": 1e3 * stats["gg_mean_queue_s"],
+                "policy_us_per_call": stats["policy_us_per_call"], "policy_core_share": stats["policy_core_share"],
+                "requests_per_s": stats["generator_stats"].get("requests", 0) / r["wall_s"] if r["wall_s"] else 0.0,
+                "mean_group_size": stats["mean_group_size"], "sim_wall_s": time.perf_counter() - t,
+                "sim_cpu_s": time.process_time() - c,
+            })
+            print(f"  {n} workers, {generator}: {rows[-1]['fraction_of_limit']:.2f} of the no-wait limit "
+                  f"({rows[-1]['sim_cpu_s']:.1f} s CPU)", flush=True)
+    print("\n| workers | generator | of no-wait limit | GG requests/s | GG thread busy | GG queue (ms) | "
+          "policy CPU per request (us) | policy share of one core |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        remote = r["generator"] != "static"
+        print(f"| {r['workers']} | {r['generator']} | {100 * r['fraction_of_limit']:.0f}% | "
+              f"{r['requests_per_s']:.0f} | {100 * r['gg_utilization']:.0f}% | "
+              f"{r['gg_mean_queue_ms']:.2f} | {r['policy_us_per_call']:.1f} | "
+              f"{100 * r['policy_core_share']:.1f}% |" if remote else
+              f"| {r['workers']} | static | {100 * r['fraction_of_limit']:.0f}% | (no GG) | - | - | "
+              f"{r['policy_us_per_call']:.1f} | - |")
+    return rows
+
+
+def bench_timing(steps: int = 1000, workers: int = 1024) -> dict[str, Any]:
+    t, c = time.perf_counter(), time.process_time()
+    r = simulate(SimConfig(algorithm="prague:smart", scenario="paper:5", nproc=workers, nodes=workers // 4,
+                           steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER))
+    out = {"workers": workers, "steps": steps, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
+           "events": r["sim"]["events"], "fraction_of_limit": r["fraction_of_limit"]}
+    print(f"\nprague:smart, {workers} workers x {steps} iterations: {out['wall_s']:.1f} s wall, "
+          f"{out['cpu_s']:.1f} s CPU, {out['events']} events")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", action="store_true")
+    p.add_argument("--paper", action="store_true")
+    p.add_argument("--scale", action="store_true")
+    p.add_argument("--timing", action="store_true")
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--steps", type=int, default=200, help="iterations per worker for --scale")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args()
+    if not (args.engine or args.paper or args.scale or args.timing or args.all):
+        p.error("choose at least one of --engine, --paper, --scale, --timing, --all")
+    results: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version()}
+    if args.engine or args.all:
+        results["engine"] = bench_engine()
+    if args.paper or args.all:
+        results["paper"] = bench_paper()
+    if args.scale or args.all:
+        results["scale"] = bench_scale(args.steps)
+    if args.timing or args.all:
+        results["timing"] = bench_timing()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

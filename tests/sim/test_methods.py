@@ -1,0 +1,103 @@
+"""Every registered method runs in simulated time, deterministically, and behaves as its design says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prague.algorithms.registry import ALGORITHMS
+from prague.errors import ConfigError
+from prague.sim.cluster import PAPER, Cluster, Link
+from prague.sim.methods import SIM_METHODS
+from prague.sim.run import SimConfig, simulate
+
+EVERY_METHOD = ["allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "prague:static", "prague:smart",
+                "prague:random", "prague:ready", "dssync"]
+
+
+def _sim(algorithm: str, scenario: str = "paper:5", **kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=40,
+                                batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)
+    args.update(kw)
+    return simulate(SimConfig(**args))
+
+
+def test_every_runtime_method_has_a_simulated_twin() -> None:
+    assert set(SIM_METHODS) == set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("algorithm", EVERY_METHOD)
+def test_every_method_completes_with_consistent_records(algorithm: str) -> None:
+    record = _sim(algorithm)
+    assert record["simulated"] is True and record["backend"] == "sim"
+    assert record["steps"] == 40 and record["nproc"] == 16
+    assert 0 < record["fraction_of_limit"] <= 1.0 + 1e-9
+    assert len(record["mean_compute_s"]) == 16 and all(c > 0 for c in record["mean_compute_s"])
+    assert all(c >= 0 for c in record["mean_comm_s"]) and all(w >= 0 for w in record["mean_wait_s"])
+    name, _, variant = algorithm.partition(":")
+    assert record["algorithm"] == name and record["variant"] == (variant or None if name != "ps-eager" else "inverse")
+
+
+@pytest.mark.parametrize("algorithm", ["prague:smart", "prague:ready", "ps:async", "adpsgd"])
+def test_same_seed_same_events_other_seed_other_events(algorithm: str) -> None:
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["wall_s"], r["throughput_samples_per_s"], r["mean_comm_s"], r["mean_wait_s"], r["sim"]["events"],
+                r["sim"].get("trace"))
+
+    a, b = (_sim(algorithm, trace=True, steps=25) for _ in range(2))
+    assert key(a) == key(b)
+    c = _sim(algorithm, trace=True, steps=25, seed=1)
+    assert key(c) != key(a)
+
+
+def test_slowdowns_are_the_runtime_scenarios_draws() -> None:
+    from prague.hetero.spec import parse_scenario
+
+    cluster = Cluster(compute_s=0.1, intra=Link(0.0, 1e12), inter=Link(0.0, 1e12))
+    record = _sim("adpsgd", nproc=8, nodes=1, cluster=cluster, warmup_steps=0, seed=3)
+    scenario = parse_scenario("paper:5", seed=3)
+    expected = [sum(0.1 * scenario.slowdown(r, k, 8) for k in range(40)) / 40 for r in range(8)]
+    assert record["mean_compute_s"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_stragglers_hurt_allreduce_and_not_ready() -> None:
+    rel = {}
+    for algorithm in ("allreduce", "prague:ready", "prague:smart"):
+        hom = _sim(algorithm, scenario="homogeneous", steps=60)["throughput_samples_per_s"]
+        het = _sim(algorithm, scenario="paper:5", steps=60)["throughput_samples_per_s"]
+        rel[algorithm] = het / hom
+    assert rel["allreduce"] < 0.4 < rel["prague:ready"]
+    assert rel["allreduce"] < rel["prague:smart"]
+
+
+def test_parameter_server_incast_grows_with_workers() -> None:
+    small = _sim("ps:sync", scenario="homogeneous", nproc=4, nodes=1)
+    large = _sim("ps:sync", scenario="homogeneous", nproc=16, nodes=1)
+    assert large["fraction_of_limit"] < small["fraction_of_limit"]
+    assert large["algorithm_stats"][0]["server_receive_utilization"] > 0.5
+
+
+def test_ps_eager_never_waits_when_the_server_keeps_up() -> None:
+    fast = Cluster(compute_s=0.1, intra=Link(1e-6, 1e12), inter=Link(1e-6, 1e12))
+    record = _sim("ps-eager", scenario="homogeneous", nproc=4, nodes=1, cluster=fast)
+    assert max(record["mean_wait_s"]) < 1e-3
+    assert record["algorithm_stats"][0]["mean_staleness"] > 0  # the price: stale gradients
+
+
+def test_large_runs_finish_for_every_generator() -> None:
+    for generator in ("static", "smart", "random", "ready"):
+        record = _sim(f"prague:{generator}", nproc=256, nodes=64, steps=6)
+        assert record["nproc"] == 256 and len(record["mean_compute_s"]) == 256
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"algorithm": "nope"}, "valid choices"),
+    ({"nproc": 10, "nodes": 4}, "not a multiple of --nodes"),
+    ({"scenario": "straggler:99:2"}, "names rank 99"),
+    ({"math": "imaginary"}, "valid choices: none, real"),
+    ({"scenario": "paper:5+crash:1:3"}, "slowdowns only"),
+])
+def test_bad_configs_are_config_errors(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SimConfig(**{"nproc": 8, **kw})
