@@ -22,7 +22,7 @@ dev: $(VENV)/.dev-installed
 
 # A short side-by-side comparison on the built-in digits data; prints the table.
 demo: $(VENV)/.installed
-	$(VENV)/bin/prague bench --algorithms allreduce --scenarios homogeneous,paper:5 \
+	$(VENV)/bin/prague bench --algorithms allreduce,prague,adpsgd --scenarios homogeneous,paper:5 \
 		--nproc 4 --model cnn --data digits --epochs 10 --out runs/demo
 
 test: $(VENV)/.dev-installed

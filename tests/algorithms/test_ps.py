@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from prague_testing import processes_mentioning, run_cli
 from prague.algorithms.ps import PSOptions, layout_for
 from prague.algorithms.ps_eager import PSEagerOptions
 from prague.comm.ps_protocol import Layout, shard_bounds
-from prague.comm.ps_server import SGDRule, ShardState, accepts, staleness_scale
+from prague.comm.ps_rules import SGDRule, accepts, staleness_scale
+from prague.comm.ps_server import ShardState
 from prague.errors import CommError, ConfigError
 from prague.train.data import load_dataset
 from prague.train.models import build_model
@@ -38,9 +40,11 @@ SHARD_MARKER = "prague.comm.ps_server"
 
 def test_staleness_rules() -> None:
     assert staleness_scale("none", 7, 4) == 1.0
-    assert staleness_scale("inverse", 0, 4) == 1.0 and staleness_scale("inverse", 4, 4) == 0.25
-    assert staleness_scale("exp", 1, 4) == 1.0
-    assert staleness_scale("exp", 5, 4) == pytest.approx(math.exp(-1))
+    assert staleness_scale("inverse", 4, 4) == 0.25 and staleness_scale("inverse", 9, 4) == 1 / 9
+    assert staleness_scale("inverse", 0, 4) == 1 / 3  # never more than the share of a push in turn
+    assert staleness_scale("inverse", 0, 1) == 1.0 and staleness_scale("inverse", 5, 1) == 0.2
+    assert staleness_scale("exp", 1, 4) == 1 / 3
+    assert staleness_scale("exp", 7, 4) == pytest.approx(math.exp(-1) / 3)
     with pytest.raises(ConfigError, match="inverse"):
         staleness_scale("linear", 1, 4)
     assert accepts(100, 0) and accepts(3, 3) and not accepts(4, 3)
@@ -53,7 +57,7 @@ def test_options_are_validated_with_the_bad_value() -> None:
         PSEagerOptions(max_staleness=-1)
     with pytest.raises(ConfigError, match="0"):
         PSOptions(ps_shards=0)
-    assert PSEagerOptions().staleness_lr == "inverse" and PSOptions().staleness_lr == "none"
+    assert PSEagerOptions().staleness_lr == "inverse" and PSOptions().staleness_lr == "inverse"
 
 
 def test_shard_bounds_cover_the_state() -> None:
@@ -73,7 +77,7 @@ def test_layout_needs_sgd_over_the_model() -> None:
 
 @pytest.mark.parametrize("kwargs", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
                                     dict(momentum=0.5, dampening=0.1), dict()])
-def test_sgd_rule_is_torch_sgd_bit_for_bit(kwargs: dict[str, float]) -> None:
+def test_sgd_rule_is_torch_sgd_bit_for_bit(kwargs: dict[str, Any]) -> None:
     torch.manual_seed(0)
     ref = torch.nn.Parameter(torch.randn(50))
     opt = torch.optim.SGD([ref], lr=0.05, **kwargs)
@@ -86,6 +90,23 @@ def test_sgd_rule_is_torch_sgd_bit_for_bit(kwargs: dict[str, float]) -> None:
         opt.step()
         buf = rule.step(mine, grad.clone(), buf)
     assert torch.equal(mine, ref.detach())
+
+
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-3), dict()])
+def test_scaled_sgd_rule_is_sgd_on_the_scaled_gradient(kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(1)
+    start = torch.randn(50)
+    plain, scaled = start.clone(), start.clone()
+    rule = SGDRule(lr=0.05, **kwargs)
+    buf_plain = buf_scaled = None
+    for k in range(4):
+        grad, scale = torch.randn(50), 1.0 / (k + 2)
+        wd = kwargs.get("weight_decay", 0.0)
+        # the reference: weight decay first, then the whole gradient times the scale
+        no_decay = SGDRule(lr=0.05, **{**kwargs, "weight_decay": 0.0})
+        buf_plain = no_decay.step(plain, (grad + wd * plain) * scale, buf_plain)
+        buf_scaled = rule.step(scaled, grad, buf_scaled, scale)
+    torch.testing.assert_close(scaled, plain, atol=1e-6, rtol=1e-6)
 
 
 def _layout(total: int = 6, n_params: int = 4, lr: float = 0.5) -> Layout:
@@ -107,6 +128,37 @@ def test_sync_shard_applies_the_mean_once_all_have_pushed() -> None:
     # mean gradient (x2) times -lr on the parameters; buffers take the mean of the pushed values
     assert torch.equal(state.values, torch.tensor([-1.0, -2, -3, -4, 20, 40]))
     assert state.stats(1)["staleness_histogram"] == {"0": 1}
+
+
+def test_sync_shard_sums_in_rank_order_whatever_the_arrival_order() -> None:
+    torch.manual_seed(2)
+    pushes = [torch.randn(6) * 10 ** k for k in range(4)]  # magnitudes where the order of a float sum shows
+    results = []
+    for order in ([3, 1, 0, 2], [0, 1, 2, 3], [2, 3, 1, 0]):
+        state = ShardState("sync", 4, 0, 6, _layout())
+        threads = []
+        for w in order:
+            threads.append(threading.Thread(target=state.push, args=(w, 0, pushes[w].clone())))
+            threads[-1].start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=10)
+        results.append(state.values.clone())
+    expected = (pushes[0] + pushes[1] + pushes[2] + pushes[3]) / 4
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.equal(results[0][4:], expected[4:]) and torch.equal(results[0][:4], -0.5 * expected[:4])
+
+
+def test_async_shard_keeps_one_momentum_buffer_per_worker() -> None:
+    layout = Layout(3, 3, lr=1.0, momentum=0.5, dampening=0.0, weight_decay=0.0, nesterov=False)
+    state = ShardState("async", 2, 0, 3, layout, staleness_lr="none")
+    state.initialize(torch.zeros(3))
+    out = torch.empty(3)
+    g, h = torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1, 0])
+    state.push(0, 0, g.clone(), out)          # b0 = g
+    state.push(1, 1, h.clone(), out)          # b1 = h (worker 0's buffer does not leak into it)
+    state.push(0, 2, g.clone(), out)          # b0 = 0.5 g + g
+    assert torch.equal(state.values, -(g + h + 1.5 * g))
 
 
 def test_sync_shard_fails_when_a_worker_leaves_mid_round() -> None:
@@ -202,8 +254,9 @@ def test_eager_ps_rejects_updates_above_max_staleness(tmp_path: Path) -> None:
 
 
 def test_eight_workers_with_eager_pulls_finish(tmp_path: Path) -> None:
-    summary = _run(tmp_path / "eight", "--algorithm", "ps-eager", "--nproc", "8", "--steps", "5", "--compute", "emulated",
-                   "--compute-ms", "20", "--model", "mlp", "--slowdown", "paper:5", "--ps-shards", "2", timeout_s=200)
+    summary = _run(tmp_path / "eight", "--algorithm", "ps-eager", "--nproc", "8", "--steps", "5",
+                   "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--slowdown", "paper:5",
+                   "--ps-shards", "2", timeout_s=200)
     stats = summary["algorithm_stats"]
     assert sum(s["applied"] + s["rejected"] for s in stats) == 8 * 5 * 2  # every push reached both shards
     assert len({tuple(s["server_versions"]) for s in stats}) == 1
@@ -211,7 +264,14 @@ def test_eight_workers_with_eager_pulls_finish(tmp_path: Path) -> None:
 
 
 def _shard_pids(marker: str) -> list[int]:
-    return [p for p in processes_mentioning(marker) if SHARD_MARKER in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    pids = []
+    for pid in processes_mentioning(marker):
+        try:
+            if SHARD_MARKER in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
 
 
 def _kill_when_running(marker: str, progress_dir: Path, find: Callable[[str], list[int]]) -> None:
@@ -258,6 +318,8 @@ SCRIPT = textwrap.dedent("""
         y = (x[:, 0] > 0).long()
         trainer.step(lambda m: F.cross_entropy(m(x), y))
         time.sleep(0.01)
+        if step == 3 and ctx.rank == 0:
+            open(result + ".training", "w").close()
     trainer.close()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [torch.zeros_like(flat) for _ in range(ctx.world_size)]
@@ -302,8 +364,7 @@ def test_without_launcher_a_dead_shard_fails_the_workers(tmp_path: Path) -> None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not killer_done.is_set():
             pids = _children_shards(str(script))
-            if pids:
-                time.sleep(3.0)  # let training start
+            if pids and Path(str(result) + ".training").exists():
                 os.kill(pids[0], signal.SIGKILL)
                 return
             time.sleep(0.2)

@@ -10,13 +10,30 @@ answer arrives in a second buffer while the worker computes its next gradient, a
   not answered within a whole iteration).
 
 So a worker never waits on the server in the steady state; the price is staleness: a gradient may be
-computed on values one pull older than in plain ``async``. Each push carries the versions its gradient
-was computed on; a shard measures the staleness tau (versions it advanced since) and scales the update's
-learning rate by ``--staleness-lr``: ``inverse`` (default), lr/max(1, tau), as in Zhang, Gupta, Lian,
-Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016; ``exp``; or ``none``.
-``--max-staleness T`` rejects (and counts) any update with tau > T; the worker still receives fresh
-values. Staleness histograms, rejected updates and how often the pull was installed before the forward
-pass are in the run's ``algorithm_stats``.
+computed on values one pull older than in plain ``async`` (tau about 2n - 1 instead of n - 1). Each push
+carries the versions its gradient was computed on; a shard measures the staleness tau (versions it
+advanced since) and scales the update's learning rate by ``--staleness-lr``: ``inverse`` (default),
+lr/max(1, tau), as in Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep
+Learning", IJCAI 2016, with tau floored at n - 1 (:func:`prague.comm.ps_rules.staleness_scale`); ``exp``;
+or ``none``. ``--max-staleness T`` rejects (and counts) any update with
+tau > T; the worker still receives fresh values.
+
+Two choices make the extra round of delay affordable:
+
+* read-my-writes: right after pushing, the worker applies its own update to its local copy with the
+  rule the shard uses (the staleness scale taken from the shard's last answer), so its next gradient
+  is computed on values that already include its own last step; the next install replaces the local
+  copy with the server's. This is the client-cache consistency of Ho et al., "More Effective
+  Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013;
+* ``--ps-momentum folded`` (default here): the shard takes momentum's steady-state step lr/(1 - m)
+  without a momentum buffer, because heavy-ball momentum oscillates on gradients two rounds old
+  (:meth:`prague.comm.ps_rules.SGDRule.folded`).
+
+Measured (CNN on MNIST, 8 workers, one epoch, lr 0.05, momentum 0.9): per-worker momentum without
+read-my-writes 92.4% test accuracy, with it 93.1%, folded with it 97.5% (``ps --ps-mode async``: 97.6%).
+
+Staleness histograms, rejected updates and how often the pull was installed before the forward pass
+are in the run's ``algorithm_stats``.
 """
 
 from __future__ import annotations
@@ -30,8 +47,9 @@ import torch
 from torch import nn
 
 from prague.algorithms.api import StepTimes
-from prague.algorithms.ps import _BOUND_HELP, _RULE_HELP, ParameterServerBase, _check_common
+from prague.algorithms.ps import _BOUND_HELP, _MOMENTUM_HELP, _RULE_HELP, ParameterServerBase, _check_common
 from prague.comm.ps_client import PendingReplies
+from prague.comm.ps_rules import SGDRule, staleness_scale
 
 
 @dataclass(frozen=True)
@@ -39,10 +57,11 @@ class PSEagerOptions:
     ps_shards: int = field(default=1, metadata={"help": "number of server shard processes"})
     max_staleness: int = field(default=0, metadata={"help": _BOUND_HELP})
     staleness_lr: str = field(default="inverse", metadata={"help": _RULE_HELP})
+    ps_momentum: str = field(default="folded", metadata={"help": _MOMENTUM_HELP})
     ps_timeout_s: float = field(default=300.0, metadata={"help": "how long a shard or worker waits for the other side"})
 
     def __post_init__(self) -> None:
-        _check_common(self.ps_shards, self.max_staleness, self.staleness_lr, self.ps_timeout_s)
+        _check_common(self.ps_shards, self.max_staleness, self.staleness_lr, self.ps_momentum, self.ps_timeout_s)
 
 
 class _BeforeForward(nn.Module):
@@ -65,7 +84,6 @@ class EagerParameterServer(ParameterServerBase):
     name = "ps-eager"
     Options = PSEagerOptions
     variant_field = "staleness_lr"
-    eager = True
 
     @classmethod
     def shard_mode(cls, options: Any) -> str:
@@ -73,6 +91,9 @@ class EagerParameterServer(ParameterServerBase):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         super().setup(model, optimizer)
+        self._own_rule = SGDRule.from_layout(self.layout, self.options.ps_momentum)
+        self._own_momentum: torch.Tensor | None = None
+        self._last_tau = 0
         self.incoming = torch.empty_like(self.flat)
         self.pending: PendingReplies | None = None
         self.installs_before_forward = 0
@@ -92,6 +113,7 @@ class EagerParameterServer(ParameterServerBase):
         assert pending is not None
         replies = self._guard(pending.wait)
         self.rejections_seen += sum(not r.accepted for r in replies)
+        self._last_tau = max(r.tau for r in replies)
         self._took(replies)
         self.flat.copy_(self.incoming)
 
@@ -103,6 +125,10 @@ class EagerParameterServer(ParameterServerBase):
             self.installs_after_backward += 1
             times.wait_s += time.perf_counter() - t0
         self.pending = self._push(step, bases, self.incoming)
+        # Read-my-writes: take this push's step locally too, as the shard will (see the module docstring).
+        scale = staleness_scale(self.options.staleness_lr, self._last_tau, self.ctx.world_size)
+        p = self.n_params
+        self._own_momentum = self._own_rule.step(self.flat[:p], self.push_buf[:p], self._own_momentum, scale)
 
     def _drain(self) -> None:
         if self.pending is not None:

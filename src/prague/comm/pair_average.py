@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,16 @@ TAG_REQUEST, TAG_ACK, TAG_VALUES, TAG_MEAN = 20, 21, 22, 23
 
 def exchange_group(ctx: DistContext, timeout: timedelta) -> dist.ProcessGroup:
     """The all-ranks communicator the exchange runs on. Collective: every rank calls it once."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, ctx.store), ctx.rank, ctx.world_size, timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, ctx.store), ctx.rank, ctx.world_size, timeout)
+    # A gloo backend has send/recv at run time; torch's type stubs declare them on ProcessGroup only.
+    return cast(dist.ProcessGroup, pg)
 
 
-def _wait(works: Sequence[dist.Work], what: str) -> None:
+def _run(ops: Callable[[], Sequence[dist.Work]], what: str) -> None:
+    """Start the gloo operations ``ops()`` returns and wait for them; a failure at either point (a peer
+    that died is reported at once) becomes a CommError."""
     try:
-        for w in works:
+        for w in ops():
             w.wait()
     except RuntimeError as exc:
         raise CommError(f"AD-PSGD {what} failed: {exc}") from exc
@@ -73,11 +78,11 @@ class ActiveLink:
         take the request, seconds exchanging)."""
         t0 = time.perf_counter()
         what = f"averaging of rank {self.rank} with rank {peer}"
-        _wait([self.pg.send([torch.tensor([OP_AVERAGE, self.rank])], peer, TAG_REQUEST),
+        _run(lambda: [self.pg.send([torch.tensor([OP_AVERAGE, self.rank])], peer, TAG_REQUEST),
                self.pg.recv([self._ack], peer, TAG_ACK)], what)
         t1 = time.perf_counter()
-        _wait([self.pg.send([values], peer, TAG_VALUES)], what)
-        _wait([self.pg.recv([values], peer, TAG_MEAN)], what)  # after the send: never read and written at once
+        _run(lambda: [self.pg.send([values], peer, TAG_VALUES)], what)
+        _run(lambda: [self.pg.recv([values], peer, TAG_MEAN)], what)  # after the send: never read and written at once
         t2 = time.perf_counter()
         self.initiated += 1
         self.peers[peer] += 1
@@ -87,7 +92,7 @@ class ActiveLink:
 
     def done(self, passives: Sequence[int]) -> None:
         """Tell every passive that this active will send no more requests."""
-        _wait([self.pg.send([torch.tensor([OP_DONE, self.rank])], p, TAG_REQUEST) for p in passives],
+        _run(lambda: [self.pg.send([torch.tensor([OP_DONE, self.rank])], p, TAG_REQUEST) for p in passives],
               f"goodbye of rank {self.rank}")
 
 
@@ -116,7 +121,7 @@ class PassiveServer:
         done: set[int] = set()
         try:
             while len(done) < len(self.actives):
-                _wait([self.pg.recv_anysource([request], TAG_REQUEST)], f"request wait on rank {self.rank}")
+                _run(lambda: [self.pg.recv_anysource([request], TAG_REQUEST)], f"request wait on rank {self.rank}")
                 op, src = (int(x) for x in request.tolist())
                 if src not in self.actives:
                     raise CommError(f"rank {self.rank} (passive) got a request from rank {src}, which is not active")
@@ -125,13 +130,13 @@ class PassiveServer:
                     continue
                 t0 = time.perf_counter()
                 what = f"averaging of rank {src} with rank {self.rank} (passive)"
-                _wait([self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
+                _run(lambda: [self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
                        self.pg.recv([self._incoming], src, TAG_VALUES)], what)
                 with self.lock:
                     self._incoming.add_(self.master).mul_(0.5)
                     self.master.copy_(self._incoming)
                     self.version += 1
-                _wait([self.pg.send([self._incoming], src, TAG_MEAN)], what)
+                _run(lambda: [self.pg.send([self._incoming], src, TAG_MEAN)], what)
                 self.served += 1
                 self.serve_s += time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread by check()

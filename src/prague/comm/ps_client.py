@@ -8,17 +8,20 @@ died and closed the connection, or nothing came back within the job's timeout) r
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from prague.comm.ps_protocol import (
-    HEADER_LEN, OP_BYE, OP_INIT, OP_PULL, OP_PUSH, SHARD_SIDE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE,
-    WORKER_SIDE, Reply, pair_group, request_header, stats_key,
+    HEADER_LEN, OP_BYE, OP_CLOSED, OP_INIT, OP_PULL, OP_PUSH, SHARD_SIDE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST,
+    TAG_STATE, WORKER_SIDE, Reply, pair_group, request_header, stats_key,
 )
 from prague.errors import CommError
+
+T = TypeVar("T")
 
 
 class ShardLink:
@@ -33,22 +36,34 @@ class ShardLink:
                             f"{timeout.total_seconds():g} s: {exc}") from exc
         self._reply_header = torch.zeros(HEADER_LEN, dtype=torch.int64)
 
-    def request(self, op: int, base_version: int = 0, step: int = 0, payload: torch.Tensor | None = None) -> list[dist.Work]:
-        works = [self.pg.send([request_header(op, base_version, step, self.rank)], SHARD_SIDE, TAG_REQUEST)]
-        if payload is not None:
-            works.append(self.pg.send([payload], SHARD_SIDE, TAG_PAYLOAD))
-        return works
+    def request(self, op: int, base_version: int = 0, step: int = 0,
+                payload: torch.Tensor | None = None) -> list[dist.Work]:
+        def send() -> list[dist.Work]:
+            works = [self.pg.send([request_header(op, base_version, step, self.rank)], SHARD_SIDE, TAG_REQUEST)]
+            if payload is not None:
+                works.append(self.pg.send([payload], SHARD_SIDE, TAG_PAYLOAD))
+            return works
+
+        return self._checked(send, "sending a request")
 
     def post_reply(self, into: torch.Tensor) -> list[dist.Work]:
-        return [self.pg.recv([self._reply_header], SHARD_SIDE, TAG_REPLY), self.pg.recv([into], SHARD_SIDE, TAG_STATE)]
+        return self._checked(lambda: [self.pg.recv([self._reply_header], SHARD_SIDE, TAG_REPLY),
+                                      self.pg.recv([into], SHARD_SIDE, TAG_STATE)], "waiting for an answer")
 
     def reply(self) -> Reply:
         return Reply.decode(self._reply_header)
 
     def wait(self, works: Sequence[dist.Work], what: str) -> None:
-        try:
+        def wait_all() -> None:
             for w in works:
                 w.wait()
+
+        self._checked(wait_all, what)
+
+    def _checked(self, op: Callable[[], T], what: str) -> T:
+        """Run a gloo call; its failure (at the call, or when waited for) becomes a CommError naming the shard."""
+        try:
+            return op()
         except RuntimeError as exc:
             raise CommError(
                 f"{what} with parameter-server shard {self.shard} failed on worker rank {self.rank}: {exc}\n"
@@ -67,7 +82,8 @@ class ShardLink:
 class PendingReplies:
     """The replies of one round of requests to every shard, received in the background."""
 
-    def __init__(self, links: Sequence[ShardLink], sends: list[list[dist.Work]], recvs: list[list[dist.Work]], what: str) -> None:
+    def __init__(self, links: Sequence[ShardLink], sends: list[list[dist.Work]], recvs: list[list[dist.Work]],
+                 what: str) -> None:
         self.links, self.sends, self.recvs, self.what = links, sends, recvs, what
 
     def done(self) -> bool:
@@ -112,7 +128,10 @@ class ShardClients:
 
     def finish(self, into: torch.Tensor) -> list[Reply]:
         """Say goodbye; returns when every worker has, with the final values in ``into``."""
-        return self._round(OP_BYE, "finishing", into).wait()
+        replies = self._round(OP_BYE, "finishing", into).wait()
+        for link in self.links:  # the shard may exit once every worker has confirmed
+            link.wait(link.request(OP_CLOSED), "confirming the final values")
+        return replies
 
     def shard_stats(self) -> list[dict[str, object]]:
         """Each shard's record of this worker's updates (available after :meth:`finish`)."""

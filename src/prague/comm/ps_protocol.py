@@ -11,7 +11,9 @@ Every request is a header of :data:`HEADER_LEN` int64 ``[op, base_version, step,
 :data:`TAG_PAYLOAD`). Every request except :data:`OP_INIT` gets a reply: a header ``[version, tau,
 accepted, wait_us]`` (tag :data:`TAG_REPLY`) and the shard's current slice (tag :data:`TAG_STATE`).
 Messages on one pair are matched in order, so a worker may send its next request before reading the
-previous reply only in the order push-then-reply (``ps-eager`` does exactly that).
+previous reply only in the order push-then-reply (``ps-eager`` does exactly that). After the reply to
+:data:`OP_BYE` (the final values) the worker sends :data:`OP_CLOSED`, so a shard never exits (and
+closes the connection) before every worker has read everything.
 
 A push payload holds the gradient for the parameter part of the slice and the worker's current values
 for the buffer part (buffers have no gradient; the shard averages them, see
@@ -25,6 +27,7 @@ import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,12 +39,13 @@ LAYOUT_KEY = f"{KEY_PREFIX}/layout"
 MANAGED_ENV = "PRAGUE_MANAGED_PS"
 
 HEADER_LEN = 4
-OP_INIT, OP_PULL, OP_PUSH, OP_BYE = 1, 2, 3, 4
+OP_INIT, OP_PULL, OP_PUSH, OP_BYE, OP_CLOSED = 1, 2, 3, 4, 5
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_STATE = 10, 11, 12, 13
 SHARD_SIDE, WORKER_SIDE = 0, 1
 
 MODES = ("sync", "async")
 STALENESS_RULES = ("inverse", "none", "exp")
+MOMENTUM_MODES = ("worker", "folded")
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,9 @@ def stats_key(shard: int, worker: int) -> str:
 def pair_group(store: dist.Store, shard: int, worker: int, side: int, timeout: timedelta) -> dist.ProcessGroup:
     """The two-member communicator between ``shard`` and ``worker``; both ends call it (blocks until
     the other end arrives, at most ``timeout``)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(pair_prefix(shard, worker), store), side, 2, timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(pair_prefix(shard, worker), store), side, 2, timeout)
+    # A gloo backend has send/recv at run time; torch's type stubs declare them on ProcessGroup only.
+    return cast(dist.ProcessGroup, pg)
 
 
 def request_header(op: int, base_version: int = 0, step: int = 0, worker: int = 0) -> torch.Tensor:
@@ -120,9 +126,10 @@ class Reply:
 
 
 def shard_argv(shard: int, shards: int, nproc: int, mode: str, staleness_lr: str, max_staleness: int,
-               timeout_s: float, ready_file: Path, exit_when_done: bool) -> list[str]:
+               momentum: str, timeout_s: float, ready_file: Path, exit_when_done: bool) -> list[str]:
     """The command that runs one shard, :mod:`prague.comm.ps_server` (for the launcher, or rank 0 under torchrun)."""
     argv = [sys.executable, "-m", "prague.comm.ps_server", "--shard", str(shard), "--shards", str(shards),
             "--nproc", str(nproc), "--mode", mode, "--staleness-lr", staleness_lr,
-            "--max-staleness", str(max_staleness), "--timeout-s", str(timeout_s), "--ready-file", str(ready_file)]
+            "--max-staleness", str(max_staleness), "--momentum", momentum, "--timeout-s", str(timeout_s),
+            "--ready-file", str(ready_file)]
     return argv + (["--exit-when-done"] if exit_when_done else [])

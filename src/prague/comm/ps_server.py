@@ -10,8 +10,9 @@ Update rules (:class:`ShardState`):
 
 * ``sync``: a shard waits for the pushes of all n workers for the current version, applies their mean
   with exactly ``torch.optim.SGD``'s rule (same lr, momentum, dampening, weight decay, Nesterov) and
-  only then answers every worker with the new values. Gradients are summed in rank order, so the result
-  is deterministic and matches DDP's averaged gradient to float rounding.
+  only then answers every worker with the new values. Gradients are summed in rank order (each as soon
+  as its predecessors are in, so little is left when the last push arrives): the result is
+  deterministic and matches DDP's averaged gradient to float rounding.
 * ``async``: each push is applied on arrival, under a lock, and answered with the values right after
   it. Its staleness tau is the number of versions the shard advanced since the values the gradient was
   computed on (the worker sends that base version with the push). The step is scaled by
@@ -19,6 +20,16 @@ Update rules (:class:`ShardState`):
   Learning", IJCAI 2016: lr/tau) and an update with tau above ``max_staleness`` is rejected and
   counted, not applied (the worker still gets fresh values). Every applied update's tau is recorded per
   worker (a histogram).
+
+  Momentum (``--momentum``): ``worker`` (``ps`` default) keeps **one momentum buffer per worker**: a
+  push from worker i does b_i <- m b_i + s g_i, x <- x - lr b_i (s: the staleness scale). By linearity
+  the mean of the n buffers then follows exactly sync SGD-momentum on the mean gradient, so with s = 1/n
+  (tau = n - 1 in a steady round robin) a round of n asynchronous pushes makes the step of one
+  synchronous round. (One buffer shared by all pushes decays by m^n per round instead, much faster
+  than the delay on every gradient: measured here, it left a CNN on MNIST unstable.) ``folded``
+  (``ps-eager`` default) drops the buffer and takes momentum's steady-state step, lr/(1 - m), at once
+  (:meth:`prague.comm.ps_rules.SGDRule.folded`): with gradients two rounds old, heavy-ball momentum
+  oscillates, and asynchrony supplies momentum of its own (Mitliagkas et al. 2016).
 
 Buffers (BatchNorm running statistics) have no gradient: a push carries the worker's current values for
 them. ``sync`` sets them to the mean over the workers; ``async`` moves them 1/n of the way towards the
@@ -41,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -50,7 +60,6 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,59 +68,12 @@ import torch
 import torch.distributed as dist
 
 from prague.comm.ps_protocol import (
-    HEADER_LEN, LAYOUT_KEY, MODES, OP_BYE, OP_INIT, OP_PULL, OP_PUSH, SHARD_SIDE, STALENESS_RULES, TAG_PAYLOAD,
-    TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply, pair_group, shard_bounds, stats_key,
+    HEADER_LEN, LAYOUT_KEY, MODES, MOMENTUM_MODES, OP_BYE, OP_CLOSED, OP_INIT, OP_PULL, OP_PUSH, SHARD_SIDE,
+    STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply, pair_group,
+    shard_bounds, stats_key,
 )
+from prague.comm.ps_rules import SGDRule, accepts, staleness_scale
 from prague.errors import CommError, ConfigError, unknown_choice
-
-
-def staleness_scale(rule: str, tau: int, nproc: int) -> float:
-    """The factor applied to the learning rate of an update of staleness ``tau`` (pure).
-
-    ``inverse``: 1/max(1, tau) (Zhang et al. 2016); ``none``: 1; ``exp``: exp(-max(0, tau - 1)/nproc),
-    a gentler decay that loses a factor e for every n versions of staleness beyond the first.
-    """
-    if rule == "none":
-        return 1.0
-    if rule == "inverse":
-        return 1.0 / max(1, tau)
-    if rule == "exp":
-        return math.exp(-max(0, tau - 1) / max(1, nproc))
-    raise unknown_choice("staleness rule", rule, STALENESS_RULES)
-
-
-def accepts(tau: int, max_staleness: int) -> bool:
-    """Whether an update of staleness ``tau`` is applied; ``max_staleness`` <= 0 means no bound."""
-    return max_staleness <= 0 or tau <= max_staleness
-
-
-@dataclass(frozen=True)
-class SGDRule:
-    """``torch.optim.SGD``'s update, for one flat slice (element-wise, so slicing changes nothing)."""
-
-    lr: float
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-
-    def step(self, param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor | None:
-        """Update ``param`` in place with ``grad``; returns the new momentum buffer (mirrors
-        ``torch.optim.sgd._single_tensor_sgd`` operation for operation)."""
-        if self.weight_decay != 0:
-            grad = grad.add(param, alpha=self.weight_decay)
-        if self.momentum != 0:
-            if buf is None:
-                buf = grad.detach().clone()
-            else:
-                buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
-            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
-        param.add_(grad, alpha=-self.lr)
-        return buf
-
-    @classmethod
-    def from_layout(cls, layout: Layout, scale: float = 1.0) -> "SGDRule":
-        return cls(layout.lr * scale, layout.momentum, layout.dampening, layout.weight_decay, layout.nesterov)
 
 
 class ShardState:
@@ -123,7 +85,8 @@ class ShardState:
     """
 
     def __init__(self, mode: str, nproc: int, lo: int, hi: int, layout: Layout, *, staleness_lr: str = "none",
-                 max_staleness: int = 0, timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_staleness: int = 0, momentum: str = "worker", timeout_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if mode not in MODES:
             raise unknown_choice("parameter-server mode", mode, MODES)
         if staleness_lr not in STALENESS_RULES:
@@ -137,12 +100,15 @@ class ShardState:
         self.split = min(max(layout.n_params - lo, 0), self.size)  # [0, split): parameters; the rest: buffers
         self.values = torch.zeros(self.size)
         self.version = 0
-        self._momentum: torch.Tensor | None = None
-        self._rule = SGDRule.from_layout(layout)
+        self._momentum: torch.Tensor | None = None  # sync: the one buffer of the averaged gradient
+        self._momenta: list[torch.Tensor | None] = [None] * nproc  # async: one per worker
+        self._rule = SGDRule.from_layout(layout)  # sync: exactly the optimizer's rule
+        self._async_rule = SGDRule.from_layout(layout, momentum)
         self._cond = threading.Condition()
         self._initialized = False
         self._round: dict[int, torch.Tensor] = {}
         self._acc = torch.zeros(self.size) if mode == "sync" else None
+        self._summed = 0  # pushes of the current round already in _acc (ranks 0.._summed-1)
         self._finished: set[int] = set()
         self._error: str | None = None
         self.histogram: list[Counter[int]] = [Counter() for _ in range(nproc)]
@@ -193,6 +159,7 @@ class ShardState:
                 self._fail(f"worker {worker} pushed for version {self.version + 1} after workers "
                            f"{sorted(self._finished)} had finished; every worker must run the same number of steps")
             self._round[worker] = payload
+            self._accumulate()
             target = self.version + 1
             if len(self._round) == self.nproc:
                 self._apply_mean()
@@ -202,17 +169,28 @@ class ShardState:
             self.histogram[worker][0] += 1
             return Reply(self.version, 0, True, int((self._clock() - t0) * 1e6))
 
-    def _apply_mean(self) -> None:
+    def _accumulate(self) -> None:
+        """Sum the pushes in rank order as far as they have arrived: deterministic, and most of the sum
+        is done while the last pushes are still in flight."""
         acc = self._acc
         assert acc is not None
-        acc.copy_(self._round[0])
-        for w in range(1, self.nproc):  # rank order: deterministic
-            acc.add_(self._round[w])
+        while self._summed < self.nproc and self._summed in self._round:
+            push = self._round[self._summed]
+            if self._summed == 0:
+                acc.copy_(push)
+            else:
+                acc.add_(push)
+            self._summed += 1
+
+    def _apply_mean(self) -> None:
+        acc = self._acc
+        assert acc is not None and self._summed == self.nproc
         acc.div_(self.nproc)
         s = self.split
         self._momentum = self._rule.step(self.values[:s], acc[:s], self._momentum)
         self.values[s:].copy_(acc[s:])
         self._round.clear()
+        self._summed = 0
         self.version += 1
         self._cond.notify_all()
 
@@ -228,11 +206,9 @@ class ShardState:
             ok = accepts(tau, self.max_staleness)
             if ok:
                 s = self.split
-                grad = payload[:s]
                 scale = staleness_scale(self.staleness_lr, tau, self.nproc)
-                if scale != 1.0:
-                    grad.mul_(scale)
-                self._momentum = self._rule.step(self.values[:s], grad, self._momentum)
+                self._momenta[worker] = self._async_rule.step(self.values[:s], payload[:s], self._momenta[worker],
+                                                              scale)
                 self.values[s:].lerp_(payload[s:], 1.0 / self.nproc)
                 self.version += 1
                 self.histogram[worker][tau] += 1
@@ -324,6 +300,9 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
             r = state.finish(worker)
             store.set(stats_key(shard, worker), json.dumps(state.stats(worker)))
             reply(r, state.values)  # final: nothing changes any more
+            pg.recv([header], WORKER_SIDE, TAG_REQUEST).wait()
+            if int(header[0]) != OP_CLOSED:
+                raise CommError(f"worker {worker} sent operation {int(header[0])} after goodbye")
             break
         else:
             raise CommError(f"worker {worker} sent unknown operation {op}")
@@ -365,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mode", default="sync", choices=MODES)
     p.add_argument("--staleness-lr", default="none", choices=STALENESS_RULES)
     p.add_argument("--max-staleness", type=int, default=0)
+    p.add_argument("--momentum", default="worker", choices=MOMENTUM_MODES)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--ready-file", type=Path, required=True)
     p.add_argument("--exit-when-done", action="store_true",
@@ -385,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = Layout.decode(store.get(LAYOUT_KEY))  # published by worker rank 0 in setup()
     lo, hi = shard_bounds(layout.total, args.shards)[args.shard]
     state = ShardState(args.mode, args.nproc, lo, hi, layout, staleness_lr=args.staleness_lr,
-                       max_staleness=args.max_staleness, timeout_s=args.timeout_s)
+                       max_staleness=args.max_staleness, momentum=args.momentum, timeout_s=args.timeout_s)
     print(f"ps-shard {args.shard}/{args.shards}: {args.mode}, slice [{lo}, {hi}) of {layout.total}, "
           f"{args.nproc} workers", flush=True)
     serve(state, store, args.shard, timeout)
