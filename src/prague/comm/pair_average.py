@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import cast
 
@@ -82,7 +82,8 @@ class ActiveLink:
                self.pg.recv([self._ack], peer, TAG_ACK)], what)
         t1 = time.perf_counter()
         _run(lambda: [self.pg.send([values], peer, TAG_VALUES)], what)
-        _run(lambda: [self.pg.recv([values], peer, TAG_MEAN)], what)  # after the send: never read and written at once
+        # Only after the send: the buffer is never read and written at once.
+        _run(lambda: [self.pg.recv([values], peer, TAG_MEAN)], what)
         t2 = time.perf_counter()
         self.initiated += 1
         self.peers[peer] += 1
@@ -113,10 +114,10 @@ class PassiveServer:
         self.serve_s = 0.0
         self.error: BaseException | None = None
         self._incoming = torch.empty_like(master)
-        self._thread = threading.Thread(target=self._run, name=f"adpsgd-passive-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"adpsgd-passive-{rank}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _serve(self) -> None:
         request = torch.zeros(2, dtype=torch.int64)
         done: set[int] = set()
         try:
