@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import prague
 from prague.comm.preduce import GroupCommunicators, preduce
-from prague.metrics.io import atomic_write_json
+from prague.io import atomic_write_json
 
 SIZES = {"45 MB": 11_200_000, "4 MB": 1_000_000}  # float32 elements
 

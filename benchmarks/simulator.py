@@ -29,7 +29,7 @@ from typing import Any
 
 from prague.sim.cluster import PAPER
 from prague.sim.engine import Engine, Process
-from prague.sim.run import SimConfig, simulate
+from prague.simulate.run import SimConfig, simulate
 
 GENERATORS = ("static", "smart", "random", "ready")
 PAPER_METHODS = ("allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "dssync", "prague:static",
@@ -133,7 +133,7 @@ def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
             methods = PAPER_METHODS if variant == "paper preset" else ("allreduce", "prague:smart", "prague:ready",
                                                                        "prague:static", "adpsgd")
             for algorithm in methods:
-                thr[(algorithm, scenario)] = simulate(_paper_config(algorithm, scenario, steps, **changes))[
+                thr[(algorithm, scenario)] = simulate(_paper_config(algorithm, scenario, steps, **changes)).to_dict()[
                     "throughput_samples_per_s"]
         base = thr[("allreduce", "homogeneous")]
         for (algorithm, scenario), value in thr.items():
@@ -157,7 +157,7 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
         for generator in GENERATORS:
             t, c = time.perf_counter(), time.process_time()
             r = simulate(SimConfig(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
-                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER))
+                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)).to_dict()
             stats = r["algorithm_stats"][0]
             rows.append({
                 "workers": n, "generator": generator, "fraction_of_limit": r["fraction_of_limit"],
@@ -187,7 +187,7 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
 def bench_timing(steps: int = 1000, workers: int = 1024) -> dict[str, Any]:
     t, c = time.perf_counter(), time.process_time()
     r = simulate(SimConfig(algorithm="prague:smart", scenario="paper:5", nproc=workers, nodes=workers // 4,
-                           steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER))
+                           steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)).to_dict()
     out = {"workers": workers, "steps": steps, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
            "events": r["sim"]["events"], "fraction_of_limit": r["fraction_of_limit"]}
     print(f"\nprague:smart, {workers} workers x {steps} iterations: {out['wall_s']:.1f} s wall, "

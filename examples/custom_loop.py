@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import prague
-from prague.train.data import ShardLoader, load_dataset
+from prague.workload.data import ShardLoader, load_dataset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--algorithm", default="allreduce")

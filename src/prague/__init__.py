@@ -7,11 +7,33 @@ Public API::
     trainer.step(closure)              # one iteration
     trainer.averaged_model()           # mean of all replicas (collective)
     trainer.close(); prague.shutdown()
+
+The names are loaded on first use, so ``prague --help``, ``prague methods`` and the simulator's
+driver do not import torch.distributed unless they need it.
 """
 
-from prague.runtime.context import DistContext, context, init, shutdown
-from prague.train.trainer import DistributedTrainer, StepRecord, wrap
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DistContext", "DistributedTrainer", "StepRecord", "context", "init", "shutdown", "wrap"]
+_EXPORTS = {
+    "DistContext": "prague.runtime.context",
+    "context": "prague.runtime.context",
+    "init": "prague.runtime.context",
+    "shutdown": "prague.runtime.context",
+    "DistributedTrainer": "prague.train.trainer",
+    "StepRecord": "prague.train.trainer",
+    "wrap": "prague.train.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prague' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

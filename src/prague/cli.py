@@ -5,6 +5,7 @@
     prague launch --nproc N script.py [script args]     (any script using the prague API)
     prague worker ...                                   (one rank; what torchrun runs)
     prague simulate --algorithms ... --nproc N --nodes M (the same methods in simulated time)
+    prague methods [--json | --markdown]                (every method, its variants and options)
     prague gg serve --nproc N --token T                 (a Group Generator service)
 
 Bad input exits with code 2 and a one-line message naming the bad value and the valid choices.
@@ -13,12 +14,10 @@ Bad input exits with code 2 and a one-line message naming the bad value and the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,109 +33,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _add_run_arguments(p: argparse.ArgumentParser, *, with_nproc: bool = True) -> None:
-    from prague.algorithms.registry import ALGORITHMS
-    from prague.train.config import COMPUTE_MODES, DATASET_NAMES, MODEL_NAMES
+def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: int, out: Path) -> Any:
+    """Build and validate the RunConfig of one run from parsed flags, and check what the launcher needs."""
+    from prague.train.config import config_from_args
 
-    g = p.add_argument_group("training")
-    if with_nproc:
-        g.add_argument("--nproc", type=int, default=4, help="number of worker processes (default 4)")
-    length = g.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=float, help="passes over each worker's shard (default 1)")
-    length.add_argument("--steps", type=int, help="iterations per worker")
-    g.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
-    g.add_argument("--lr", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--model", default="mlp", metavar="{" + ",".join(MODEL_NAMES) + "}")
-    g.add_argument("--data", default="digits", metavar="{" + ",".join(DATASET_NAMES) + "}")
-    g.add_argument("--data-dir", type=Path, help="directory of the data set's files (mnist)")
-    g.add_argument("--compute", default="real", metavar="{" + ",".join(COMPUTE_MODES) + "}")
-    g.add_argument("--compute-ms", type=float, default=100.0, help="emulated compute time per iteration")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", type=Path, help="output directory (default runs/<method>-<time>)")
-    g.add_argument("--target-accuracy", type=float, help="record the time to reach this test accuracy")
-    g.add_argument("--eval-every", type=int, help="evaluate the averaged model every K steps")
-    g.add_argument("--warmup-steps", type=int, help="steps left out of the throughput window")
-    g.add_argument("--timeout-s", type=float, default=300.0, help="collective/rendezvous timeout")
-    g.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    g.add_argument("--save-model", action="store_true", help="rank 0 saves the averaged model to OUT/model.pt")
-
-    seen: set[str] = set()
-    a = p.add_argument_group("method options")
-    for cls in ALGORITHMS.values():
-        for f in dataclasses.fields(cls.Options):
-            if f.name in seen:
-                continue
-            seen.add(f.name)
-            kind = type(f.default) if f.default is not dataclasses.MISSING else str
-            a.add_argument(
-                "--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                help=f"[{cls.name}] {f.metadata.get('help', '')} (default {f.default})".strip(),
-            )
-
-
-def _option_names() -> set[str]:
-    from prague.algorithms.registry import ALGORITHMS
-
-    return {f.name for cls in ALGORITHMS.values() for f in dataclasses.fields(cls.Options)}
-
-
-def config_from_args(args: argparse.Namespace, algorithm: str, scenario: str, nproc: int) -> Any:
-    """Build and validate a RunConfig from parsed flags."""
-    from prague.algorithms.registry import split_variant
-    from prague.hetero.spec import parse_scenario
-    from prague.train.config import RunConfig
-
-    split_variant(algorithm)
-    parse_scenario(scenario).check_world(nproc)
-    options = {k: getattr(args, k) for k in _option_names() if getattr(args, k, None) is not None}
-    out = args.out or Path("runs") / f"{algorithm.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = RunConfig(
-        algorithm=algorithm, nproc=nproc, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, momentum=args.momentum, model=args.model, data=args.data, data_dir=args.data_dir,
-        compute=args.compute, compute_ms=args.compute_ms, scenario=scenario, seed=args.seed, out=out,
-        target_accuracy=args.target_accuracy, eval_every=args.eval_every, warmup_steps=args.warmup_steps,
-        timeout_s=args.timeout_s, backend=args.backend, save_model=args.save_model, options=options,
-    )
-    method_resources(cfg)  # validates the method's own options before anything starts
+    cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
+    cfg.check_data_source()
+    method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts
     return cfg
 
 
-def worker_argv(cfg: Any) -> list[str]:
-    """The ``prague worker`` command line that reproduces ``cfg`` in a worker process."""
-    argv = [sys.executable, "-m", "prague", "worker", "--algorithm", cfg.algorithm, "--slowdown", cfg.scenario]
-    plain = {
-        "batch_size": cfg.batch_size, "lr": cfg.lr, "momentum": cfg.momentum, "model": cfg.model,
-        "data": cfg.data, "compute": cfg.compute, "compute_ms": cfg.compute_ms, "seed": cfg.seed,
-        "out": cfg.out, "timeout_s": cfg.timeout_s, "backend": cfg.backend, "steps": cfg.steps,
-        "epochs": cfg.epochs, "data_dir": cfg.data_dir, "target_accuracy": cfg.target_accuracy,
-        "eval_every": cfg.eval_every, "warmup_steps": cfg.warmup_steps, **cfg.options,
-    }
-    for name, value in plain.items():
-        if value is not None:
-            argv += ["--" + name.replace("_", "-"), str(value)]
-    if cfg.save_model:
-        argv.append("--save-model")
-    return argv
+def _default_out(name: str) -> Path:
+    return Path("runs") / f"{name.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_data(cfg: Any) -> None:
     """Load the data set once in the launcher, so a bad file is a clear error before any worker starts."""
-    from prague.train.data import load_dataset
+    from prague.workload.data import load_dataset
 
     load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
 
 
 def method_resources(cfg: Any) -> Any:
     """The services and environment the method of ``cfg`` needs; validates its options."""
-    from prague.algorithms.registry import get_algorithm, split_variant
+    from prague.algorithms.registry import resolve_options
 
-    name, variant = split_variant(cfg.algorithm)
-    cls = get_algorithm(name)
-    options = dict(cfg.options)
-    if variant is not None and cls.variant_field is not None:
-        options[cls.variant_field] = variant
-    return cls.job_resources(cls.options_from(options), cfg.nproc, Path(cfg.out), cfg.seed)
+    method, options = resolve_options(cfg.algorithm, cfg.options)
+    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out), cfg.seed)
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
@@ -169,6 +92,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
 
     Raises WorkerFailed if a worker fails (after stopping every process)."""
     from prague.runtime.launcher import LaunchSpec, launch
+    from prague.train.config import worker_argv
 
     check_data(cfg)
     out = Path(cfg.out)
@@ -204,7 +128,10 @@ def _summary_line(s: dict[str, Any]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, args.algorithm, args.slowdown, args.nproc)
+    from prague.train.config import check_options_apply
+
+    check_options_apply(args, [args.algorithm])
+    cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
     summary = run_config(cfg, quiet=args.quiet)
     print(_summary_line(summary))
     print(f"wrote {Path(cfg.out) / 'summary.json'}")
@@ -215,13 +142,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from prague.runtime.worker import run_worker
     from prague.train.loop import train
 
+    from prague.train.config import config_from_args
+
     def body(ctx: Any) -> None:
-        cfg = config_from_args(args, args.algorithm, args.slowdown, ctx.world_size)
-        if args.out is None:
-            cfg = replace(cfg, out=Path("runs") / "torchrun")
+        cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=ctx.world_size,
+                               out=args.out or Path("runs") / "torchrun")
         train(cfg, ctx)
 
-    run_worker(body, backend=args.backend, timeout_s=args.timeout_s)
+    run_worker(body, backend=args.backend or "auto", timeout_s=args.timeout_s or 300.0)
     return 0
 
 
@@ -248,9 +176,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if not algorithms or not scenarios:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
-    out = args.out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    from prague.train.config import check_options_apply
+
+    check_options_apply(args, algorithms)
+    out = args.out or _default_out("bench")
     configs = [
-        config_from_args(argparse.Namespace(**{**vars(args), "out": out / "runs" / f"{a.replace(':', '-')}_{s.replace(':', '-')}"}), a, s, args.nproc)
+        _run_config(args, a, s, args.nproc, out / "runs" / f"{a.replace(':', '-')}_{s.replace(':', '-')}")
         for s in scenarios for a in algorithms
     ]  # validate every pair before running any
     records: list[dict[str, Any]] = []
@@ -276,24 +207,60 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_methods(args: argparse.Namespace) -> int:
+    from prague.algorithms.registry import METHODS
+    from prague.algorithms.table import methods_markdown, methods_text
+
+    if args.json:
+        print(json.dumps([m.describe() for m in METHODS.values()], indent=2))
+    elif args.markdown:
+        print(methods_markdown())
+    else:
+        print(methods_text())
+    return 0
+
+
+def _add_run_parser(sub: Any, name: str, helptext: str) -> None:
+    from prague.train.config import add_run_arguments
+
+    p = sub.add_parser(name, help=helptext)
+    p.add_argument("--algorithm", default="allreduce", help="method, optionally NAME:VARIANT (default allreduce; "
+                                                            "see prague methods)")
+    p.add_argument("--slowdown", default="homogeneous",
+                   help="heterogeneity: homogeneous | paper:X | straggler:RANK:X | crash:RANK:STEP, joined with +")
+    if name == "run":
+        p.add_argument("--nproc", type=int, default=4, help="number of worker processes (default 4)")
+    p.add_argument("--out", type=Path, help="output directory (default runs/<method>-<time>)")
+    add_run_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``prague`` parser; with ``only``, just that command (``prague worker`` builds no other, so a
+    worker process imports nothing it does not run, the simulator least of all)."""
+    from prague.train.config import add_run_arguments
+
     parser = _Parser(prog="prague", description="Data-parallel PyTorch training that stays fast when workers are unequal.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    if only == "worker":
+        _add_run_parser(sub, "worker", "one worker process (what torchrun runs)")
+        return parser
 
-    for name, helptext in (("run", "train one method with N local worker processes"),
-                           ("worker", "one worker process (what torchrun runs)")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--algorithm", default="allreduce", help="method, optionally NAME:VARIANT (default allreduce)")
-        p.add_argument("--slowdown", default="homogeneous",
-                       help="heterogeneity: homogeneous | paper:X | straggler:RANK:X | crash:RANK:STEP, joined with +")
-        _add_run_arguments(p, with_nproc=(name == "run"))
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_parser(sub, "run", "train one method with N local worker processes")
+    _add_run_parser(sub, "worker", "one worker process (what torchrun runs)")
 
     b = sub.add_parser("bench", help="run every (method, scenario) pair and write a comparison")
     b.add_argument("--algorithms", default="allreduce", help="comma-separated methods, NAME or NAME:VARIANT")
     b.add_argument("--scenarios", default="homogeneous,paper:5", help="comma-separated scenarios")
-    _add_run_arguments(b)
+    b.add_argument("--nproc", type=int, default=4, help="number of worker processes (default 4)")
+    b.add_argument("--out", type=Path, help="output directory (default runs/bench-<time>)")
+    add_run_arguments(b)
     b.add_argument("--quiet", action="store_true")
+
+    m = sub.add_parser("methods", help="list every method, its variants and options")
+    fmt = m.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable: name, variants, options with defaults")
+    fmt.add_argument("--markdown", action="store_true", help="the README's method table")
 
     gg = sub.add_parser("gg", help="the Group Generator service")
     gg_sub = gg.add_subparsers(dest="gg_command", required=True, parser_class=_Parser)
@@ -306,27 +273,33 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
-    from prague.sim.cli import add_simulate_parser
+    from prague.simulate.cli import add_simulate_parser
 
     add_simulate_parser(sub)
     return parser
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from prague.simulate.cli import cmd_simulate
+
+    return cmd_simulate(args)
+
+
+HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench, "simulate": _simulate,
+            "methods": cmd_methods}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     if argv is None:
         argv = sys.argv[1:]
     if argv[:2] == ["gg", "serve"]:  # the service parses its own flags
         from prague.groups.service import main as serve_main
 
         return serve_main(argv[2:], prog="prague gg serve")
+    parser = build_parser(only="worker" if argv[:1] == ["worker"] else None)
     args = parser.parse_args(argv)
-    from prague.sim.cli import cmd_simulate
-
-    handlers = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench,
-                "simulate": cmd_simulate}
     try:
-        return handlers[args.command](args)
+        return HANDLERS[args.command](args)
     except ConfigError as exc:
         print(f"prague {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

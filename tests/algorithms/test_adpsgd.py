@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from prague_testing import processes_mentioning, run_cli
-from prague.algorithms.adpsgd import ADPSGDOptions, NeighbourChooser, bipartite_split
+from prague.algorithms.adpsgd import ADPSGDOptions
+from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
 from prague.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)

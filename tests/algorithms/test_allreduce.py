@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from prague_testing import run_cli
-from prague.train.data import ShardLoader, load_dataset
-from prague.train.models import build_model
+from prague.workload.data import ShardLoader, load_dataset
+from prague.workload.models import build_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prague.algorithms.dssync import dssync_groups
+from prague.algorithms.dssync.decisions import dssync_groups
 from prague_testing import run_cli
 
 pytestmark = pytest.mark.timeout(300)

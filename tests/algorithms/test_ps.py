@@ -21,18 +21,19 @@ import pytest
 import torch
 
 from prague_testing import processes_mentioning, run_cli
-from prague.algorithms.ps import PSOptions, layout_for
+from prague.algorithms.ps import PSOptions
+from prague.algorithms.ps.runtime import layout_for
 from prague.algorithms.ps_eager import PSEagerOptions
-from prague.comm.ps_protocol import Layout, shard_bounds
-from prague.comm.ps_rules import SGDRule, accepts, staleness_scale
-from prague.comm.ps_server import ShardState
+from prague.algorithms.ps.protocol import Layout, shard_bounds
+from prague.algorithms.ps.rules import SGDRule, accepts, staleness_scale
+from prague.algorithms.ps.server import ShardState
 from prague.errors import CommError, ConfigError
-from prague.train.data import load_dataset
-from prague.train.models import build_model
+from prague.workload.data import load_dataset
+from prague.workload.models import build_model
 
 pytestmark = pytest.mark.timeout(240)
 
-SHARD_MARKER = "prague.comm.ps_server"
+SHARD_MARKER = "prague.algorithms.ps.server"
 
 
 # ---------------------------------------------------------------------------------------------- pure

@@ -12,6 +12,7 @@ from matplotlib.patches import Rectangle
 
 from prague.errors import ConfigError
 from prague.metrics import report
+from prague.metrics.record import SCHEMA_VERSION, RunRecord
 from prague.metrics.report import bench_table, load_records, method_label, write_bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -248,7 +249,7 @@ def test_write_bench_writes_all_files(tmp_path: Path, records: list[dict[str, An
         "throughput.png",
         "accuracy.png",
     }
-    assert json.loads(paths["json"].read_text()) == records
+    assert json.loads(paths["json"].read_text()) == [RunRecord.from_dict(r).to_dict() for r in records]
     markdown = paths["md"].read_text()
     assert markdown.startswith("# ")
     assert "```\nprague bench --nproc 4\n```" in markdown
@@ -335,11 +336,11 @@ def test_existing_json_survives_when_the_dump_raises(
         raise OSError("disk full")
 
     # Fail inside the atomic writer itself, after the report was rendered.
-    monkeypatch.setattr("prague.metrics.io.json.dumps", failing_dumps)
+    monkeypatch.setattr("prague.io.json.dumps", failing_dumps)
     with pytest.raises(OSError, match="disk full"):
         write_bench(tmp_path, records[:2])
     assert paths["json"].read_text() == old
-    assert load_records(paths["json"]) == records
+    assert load_records(paths["json"]) == [RunRecord.from_dict(r) for r in records]
 
 
 def test_existing_file_survives_when_writing_the_bytes_fails(
@@ -351,7 +352,7 @@ def test_existing_file_survives_when_writing_the_bytes_fails(
     def failing_replace(src: Any, dst: Any) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr("prague.metrics.io.os.replace", failing_replace)
+    monkeypatch.setattr("prague.io.os.replace", failing_replace)
     with pytest.raises(OSError, match="rename failed"):
         write_bench(tmp_path, records[:1])
     assert paths["json"].read_bytes() == old
@@ -378,8 +379,8 @@ def test_write_bench_rejects_empty_and_malformed_records(tmp_path: Path) -> None
 
 def test_load_records_round_trip(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     paths = write_bench(tmp_path, records)
-    assert load_records(paths["json"]) == records
-    assert load_records(tmp_path) == records  # the directory holding bench.json
+    assert load_records(paths["json"]) == [RunRecord.from_dict(r) for r in records]
+    assert load_records(tmp_path) == [RunRecord.from_dict(r) for r in records]  # the directory holding bench.json
 
 
 def test_load_records_missing_file(tmp_path: Path) -> None:
@@ -418,7 +419,10 @@ def test_load_records_accepts_minimal_records(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     minimal = [{"algorithm": "allreduce", "scenario": "homogeneous", "throughput_samples_per_s": 5}]
     path.write_text(json.dumps(minimal))
-    assert load_records(path) == minimal
+    loaded = load_records(path)
+    assert [(r.algorithm, r.scenario, r.throughput_samples_per_s, r.schema_version) for r in loaded] == [
+        ("allreduce", "homogeneous", 5, SCHEMA_VERSION)]
+    assert loaded[0].variant is None and loaded[0].eval_history == []
     # A minimal record must still render: every optional field falls back to a placeholder.
     row = rows(bench_table(minimal))[("allreduce", "homogeneous")]
     assert row["mode"] == "?"

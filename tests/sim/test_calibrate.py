@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prague.sim.calibrate import calibrate, calibration_table
+from prague.simulate.calibrate import calibrate, calibration_table
 from prague.sim.cluster import Cluster, Link
-from prague.sim.run import SimConfig, simulate
+from prague.simulate.run import SimConfig, simulate
 
 TRUTH = Cluster(name="truth", compute_s=0.2, compute_overhead_s=0.02, compute_cv=0.02, compute_dist="normal",
                 intra=Link(80e-6, 6e8), inter=Link(80e-6, 6e8), allreduce_exposed=2.0, gg_rtt_s=3e-3,
@@ -20,7 +20,7 @@ def test_calibration_recovers_a_known_cluster(tmp_path: Path) -> None:
     for scenario in ("homogeneous", "paper:5"):
         for algorithm in ("allreduce", "prague:smart", "prague:ready", "dssync", "ps:sync"):
             r = simulate(SimConfig(algorithm=algorithm, scenario=scenario, nproc=8, steps=12, batch_size=32,
-                                   model="resnet18", data="digits", cluster=TRUTH, compute_s=0.2, warmup_steps=2))
+                                   model="resnet18", data="digits", cluster=TRUTH, compute_s=0.2, warmup_steps=2)).to_dict()
             r["simulated"] = False
             r.pop("sim")
             records.append(r)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import ast
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-import prague.train.loop
 from prague.cli import _Parser
 from prague.errors import ConfigError
-from prague.sim.cli import add_simulate_parser, cmd_simulate
+from prague.metrics.record import RunRecord
+from prague.simulate.cli import add_simulate_parser, cmd_simulate
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -21,14 +21,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["simulate", *argv])
 
 
-def runtime_summary_keys() -> set[str]:
-    """The keys of the ``summary`` dict literal in :func:`prague.train.loop.train`."""
-    tree = ast.parse(Path(prague.train.loop.__file__).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "summary":
-            assert isinstance(node.value, ast.Dict)
-            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
-    raise AssertionError("no summary dict in prague.train.loop")
+def record_keys() -> set[str]:
+    """The fields of the one run record, which the runtime's summary.json also has."""
+    return {f.name for f in dataclasses.fields(RunRecord)}
 
 
 def test_simulate_writes_bench_files_with_runtime_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,9 +35,9 @@ def test_simulate_writes_bench_files_with_runtime_fields(tmp_path: Path, capsys:
     assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "throughput.png", "accuracy.png"}
     records = json.loads((out / "bench.json").read_text())
     assert len(records) == 6
-    keys = runtime_summary_keys()
+    keys = record_keys()
     for record in records:
-        assert keys <= set(record), keys - set(record)
+        assert set(record) == keys, set(record) ^ keys
         assert record["simulated"] is True
         assert record["sim"]["cluster"]["inter"]["bandwidth_gbps"] == pytest.approx(10)
     smart = next(r for r in records if r["variant"] == "smart")

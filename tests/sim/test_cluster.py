@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prague.errors import ConfigError
-from prague.sim.cli import cluster_to_toml
+from prague.simulate.cli import cluster_to_toml
 from prague.sim.cluster import GBIT, PAPER, PRESETS, Cluster, Link, load_cluster
 
 

@@ -7,7 +7,7 @@ import pytest
 from prague.groups.api import Topology
 from prague.sim.cluster import Cluster, Link
 from prague.sim.costs import Fabric, Queue, exchange_s, group_link, ring_allreduce_s
-from prague.sim.run import SimConfig, model_size, simulate
+from prague.simulate.run import SimConfig, model_size, simulate
 
 LINK = Link(latency_s=20e-6, bandwidth_bytes_per_s=5e9)
 
@@ -56,7 +56,7 @@ def test_homogeneous_allreduce_run_matches_the_closed_form(nproc: int, nodes: in
     cluster = Cluster(compute_s=0.05, intra=Link.of(10, 80), inter=Link.of(25, 45), allreduce_exposed=1.0)
     steps, batch = 20, 64
     record = simulate(SimConfig(algorithm="allreduce", nproc=nproc, nodes=nodes, steps=steps, batch_size=batch,
-                                model="resnet18", data="synthetic", cluster=cluster, warmup_steps=0))
+                                model="resnet18", data="synthetic", cluster=cluster, warmup_steps=0)).to_dict()
     link = cluster.inter if nodes > 1 else cluster.intra
     _, state_bytes = model_size("resnet18", "synthetic")
     alpha, beta = link.latency_s, link.bandwidth_bytes_per_s
@@ -70,7 +70,7 @@ def test_homogeneous_allreduce_run_matches_the_closed_form(nproc: int, nodes: in
 def test_exposed_fraction_scales_the_all_reduce() -> None:
     half = Cluster(compute_s=0.05, allreduce_exposed=0.5)
     full = Cluster(compute_s=0.05, allreduce_exposed=1.0)
-    runs = [simulate(SimConfig(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=c, warmup_steps=0))
+    runs = [simulate(SimConfig(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=c, warmup_steps=0)).to_dict()
             for c in (half, full)]
     comm_half, comm_full = (r["mean_comm_s"][0] for r in runs)
     assert comm_half == pytest.approx(comm_full / 2, rel=1e-9)

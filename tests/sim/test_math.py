@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from prague.sim.cluster import Cluster
-from prague.sim.run import SimConfig, simulate
+from prague.simulate.run import SimConfig, simulate
 
 
 def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16) -> dict:
     return simulate(SimConfig(algorithm=algorithm, scenario="paper:5", nproc=nproc, nodes=1, steps=steps,
                               batch_size=batch_size, model="mlp", data="digits", cluster=Cluster(compute_s=0.01),
-                              math="real", lr=0.05, eval_every=20))
+                              math="real", lr=0.05, eval_every=20)).to_dict()
 
 
 @pytest.mark.parametrize("algorithm", ["allreduce", "prague:smart", "adpsgd", "ps:sync", "ps-eager"])

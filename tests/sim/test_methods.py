@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from prague.algorithms.registry import ALGORITHMS
+from prague.algorithms.registry import METHODS
 from prague.errors import ConfigError
 from prague.sim.cluster import PAPER, Cluster, Link
-from prague.sim.methods import SIM_METHODS
-from prague.sim.run import SimConfig, simulate
+from prague.sim.method import SimMethod
+from prague.simulate.run import SimConfig, simulate
 
 EVERY_METHOD = ["allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "prague:static", "prague:smart",
                 "prague:random", "prague:ready", "dssync"]
@@ -20,11 +20,13 @@ def _sim(algorithm: str, scenario: str = "paper:5", **kw: Any) -> dict[str, Any]
     args: dict[str, Any] = dict(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=40,
                                 batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)
     args.update(kw)
-    return simulate(SimConfig(**args))
+    return simulate(SimConfig(**args)).to_dict()
 
 
-def test_every_runtime_method_has_a_simulated_twin() -> None:
-    assert set(SIM_METHODS) == set(ALGORITHMS)
+def test_every_method_has_a_simulator_model() -> None:
+    for method in METHODS.values():
+        assert issubclass(method.sim_class(), SimMethod), method.name
+    assert {a.partition(":")[0] for a in EVERY_METHOD} == set(METHODS)
 
 
 @pytest.mark.parametrize("algorithm", EVERY_METHOD)

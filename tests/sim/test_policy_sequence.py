@@ -14,18 +14,18 @@ from typing import Any
 
 import pytest
 
-from prague.algorithms.adpsgd import NeighbourChooser, bipartite_split
-from prague.algorithms.dssync import dssync_groups
+from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
+from prague.algorithms.dssync.decisions import dssync_groups
 from prague.groups import GeneratorConfig, Topology, make_generator
 from prague.groups.service import GroupGeneratorCore
 from prague.sim.cluster import PAPER
-from prague.sim.run import SimConfig, build, simulate
+from prague.simulate.run import SimConfig, build, simulate
 
 
 def _run(generator: str, seed: int, scenario: str = "paper:5", nproc: int = 16, nodes: int = 4) -> list[Any]:
     record = simulate(SimConfig(algorithm=f"prague:{generator}", scenario=scenario, nproc=nproc, nodes=nodes,
                                 steps=40, model="mlp", cluster=PAPER, seed=seed, trace=True,
-                                options={"gg_seed": 0, "group_size": 3, "delta_c": 4, "window_ms": 20.0}))
+                                options={"gg_seed": 0, "group_size": 3, "delta_c": 4, "window_ms": 20.0})).to_dict()
     return record["sim"]["trace"]
 
 

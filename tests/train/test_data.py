@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.errors import ConfigError, DataError
-from prague.train.data import DATASETS, Dataset, ShardLoader, load_dataset, make_synthetic, shard_indices
-from prague.train.mnist import MNIST_FILES
+from prague.workload.data import DATASETS, Dataset, ShardLoader, load_dataset, make_synthetic, shard_indices
+from prague.workload.mnist import MNIST_FILES
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prague.errors import DataError
-from prague.train.mnist import MNIST_FILES, load_mnist, read_idx
+from prague.workload.mnist import MNIST_FILES, load_mnist, read_idx
 
 # The shared offline copy lives beside the project root (../shared/datasets/mnist); override with
 # PRAGUE_MNIST_DIR to test another copy.

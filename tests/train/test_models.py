@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from prague.errors import ConfigError
-from prague.train.models import MODELS, build_model, parameter_count
+from prague.workload.models import MODELS, build_model, parameter_count
 
 # Input shapes of the built-in data sets: digits, mnist, synthetic.
 SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "synthetic": (3, 32, 32)}

@@ -1,0 +1,1 @@
+"""Synchronisation methods: one package per method (description, runtime, simulator model), and the registry."""

@@ -1,4 +1,4 @@
-"""The interface every synchronisation method implements.
+"""The runtime interface every synchronisation method implements.
 
 The worker loop (:class:`prague.train.trainer.DistributedTrainer`) is short and linear and never
 branches on the method's name: it calls these hooks in this order on every rank, every iteration::
@@ -9,25 +9,28 @@ branches on the method's name: it calls these hooks in this order on every rank,
     algorithm.apply_update(optimizer, step)           # local optimizer step unless the method owns it
     algorithm.after_step(step, times)                 # e.g. average parameters with a group
     ...
-    algorithm.close()                                 # once, on every rank, even after a failure
+    algorithm.close(failed=...)                       # once, on every rank, also after a failure
 
-Adding a method means one module under ``prague.algorithms`` with a subclass of :class:`Algorithm`, plus
-one line in :mod:`prague.algorithms.registry`.
+A method is one package under ``prague/algorithms/``: its description (name, options, variants,
+reported fields; :mod:`prague.algorithms.spec`) in ``__init__.py``, a subclass of :class:`Algorithm`
+in ``runtime.py``, its simulator model in ``sim.py``, and one line in
+:mod:`prague.algorithms.registry`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from prague.runtime.context import DistContext
-from prague.runtime.launcher import ServiceSpec
+from prague.runtime.services import ServiceSpec
 
 
 @dataclass
@@ -52,33 +55,39 @@ class JobResources:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class NoOptions:
-    """Options of a method that has none."""
+class BeforeForward(nn.Module):
+    """Wraps ``module`` so that ``hook()`` runs before every forward pass.
+
+    For methods that must touch the parameters right before compute (install fresh values, take a
+    snapshot). The hook is a plain closure, so a deepcopy of the wrapped model (the averaged model)
+    never drags the method object along."""
+
+    def __init__(self, module: nn.Module, hook: Callable[[], None]) -> None:
+        super().__init__()
+        self.module = module
+        self._hook = hook
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook()
+        return self.module(*args, **kwargs)
 
 
 class Algorithm:
-    """Base class of a synchronisation method; the defaults do a plain local SGD step.
+    """Base class of a synchronisation method's runtime; the defaults do a plain local SGD step.
 
-    Subclasses set ``name``, optionally an ``Options`` frozen dataclass whose fields are read from the
-    CLI namespace or keyword arguments of the same names, and ``variant_field``: the option that
-    ``NAME:VARIANT`` in ``prague bench --algorithms`` sets.
+    Constructed on every rank with the job's context and the method's validated options (built by
+    :meth:`prague.algorithms.spec.Method.make_options`). What :meth:`setup` acquires that must be
+    released (threads, communicators, processes, temporary folders) it registers on
+    :attr:`resources`, in order; :meth:`close` releases exactly that, in reverse order, so it never has
+    to guess how far ``setup`` got.
     """
-
-    name: ClassVar[str] = ""
-    Options: ClassVar[type] = NoOptions
-    variant_field: ClassVar[str | None] = None
 
     def __init__(self, ctx: DistContext, options: Any) -> None:
         self.ctx = ctx
         self.options = options
-
-    @classmethod
-    def options_from(cls, values: dict[str, Any] | argparse.Namespace) -> Any:
-        """Build this method's options from a mapping, taking only the fields it declares."""
-        mapping = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
-        names = {f.name for f in dataclasses.fields(cls.Options)}
-        return cls.Options(**{k: v for k, v in mapping.items() if k in names and v is not None})
+        self.resources = contextlib.ExitStack()
+        self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
+        self._closed = False
 
     @classmethod
     def job_resources(cls, options: Any, nproc: int, out_dir: Path, seed: int) -> JobResources:
@@ -102,15 +111,23 @@ class Algorithm:
     def after_step(self, step: int, times: StepTimes) -> None:
         """Called after the optimizer step; decentralised methods average parameters here."""
 
-    def close(self) -> None:
-        """Stop background threads and services; called once on every rank, also after a failure."""
+    def finish(self) -> None:
+        """The orderly end, on every rank after its last step: drain pending work, say goodbye to peers
+        and services. Not called after a failure. Collective where the method says so."""
+
+    def close(self, failed: bool = False) -> None:
+        """End the method on this rank; called once on every rank. Unless ``failed`` (an exception is
+        propagating, so peers may be gone), first :meth:`finish`; then, in every case, release what
+        :meth:`setup` registered on :attr:`resources`. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.failed = failed
+        with self.resources:
+            if not failed:
+                self.finish()
 
     def stats(self) -> dict[str, Any]:
-        """Method-specific counters for the run summary (JSON-serialisable)."""
+        """Method-specific counters for the run summary (JSON-serialisable); the keys are those the
+        method's description declares in ``reports``."""
         return {}
-
-    @property
-    def variant(self) -> str | None:
-        if self.variant_field is None:
-            return None
-        return str(getattr(self.options, self.variant_field))

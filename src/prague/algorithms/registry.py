@@ -1,38 +1,59 @@
-"""Name -> method class. Adding a method is one import and one line here."""
+"""Every method, described once (:mod:`prague.algorithms.spec`). Adding a method is one line here.
+
+Everything that names methods is derived from :data:`METHODS`: the flags of ``prague run``/``worker``/
+``bench``/``simulate``, ``prague methods``, the README's method table, the runtime's and the
+simulator's lookup. Importing this module imports no method's runtime or simulator code.
+"""
 
 from __future__ import annotations
 
-from prague.algorithms.adpsgd import ADPSGD
-from prague.algorithms.allreduce import AllReduce
-from prague.algorithms.api import Algorithm
-from prague.algorithms.dssync import DSSync
-from prague.algorithms.prague import Prague
-from prague.algorithms.ps import ParameterServer
-from prague.algorithms.ps_eager import EagerParameterServer
+from prague.algorithms import adpsgd, allreduce, dssync, prague, ps, ps_eager
+from prague.algorithms.spec import Method, OptionInfo
 from prague.errors import ConfigError, unknown_choice
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
-    AllReduce.name: AllReduce,
-    Prague.name: Prague,
-    DSSync.name: DSSync,
-    ParameterServer.name: ParameterServer,
-    EagerParameterServer.name: EagerParameterServer,
-    ADPSGD.name: ADPSGD,
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (allreduce.METHOD, prague.METHOD, dssync.METHOD, ps.METHOD, ps_eager.METHOD, adpsgd.METHOD)
 }
 
 
-def get_algorithm(name: str) -> type[Algorithm]:
-    """The class registered as ``name``; raises ConfigError listing the valid names."""
+def get_method(name: str) -> Method:
+    """The method registered as ``name``; raises ConfigError listing the valid names."""
     try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise unknown_choice("algorithm", name, ALGORITHMS) from None
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise unknown_choice("method", name, METHODS) from None
 
 
-def split_variant(spec: str) -> tuple[str, str | None]:
-    """``"prague:smart"`` -> ``("prague", "smart")``; validates the name and that the method has variants."""
-    name, _, variant = spec.partition(":")
-    cls = get_algorithm(name)
-    if variant and cls.variant_field is None:
-        raise ConfigError(f"algorithm {name!r} has no variants, got {spec!r}; use plain {name!r}")
-    return name, (variant or None)
+def parse_method(spec: str) -> tuple[Method, str | None]:
+    """``"prague:smart"`` -> (the ``prague`` method, ``"smart"``); ``"allreduce"`` -> (it, None).
+
+    The one place a ``NAME[:VARIANT]`` string is read; the variant is checked against the method's
+    variants, with a message listing them."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"a method name is needed, got {spec!r}; valid: {', '.join(sorted(METHODS))}")
+    name, sep, variant = spec.strip().partition(":")
+    method = get_method(name)
+    if not sep:
+        return method, None
+    if method.variant_option is None:
+        raise ConfigError(f"method {name!r} has no variants, got {spec!r}; use plain {name!r}")
+    if variant not in method.variants:
+        raise unknown_choice(f"variant of {name}", variant, method.variants)
+    return method, variant
+
+
+def resolve_options(spec: str, values: dict[str, object] | None = None) -> tuple[Method, object]:
+    """The method named by ``spec`` and its validated options from ``values`` (flag values by option name;
+    names other methods declare are ignored)."""
+    method, variant = parse_method(spec)
+    return method, method.make_options(values or {}, variant)
+
+
+def all_options() -> dict[str, list[tuple[Method, OptionInfo]]]:
+    """Every option name, with the methods that declare it (a name shared by two methods is one flag)."""
+    out: dict[str, list[tuple[Method, OptionInfo]]] = {}
+    for method in METHODS.values():
+        for info in method.option_infos:
+            out.setdefault(info.name, []).append((method, info))
+    return out

@@ -55,6 +55,11 @@ class CommStats:
     evicted: int = 0
     failed: int = 0
 
+    def report(self) -> dict[str, float | int]:
+        """The fields a method built on P-Reduce reports (see ``COMM_REPORTS`` in :mod:`prague.algorithms.spec`)."""
+        return {"preduces": self.reduces, "communicators_created": self.created,
+                "communicator_create_s": self.create_s, "communicators_evicted": self.evicted}
+
 
 def _backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     # torch's stubs declare these backends as ``Backend``, which (in the stubs) has no collectives.

@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from typing import NoReturn
 import grpc
 
 from prague.errors import CommError, ConfigError
+from prague.io import atomic_write_text
 from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups import gg_pb2_grpc as pb_grpc
@@ -295,18 +295,6 @@ class GroupGeneratorServer:
         self.stop()
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def serve(
     config: GeneratorConfig,
     host: str,
@@ -335,7 +323,7 @@ def serve(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, on_signal)
         if ready_file is not None:
-            _write_atomically(Path(ready_file), server.address + "\n")
+            atomic_write_text(Path(ready_file), server.address + "\n")
         while not server.wait_for_shutdown(1.0):
             pass
     finally:

@@ -1,7 +1,7 @@
 """Benchmark reports: one markdown table, one JSON file and two plots for a set of runs.
 
 A benchmark runs every method in every scenario on the same machine and produces one summary dict
-per (method, scenario) run (see DESIGN.md section 4). This module turns that list into
+per (method, scenario) run (see docs/ARCHITECTURE.md). This module turns that list into
 
 - ``bench.json``: the records themselves, the source of truth for later comparison;
 - ``bench.md``: a title, the command that produced the run, and :func:`bench_table`;
@@ -13,7 +13,7 @@ Each method's throughput is shown as a ratio to ``allreduce`` in the same scenar
 numbers from different benchmark runs should not be compared: the machines are noisy.
 
 Everything is rendered in memory first and only then written, each file atomically
-(:mod:`prague.metrics.io`), so a failure leaves the previous report untouched.
+(:mod:`prague.io`), so a failure leaves the previous report untouched.
 """
 
 from __future__ import annotations
@@ -23,25 +23,22 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
-from prague.metrics.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from prague.metrics.record import REQUIRED_KEYS, RunRecord
+from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [
-    "REQUIRED_KEYS",
     "bench_table",
     "load_records",
     "method_label",
     "write_bench",
 ]
-
-#: Keys every run record must carry; all others are optional and may be ``None``.
-REQUIRED_KEYS: tuple[str, ...] = ("algorithm", "scenario", "throughput_samples_per_s")
 
 _BASELINE_ALGORITHM = "allreduce"
 _HOMOGENEOUS_SCENARIO = "homogeneous"
@@ -73,46 +70,31 @@ def method_label(record: Record) -> str:
     return f"{algorithm}:{variant}" if variant else algorithm
 
 
-def _record_problem(record: object) -> str | None:
-    """Say what is wrong with one record; ``None`` if it has the required keys and types."""
-    if not isinstance(record, Mapping):
-        return f"is a {type(record).__name__} ({record!r:.80}), not a JSON object"
-    missing = [key for key in REQUIRED_KEYS if key not in record]
-    if missing:
-        return f"lacks required key(s) {', '.join(repr(k) for k in missing)}"
-    for key in ("algorithm", "scenario"):
-        if not isinstance(record[key], str) or not record[key]:
-            return f"has {key}={record[key]!r}; it must be a non-empty string"
-    throughput = record["throughput_samples_per_s"]
-    if isinstance(throughput, bool) or not isinstance(throughput, (int, float)):
-        return f"has throughput_samples_per_s={throughput!r}; it must be a number"
-    return None
+RecordLike = Union[RunRecord, Mapping[str, Any]]
 
 
 def _check_records(records: object, source: str, fix: str) -> list[dict[str, Any]]:
-    """Return ``records`` as a list of dicts, or raise :class:`ConfigError` naming ``source``."""
+    """``records`` (RunRecords, or their JSON form) checked through :class:`RunRecord` and returned in
+    their JSON form; raises :class:`ConfigError` naming ``source`` and ``fix``."""
     if not isinstance(records, list):
-        raise ConfigError(
-            f"{source} must hold a list of run records, got {type(records).__name__}; {fix}"
-        )
+        raise ConfigError(f"{source} must hold a list of run records, got {type(records).__name__}; {fix}")
     if not records:
         raise ConfigError(f"{source} holds no run records; {fix}")
+    out = []
     for index, record in enumerate(records):
-        problem = _record_problem(record)
-        if problem is not None:
-            raise ConfigError(
-                f"{source}: record {index} {problem}; every record needs "
-                f"{', '.join(REQUIRED_KEYS)}; {fix}"
-            )
-    return [dict(record) for record in records]
+        try:
+            out.append(RunRecord.from_dict(record, f"{source}: record {index}").to_dict())
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; {fix}") from None
+    return out
 
 
-def load_records(path: Path) -> list[dict[str, Any]]:
+def load_records(path: Path) -> list[RunRecord]:
     """Read the run records of a ``bench.json`` written by :func:`write_bench`.
 
     ``path`` may also be the directory that holds ``bench.json``. Raises :class:`ConfigError`,
     naming the path and how to fix it, when the file is missing, is not JSON, or is not a non-empty
-    list of objects each with :data:`REQUIRED_KEYS`.
+    list of records each with :data:`~prague.metrics.record.REQUIRED_KEYS`.
     """
     path = Path(path)
     if path.is_dir():
@@ -130,7 +112,7 @@ def load_records(path: Path) -> list[dict[str, Any]]:
         raise ConfigError(
             f"benchmark results {str(path)!r} are not valid JSON ({exc}); {fix}"
         ) from exc
-    return _check_records(data, f"benchmark results {str(path)!r}", fix)
+    return [RunRecord.from_dict(r) for r in _check_records(data, f"benchmark results {str(path)!r}", fix)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,7 +197,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def bench_table(records: list[dict[str, Any]]) -> str:
+def bench_table(records: Sequence[RecordLike]) -> str:
     """Render runs as a GitHub markdown table, preceded by a one-line header of the shared settings.
 
     One row per record, grouped by scenario in first-seen order. Ratios are taken against the
@@ -223,7 +205,7 @@ def bench_table(records: list[dict[str, Any]]) -> str:
     ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required
     key.
     """
-    checked = _check_records(records, "bench_table records", _RECORDS_FIX)
+    checked = _check_records(list(records), "bench_table records", _RECORDS_FIX)
     baselines = _baseline_throughputs(checked)
     homogeneous = baselines.get(_HOMOGENEOUS_SCENARIO)
     lines = [
@@ -383,7 +365,7 @@ def _markdown(records: Sequence[dict[str, Any]], command: str | None) -> str:
 
 
 def write_bench(
-    out_dir: Path, records: list[dict[str, Any]], *, command: str | None = None
+    out_dir: Path, records: Sequence[RecordLike], *, command: str | None = None
 ) -> dict[str, Path]:
     """Write ``bench.json``, ``bench.md``, ``throughput.png`` and ``accuracy.png`` into ``out_dir``.
 
@@ -396,7 +378,7 @@ def write_bench(
     leave an earlier report in ``out_dir`` untouched. Returns the paths keyed ``"json"``, ``"md"``,
     ``"throughput"``, ``"accuracy"``.
     """
-    checked = _check_records(records, "write_bench records", _RECORDS_FIX)
+    checked = _check_records(list(records), "write_bench records", _RECORDS_FIX)
     try:
         # allow_nan=False: NaN would make bench.json unreadable by strict JSON parsers.
         json.dumps(checked, allow_nan=False)

@@ -1,4 +1,4 @@
-"""Throughput and the no-wait limit from per-iteration records (DESIGN.md section 4).
+"""Throughput and the no-wait limit from per-iteration records (docs/ARCHITECTURE.md, "The run record").
 
 Pure functions over the records every worker writes, so the runtime, the simulator and tests compute
 them the same way.

@@ -34,26 +34,9 @@ import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
 from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
+from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
 
 PROGRESS_KEY = "prague/progress/"
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """A helper process the job needs (a group generator, a parameter-server shard).
-
-    It is started before the workers with the job's environment plus ``env`` and stopped after them.
-    If ``ready_file`` is set, the workers start only once the service has written its address there,
-    and that text is published in the job store under ``publish_key``. If the service exits while
-    workers are running, the job fails with its name and output.
-    """
-
-    name: str
-    argv: Sequence[str]
-    env: dict[str, str] = field(default_factory=dict)
-    ready_file: Path | None = None
-    publish_key: str | None = None
-    ready_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -163,17 +146,14 @@ class Job:
             )
 
     def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> None:
-        assert svc.ready_file is not None
-        deadline = time.monotonic() + svc.ready_timeout_s
-        while not svc.ready_file.exists():
-            code = proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                proc.finish()
-                why = f"exited with code {code}" if code is not None else f"was not ready within {svc.ready_timeout_s:g} s"
-                raise WorkerFailed(-1, code, f"service {svc.name!r} {why}:\n{''.join(proc.tail) or '(no output)'}")
-            time.sleep(0.05)
+        assert svc.ready_file is not None  # only called for services with one
+        try:
+            text = wait_ready(svc.name, svc.ready_file, proc.poll, svc.ready_timeout_s)
+        except ServiceNotReady as exc:
+            proc.finish()
+            raise WorkerFailed(-1, exc.exitcode, f"{exc}:\n{''.join(proc.tail) or '(no output)'}") from None
         if svc.publish_key:
-            self.store.set(svc.publish_key, svc.ready_file.read_text().strip())
+            self.store.set(svc.publish_key, text)
 
     def progress(self) -> dict[int, str]:
         """Latest progress string each worker published (``step,steps,loss``)."""

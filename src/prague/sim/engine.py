@@ -18,7 +18,7 @@ Contract:
   many simulated seconds; ``0.0`` yields the turn to events already due) or a :class:`Signal` (sleep
   until someone calls :meth:`Signal.fire`; the process resumes with the fired value, inside the
   ``fire`` call). A generator that returns ends the process.
-* Nothing here knows about workers, links or methods (see :mod:`prague.sim.methods`).
+* Nothing here knows about workers, links or methods (see :mod:`prague.sim.method`).
 """
 
 from __future__ import annotations

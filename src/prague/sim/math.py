@@ -8,8 +8,8 @@ out against simulated wall-clock time, for hundreds of workers, on one CPU.
 All replicas live in one tensor ``X`` of shape ``(n + 1, P)`` (row ``n`` is a parameter server's copy,
 unused by decentralised methods), with one momentum buffer per row: the optimizer is
 ``torch.optim.SGD``'s rule (``buf = momentum * buf + g; x -= lr * buf``), as in ``prague run``. Gradients
-come from ``torch.func.functional_call`` of the real model (:func:`prague.train.models.build_model`) on
-a flat parameter vector. Data: each worker's batches come from :class:`prague.train.data.ShardLoader`
+come from ``torch.func.functional_call`` of the real model (:func:`prague.workload.models.build_model`) on
+a flat parameter vector. Data: each worker's batches come from :class:`prague.workload.data.ShardLoader`
 (its shard of the training set, by global step) when every shard holds at least one batch; with more
 workers than that (digits has 1,437 training images) each worker instead draws its batch uniformly from
 the whole training set, seeded by (seed, rank, step). Models with buffers (BatchNorm) are not
@@ -32,8 +32,8 @@ from torch.func import functional_call
 
 from prague.errors import ConfigError, unknown_choice
 from prague.hetero.spec import uniform
-from prague.train.data import Dataset, ShardLoader, load_dataset
-from prague.train.models import build_model
+from prague.workload.data import Dataset, ShardLoader, load_dataset
+from prague.workload.models import build_model
 
 MATH_MODES = ("none", "real")
 _DATA_STREAM = 11  # stream of hetero.spec.uniform used for batch draws (the paper slowdowns use 1)

@@ -1,6 +1,6 @@
 """What every simulated method shares: the clock, the workers' compute times and logs, groups meeting.
 
-One :class:`World` per simulated run. A method (:mod:`prague.sim.methods`) starts one process per worker
+One :class:`World` per simulated run. A method (its ``sim.py`` beside its runtime, :mod:`prague.sim.method`) starts one process per worker
 on ``world.engine``; each process calls :meth:`World.compute_s` for the length of its compute, and
 :meth:`World.record` once per iteration with the same split the runtime's
 :class:`~prague.train.trainer.DistributedTrainer` writes (compute, communication, waiting), so the

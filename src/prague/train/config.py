@@ -1,48 +1,70 @@
-"""The settings of one training run, validated when built."""
+"""The settings of one run, validated when built, and the one place a run flag is declared.
+
+Every field of :class:`RunConfig` declared with :func:`setting` is a flag of ``prague run``, ``prague
+worker``, ``prague bench`` and ``prague simulate`` (:func:`add_run_arguments`), is read back from the
+parsed flags (:func:`config_from_args`) and is forwarded to every worker process
+(:func:`worker_argv`). Adding a run flag is adding one field here (and using it). Method options are
+declared by each method (:mod:`prague.algorithms.spec`) and handled the same way.
+
+This module imports neither torch nor any method's code.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from prague.errors import ConfigError, unknown_choice
+from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS
 
-COMPUTE_MODES = ("real", "emulated")
-DATASET_NAMES = ("digits", "mnist", "synthetic")
-MODEL_NAMES = ("mlp", "cnn", "resnet18")
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, exclusive: str | None = None) -> Any:
+    """Declare a run flag: its default, help text, valid names (if any) and the group of flags it
+    excludes (``--steps`` and ``--epochs``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "exclusive": exclusive})
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """One run of one method: what ``prague run`` and ``prague worker`` read from their flags.
 
-    ``algorithm`` may carry a variant (``prague:smart``). ``steps`` is per worker; when it is None the
-    run lasts ``epochs`` passes over each worker's shard. ``options`` holds the method-specific flags.
+    The first five fields are given per command (``--algorithm``/``--algorithms``, ``--slowdown``/
+    ``--scenarios``, ``--nproc``, ``--out``, the method's options); every field after them is a flag
+    (see the module docstring). ``algorithm`` may carry a variant (``prague:smart``). ``steps`` is per
+    worker; when it is None the run lasts ``epochs`` (default 1) passes over each worker's shard.
     """
 
     algorithm: str = "allreduce"
-    nproc: int = 1
-    epochs: float | None = None
-    steps: int | None = None
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    model: str = "mlp"
-    data: str = "digits"
-    data_dir: Path | None = None
-    compute: str = "real"
-    compute_ms: float = 100.0
     scenario: str = "homogeneous"
-    seed: int = 0
+    nproc: int = 1
     out: Path = Path("runs/latest")
-    target_accuracy: float | None = None
-    eval_every: int | None = None
-    warmup_steps: int | None = None
-    timeout_s: float = 300.0
-    backend: str = "auto"
-    save_model: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+
+    epochs: float | None = setting(None, "passes over each worker's shard (default 1)", exclusive="length")
+    steps: int | None = setting(None, "iterations per worker", exclusive="length")
+    batch_size: int = setting(32, "per-worker batch size")
+    lr: float = setting(0.05, "learning rate of SGD")
+    momentum: float = setting(0.9, "momentum of SGD")
+    model: str = setting("mlp", "model to train", choices=MODELS)
+    data: str = setting("digits", "data set", choices=tuple(DATASETS))
+    data_dir: Path | None = setting(None, "directory of the data set's files (mnist)")
+    compute: str = setting("real", "real: train the model; emulated: a --compute-ms wait instead of the arithmetic",
+                           choices=COMPUTE_MODES)
+    compute_ms: float = setting(100.0, "emulated compute time per iteration, in ms")
+    seed: int = setting(0, "seed of the model, the data order and every scenario draw")
+    target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
+    eval_every: int | None = setting(None, "evaluate the averaged model every K steps")
+    warmup_steps: int | None = setting(None, "steps left out of the throughput window")
+    timeout_s: float = setting(300.0, "collective and rendezvous timeout, in s")
+    backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -59,16 +81,12 @@ class RunConfig:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.model not in MODEL_NAMES:
-            raise unknown_choice("model", self.model, MODEL_NAMES)
-        if self.data not in DATASET_NAMES:
-            raise unknown_choice("data set", self.data, DATASET_NAMES)
-        if self.compute not in COMPUTE_MODES:
-            raise unknown_choice("compute mode", self.compute, COMPUTE_MODES)
+        for f in flag_fields():
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise unknown_choice(_what(f.name), getattr(self, f.name), choices)
         if not self.compute_ms >= 0:
             raise ConfigError(f"--compute-ms must be >= 0, got {self.compute_ms}")
-        if self.data == "mnist" and self.data_dir is None:
-            raise ConfigError("--data mnist needs --data-dir pointing at a directory of MNIST IDX files")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {str(self.data_dir)!r} is not a directory; pass the folder holding the data files")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
@@ -83,3 +101,121 @@ class RunConfig:
     @property
     def emulated(self) -> bool:
         return self.compute == "emulated"
+
+    def check_data_source(self) -> None:
+        """Raise unless the data set can be loaded from what was given (MNIST needs ``--data-dir``).
+        Checked before a real run starts; a simulation that only times needs no data."""
+        if self.data == "mnist" and self.data_dir is None:
+            raise ConfigError("--data mnist needs --data-dir pointing at a directory of MNIST IDX files")
+
+
+def _what(name: str) -> str:
+    return {"model": "model", "data": "data set", "compute": "compute mode"}.get(name, "--" + name.replace("_", "-"))
+
+
+@cache
+def flag_fields() -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of :class:`RunConfig` that are flags."""
+    return tuple(f for f in dataclasses.fields(RunConfig) if "help" in f.metadata)
+
+
+@cache
+def _flag_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    out = {}
+    for f in flag_fields():
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[f.name] = args[0] if args else hint
+    return out
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None) -> None:
+    """Add every run flag and every method option to ``parser``.
+
+    ``defaults`` overrides a flag's default for this command (``prague simulate`` trains resnet18 by
+    default). Unset flags parse as None, so the dataclass defaults apply."""
+    from prague.algorithms.registry import all_options
+
+    defaults = dict(defaults or {})
+    group = parser.add_argument_group("training")
+    exclusive: dict[str, Any] = {}
+    types = _flag_types()
+    for f in flag_fields():
+        default = defaults.get(f.name, f.default)
+        where = group
+        if f.metadata["exclusive"]:
+            where = exclusive.setdefault(f.metadata["exclusive"], group.add_mutually_exclusive_group())
+        helptext = f.metadata["help"] + ("" if default is None or types[f.name] is bool else f" (default {default})")
+        if types[f.name] is bool:
+            where.add_argument(_flag(f.name), dest=f.name, action="store_true", default=None, help=helptext)
+            continue
+        choices = f.metadata["choices"]
+        where.add_argument(_flag(f.name), dest=f.name, type=types[f.name], default=None, help=helptext,
+                           metavar="{" + ",".join(choices) + "}" if choices else None)
+    if defaults:
+        parser.set_defaults(**{k: v for k, v in defaults.items() if k in types})
+
+    options = parser.add_argument_group("method options (each applies to the methods named in brackets)")
+    for name, declared in all_options().items():
+        _, info = declared[0]
+        methods = ",".join(m.name for m, _ in declared)
+        shown = {str(i.default) for _, i in declared}
+        default = shown.pop() if len(shown) == 1 else "per method"
+        choices = f"; one of {', '.join(info.choices)}" if info.choices else ""
+        options.add_argument(info.flag, dest=name, type=info.type, default=None,
+                             help=f"[{methods}] {info.help}{choices} (default {default})")
+
+
+def option_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The method options given on the command line (by option name)."""
+    from prague.algorithms.registry import all_options
+
+    return {k: getattr(args, k) for k in all_options() if getattr(args, k, None) is not None}
+
+
+def config_from_args(args: argparse.Namespace, *, algorithm: str, scenario: str, nproc: int,
+                     out: Path) -> RunConfig:
+    """Build and validate a RunConfig from parsed flags (the method and its options included)."""
+    from prague.algorithms.registry import resolve_options
+    from prague.hetero.spec import parse_scenario
+
+    method, _ = resolve_options(algorithm, option_values(args))  # validates the name, the variant and the options
+    declared = {o.name for o in method.option_infos}
+    options = {k: v for k, v in option_values(args).items() if k in declared}
+    parse_scenario(scenario).check_world(nproc)
+    flags = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name, None) is not None}
+    return RunConfig(algorithm=algorithm, scenario=scenario, nproc=nproc, out=out, options=options, **flags)
+
+
+def check_options_apply(args: argparse.Namespace, algorithms: list[str], topology: tuple[str, ...] = ()) -> None:
+    """Raise unless every method option given applies to at least one of ``algorithms`` (options named
+    in ``topology`` apply to every method: the simulator's ``--nodes``)."""
+    from prague.algorithms.registry import parse_method
+
+    methods = [parse_method(a)[0] for a in algorithms]
+    for name in option_values(args):
+        if name in topology:
+            continue
+        if not any(name in {o.name for o in m.option_infos} for m in methods):
+            flag = _flag(name)
+            raise ConfigError(f"{flag} is not an option of {', '.join(m.name for m in methods)}; drop it "
+                              f"(`prague methods` lists each method's options)")
+
+
+def worker_argv(cfg: RunConfig) -> list[str]:
+    """The ``prague worker`` command line that reproduces ``cfg`` in a worker process."""
+    argv = [sys.executable, "-m", "prague", "worker", "--algorithm", cfg.algorithm, "--slowdown", cfg.scenario,
+            "--out", str(cfg.out)]
+    for f in flag_fields():
+        value = getattr(cfg, f.name)
+        if value is None or value is False:
+            continue
+        argv += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
+    for name, value in cfg.options.items():
+        argv += [_flag(name), str(value)]
+    return argv

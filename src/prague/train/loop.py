@@ -11,7 +11,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,14 +22,15 @@ from torch import nn
 
 from prague.comm.flat import flatten, state_tensors, unflatten_into
 from prague.hetero.spec import parse_scenario
-from prague.metrics.io import atomic_write_json
-from prague.metrics.summary import WorkerTiming, mean_after, no_wait_limit, throughput, warmup_steps
+from prague.io import atomic_write_json
+from prague.metrics.record import RunRecord
+from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.runtime.context import DistContext
 from prague.train.config import RunConfig
-from prague.train.data import Dataset, ShardLoader, load_dataset
-from prague.train.emulate import EmulatedCompute
-from prague.train.models import build_model, parameter_count
 from prague.train.trainer import DistributedTrainer, StepRecord
+from prague.workload.data import Dataset, ShardLoader, load_dataset
+from prague.workload.emulate import EmulatedCompute
+from prague.workload.models import build_model, parameter_count
 
 PROGRESS_KEY = "prague/progress/"
 
@@ -113,110 +114,104 @@ def total_steps(cfg: RunConfig, loader: ShardLoader) -> int:
     return max(1, math.ceil((cfg.epochs or 1.0) * loader.steps_per_epoch))
 
 
-def train(cfg: RunConfig, ctx: DistContext) -> dict[str, Any] | None:
-    """Train ``cfg`` on this rank. Every rank calls it; rank 0 returns (and writes) the summary."""
-    data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
-    loader = ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size, cfg.batch_size, cfg.seed)
-    steps = total_steps(cfg, loader)
-    scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
-
+def build(cfg: RunConfig, data: Dataset, ctx: DistContext) -> tuple[nn.Module, torch.optim.Optimizer | None, int]:
+    """The model (identical on every rank), its optimizer (None under emulated compute) and its size."""
     torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
     model: nn.Module = build_model(cfg.model, data.input_shape, data.num_classes)
     n_params = parameter_count(model)
     torch.manual_seed(cfg.seed * 1000 + ctx.rank + 1)  # independent dropout per rank
-    optimizer: torch.optim.Optimizer | None
     if cfg.emulated:
-        model, optimizer = EmulatedCompute(model, cfg.compute_ms), None
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, **cfg.options)
+        return EmulatedCompute(model, cfg.compute_ms), None, n_params
+    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum), n_params
 
+
+@dataclass
+class Training:
+    """What the steps of one rank left behind."""
+
+    records: list[StepRecord]
+    snapshots: SnapshotLog
+    wall_s: float
+
+
+def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loader: ShardLoader,
+              steps: int) -> Training:
+    """Run this rank's ``steps`` iterations, logging each to ``OUT/metrics/rankR.jsonl`` and publishing
+    progress; then close the method (draining its pending group operations, so the collectives that
+    follow cannot interleave with them; after a failure only releasing)."""
     metrics_dir = Path(cfg.out) / "metrics"
     metrics_dir.mkdir(parents=True, exist_ok=True)
     eval_every = cfg.eval_every or (max(1, steps // 10) if cfg.target_accuracy is not None else None)
-    snapshots = SnapshotLog()
-    records: list[StepRecord] = []
+    training = Training([], SnapshotLog(), 0.0)
     clock = TrainClock()
+    with trainer, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
+        for step in range(steps):
+            if cfg.emulated:
+                rec = trainer.step(lambda m: m())
+            else:
+                x, y = loader.batch(step)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                rec = trainer.step(lambda m: F.cross_entropy(m(x), y))
+            rec.t_end_s = clock.now()
+            training.records.append(rec)
+            log.write(json.dumps(rec.as_dict()) + "\n")
+            ctx.store.set(f"{PROGRESS_KEY}{ctx.rank}", f"{step + 1},{steps},{rec.loss if rec.loss is not None else ''}")
+            if not cfg.emulated and eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+                with clock.paused():
+                    training.snapshots.take(trainer.model, step + 1, clock.now())
+        training.wall_s = clock.now()
+    return training
 
-    try:
-        with open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
-            for step in range(steps):
-                if cfg.emulated:
-                    rec = trainer.step(lambda m: m())
-                else:
-                    x, y = loader.batch(step)
-                    x, y = x.to(ctx.device), y.to(ctx.device)
-                    rec = trainer.step(lambda m: F.cross_entropy(m(x), y))
-                rec.t_end_s = clock.now()
-                records.append(rec)
-                log.write(json.dumps(rec.as_dict()) + "\n")
-                ctx.store.set(f"{PROGRESS_KEY}{ctx.rank}", f"{step + 1},{steps},{rec.loss if rec.loss is not None else ''}")
-                if not cfg.emulated and eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                    with clock.paused():
-                        snapshots.take(trainer.model, step + 1, clock.now())
-        wall_s = clock.now()
-    finally:
-        # Drains the method's pending group operations, so the collectives below cannot interleave with them.
-        trainer.close()
 
-    history = [] if cfg.emulated else snapshots.evaluate(trainer.model, data, ctx)
-    accuracy: float | None = None
-    if not cfg.emulated:
-        final = trainer.averaged_model()
-        accuracy = evaluate(final, data, ctx)
-        history.append({"wall_s": max(all_gather_floats(wall_s)), "step": steps, "accuracy": accuracy})
-        if cfg.save_model and ctx.is_main:
-            torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
+def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset, training: Training,
+                 steps: int) -> tuple[float | None, list[dict[str, float]], float | None]:
+    """(final test accuracy, evaluation history, time to target) of the averaged model; all None/empty
+    under emulated compute. Collective."""
+    if cfg.emulated:
+        return None, [], None
+    history = training.snapshots.evaluate(trainer.model, data, ctx)
+    final = trainer.averaged_model()
+    accuracy = evaluate(final, data, ctx)
+    history.append({"wall_s": max(all_gather_floats(training.wall_s)), "step": steps, "accuracy": accuracy})
+    if cfg.save_model and ctx.is_main:
+        torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
     time_to_target = next(
         (h["wall_s"] for h in history if cfg.target_accuracy is not None and h["accuracy"] >= cfg.target_accuracy),
         None,
     )
+    return accuracy, history, time_to_target
+
+
+def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
+    """Train ``cfg`` on this rank. Every rank calls it; rank 0 writes ``summary.json`` and returns its record."""
+    data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+    loader = ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size, cfg.batch_size, cfg.seed)
+    steps = total_steps(cfg, loader)
+    scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
+    model, optimizer, n_params = build(cfg, data, ctx)
+    trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, **cfg.options)
+
+    training = run_steps(cfg, ctx, trainer, loader, steps)
+    accuracy, history, time_to_target = evaluate_run(cfg, ctx, trainer, data, training, steps)
     consensus = trainer.consensus_distance()
 
-    warmup = warmup_steps(steps, cfg.warmup_steps)
     mine = WorkerTiming(
-        end_s=[r.t_end_s for r in records], compute_s=[r.compute_s for r in records],
-        comm_s=[r.comm_s for r in records], wait_s=[r.wait_s for r in records],
+        end_s=[r.t_end_s for r in training.records], compute_s=[r.compute_s for r in training.records],
+        comm_s=[r.comm_s for r in training.records], wait_s=[r.wait_s for r in training.records],
     )
     gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, {"timing": asdict(mine), "stats": trainer.stats(), "wall_s": wall_s})
+    dist.all_gather_object(gathered, {"timing": asdict(mine), "stats": trainer.stats(), "wall_s": training.wall_s})
     if not ctx.is_main:
         return None
-
-    timings = [WorkerTiming(**g["timing"]) for g in gathered]
-    name = cfg.algorithm.partition(":")[0]
-    variant = trainer.algorithm.variant
-    thr = throughput(timings, cfg.batch_size, warmup)
-    limit = no_wait_limit(timings, cfg.batch_size, warmup)
-    summary: dict[str, Any] = {
-        "algorithm": name,
-        "variant": variant,
-        "nproc": ctx.world_size,
-        "compute_mode": cfg.compute,
-        "compute_ms": cfg.compute_ms if cfg.emulated else None,
-        "scenario": scenario.text,
-        "model": cfg.model,
-        "parameters": n_params,
-        "data": cfg.data,
-        "batch_size": cfg.batch_size,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "seed": cfg.seed,
-        "backend": ctx.backend,
-        "throughput_samples_per_s": thr,
-        "no_wait_limit_samples_per_s": limit,
-        "fraction_of_limit": thr / limit if limit > 0 else None,
-        "wall_s": max(g["wall_s"] for g in gathered),
-        "test_accuracy": accuracy,
-        "target_accuracy": cfg.target_accuracy,
-        "time_to_target_s": time_to_target,
-        "eval_history": history,
-        "consensus_distance": consensus,
-        "mean_compute_s": [mean_after(t.compute_s, warmup) for t in timings],
-        "mean_comm_s": [mean_after(t.comm_s, warmup) for t in timings],
-        "mean_wait_s": [mean_after(t.wait_s, warmup) for t in timings],
-        "algorithm_stats": [g["stats"] for g in gathered],
-        "simulated": False,
-    }
-    atomic_write_json(Path(cfg.out) / "summary.json", summary)
-    return summary
+    record = RunRecord.from_timings(
+        [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
+        warmup=warmup_steps(steps, cfg.warmup_steps),
+        algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
+        compute_ms=cfg.compute_ms if cfg.emulated else None, scenario=scenario.text, model=cfg.model,
+        parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
+        wall_s=max(g["wall_s"] for g in gathered), test_accuracy=accuracy, target_accuracy=cfg.target_accuracy,
+        time_to_target_s=time_to_target, eval_history=history, consensus_distance=consensus,
+        algorithm_stats=[g["stats"] for g in gathered], simulated=False,
+    )
+    atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
+    return record

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
-from prague.algorithms.registry import get_algorithm, split_variant
+from prague.algorithms.registry import parse_method
 from prague.comm.flat import average_into, consensus_distance
+from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario, parse_scenario
 from prague.runtime.context import DistContext, context
 
@@ -66,26 +67,32 @@ class DistributedTrainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        algorithm: str | Algorithm = "allreduce",
+        algorithm: str = "allreduce",
         *,
         scenario: str | Scenario | None = None,
         ctx: DistContext | None = None,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
-        if isinstance(algorithm, str):
-            name, variant = split_variant(algorithm)
-            cls = get_algorithm(name)
-            if variant is not None and cls.variant_field is not None:
-                options[cls.variant_field] = variant
-            algorithm = cls(self.ctx, cls.options_from(options))
-        self.algorithm = algorithm
+        self.method, variant = parse_method(algorithm)
+        unknown = sorted(set(options) - {o.name for o in self.method.option_infos})
+        if unknown:
+            valid = ", ".join(o.name for o in self.method.option_infos) or "none"
+            raise ConfigError(f"method {self.method.name!r} has no option(s) {unknown}; its options: {valid}")
+        method_options = self.method.make_options(options, variant)
+        self.variant = self.method.variant_of(method_options)
+        self.algorithm: Algorithm = self.method.runtime_class()(self.ctx, method_options)
         self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")
         self.scenario.check_world(self.ctx.world_size)
         self.model = model.to(self.ctx.device)
         self.optimizer = optimizer
-        self.module = self.algorithm.setup(self.model, optimizer)
+        try:
+            self.module = self.algorithm.setup(self.model, optimizer)
+        except BaseException:
+            self.algorithm.close(failed=True)
+            raise
         self.steps_done = 0
+        self._failed = False
         # Nominal per-iteration compute time that slowdowns scale: known for emulated compute,
         # otherwise an exponential moving average of measured compute.
         self._nominal_s: float | None = getattr(model, "nominal_compute_s", None)
@@ -99,6 +106,13 @@ class DistributedTrainer:
         """One iteration: forward/backward through ``closure(module)``, then the method's communication
         and update. Returns the iteration's record. A ``crash:RANK:STEP`` scenario raises
         :class:`InjectedCrash` here on that rank and step."""
+        try:
+            return self._step(closure)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _step(self, closure: Closure) -> StepRecord:
         step, rank = self.steps_done, self.ctx.rank
         if self.scenario.crashes_at(rank, step):
             raise InjectedCrash(f"injected crash of rank {rank} at step {step} (scenario {self.scenario.text!r})")
@@ -143,15 +157,24 @@ class DistributedTrainer:
     def stats(self) -> dict[str, Any]:
         return self.algorithm.stats()
 
-    def close(self) -> None:
-        """Stop the method's background work. Call on every rank."""
-        self.algorithm.close()
+    def close(self, failed: bool | None = None) -> None:
+        """End the method: run its orderly finish (drain pending group operations, goodbyes; collective
+        for some methods), then release its threads, communicators and services. Call on every rank,
+        also after a failure: pass ``failed=True`` then (the default is whether a :meth:`step` raised),
+        and it only releases, without waiting for peers that may be gone."""
+        self.algorithm.close(failed=self._failed if failed is None else failed)
+
+    def __enter__(self) -> DistributedTrainer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(failed=kind is not None)
 
 
 def wrap(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    algorithm: str | Algorithm = "allreduce",
+    algorithm: str = "allreduce",
     **kwargs: Any,
 ) -> DistributedTrainer:
     """Wrap ``model`` and ``optimizer`` with a synchronisation method; see :class:`DistributedTrainer`."""

@@ -1,0 +1,157 @@
+"""Atomic pairwise averaging between an active and a passive worker (the exchange of AD-PSGD).
+
+Used by :mod:`prague.algorithms.adpsgd.runtime` (Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel
+Stochastic Gradient Descent", ICML 2018). Two roles:
+
+* :class:`ActiveLink` (an active worker's main thread): :meth:`ActiveLink.average` sets its flat buffer
+  and the chosen passive's to their mean, and blocks until done.
+* :class:`PassiveServer` (a passive worker's background thread): answers such requests one at a time,
+  while the worker's main thread computes. The passive's values live in ``master``, guarded by ``lock``;
+  the main thread takes the lock only for short copies and its optimizer step, never while
+  communicating, so neither side can wait on the other in a cycle: actives wait only for passives'
+  server threads, which wait for nothing but that lock. No deadlock, for any number of workers.
+
+Wire protocol, on one gloo communicator over all ranks built only for this purpose (so it never mixes
+with the job's own collectives), p2p only::
+
+    active -> passive   [op, sender]   tag REQUEST  (op AVERAGE or DONE; received with recv_anysource)
+    passive -> active   [1]            tag ACK      (the passive took the request: waiting ends here)
+    active -> passive   x_active       tag VALUES
+    passive: under the lock, m = (x_active + x_passive) / 2; x_passive = m
+    passive -> active   m              tag MEAN     (the active sets x_active = m: both hold the same bits)
+
+Each active sends DONE to every passive when it finishes; a passive's server stops after the DONE of
+every active. A failed operation raises :class:`CommError` (in the active), or is kept by the server and
+raised by :meth:`PassiveServer.check` in the passive's main thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from prague.errors import CommError
+from prague.runtime.context import DistContext
+
+STORE_PREFIX = "prague/adpsgd/pg"
+OP_AVERAGE, OP_DONE = 1, 2
+TAG_REQUEST, TAG_ACK, TAG_VALUES, TAG_MEAN = 20, 21, 22, 23
+
+
+def exchange_group(ctx: DistContext, timeout: timedelta) -> dist.ProcessGroup:
+    """The all-ranks communicator the exchange runs on. Collective: every rank calls it once."""
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, ctx.store), ctx.rank, ctx.world_size, timeout)
+    # A gloo backend has send/recv at run time; torch's type stubs declare them on ProcessGroup only.
+    return cast(dist.ProcessGroup, pg)
+
+
+def _run(ops: Callable[[], Sequence[dist.Work]], what: str) -> None:
+    """Start the gloo operations ``ops()`` returns and wait for them; a failure at either point (a peer
+    that died is reported at once) becomes a CommError."""
+    try:
+        for w in ops():
+            w.wait()
+    except RuntimeError as exc:
+        raise CommError(f"AD-PSGD {what} failed: {exc}") from exc
+
+
+class ActiveLink:
+    """An active worker's side: averages with any passive on request. Main thread only."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int) -> None:
+        self.pg, self.rank = pg, rank
+        self._ack = torch.zeros(1, dtype=torch.int64)
+        self.initiated = 0
+        self.wait_s = 0.0
+        self.exchange_s = 0.0
+        self.peers: Counter[int] = Counter()
+
+    def average(self, values: torch.Tensor, peer: int) -> tuple[float, float]:
+        """Set ``values`` and ``peer``'s values to their mean. Returns (seconds waiting for the peer to
+        take the request, seconds exchanging)."""
+        t0 = time.perf_counter()
+        what = f"averaging of rank {self.rank} with rank {peer}"
+        _run(lambda: [self.pg.send([torch.tensor([OP_AVERAGE, self.rank])], peer, TAG_REQUEST),
+               self.pg.recv([self._ack], peer, TAG_ACK)], what)
+        t1 = time.perf_counter()
+        _run(lambda: [self.pg.send([values], peer, TAG_VALUES)], what)
+        # Only after the send: the buffer is never read and written at once.
+        _run(lambda: [self.pg.recv([values], peer, TAG_MEAN)], what)
+        t2 = time.perf_counter()
+        self.initiated += 1
+        self.peers[peer] += 1
+        self.wait_s += t1 - t0
+        self.exchange_s += t2 - t1
+        return t1 - t0, t2 - t1
+
+    def done(self, passives: Sequence[int]) -> None:
+        """Tell every passive that this active will send no more requests."""
+        _run(lambda: [self.pg.send([torch.tensor([OP_DONE, self.rank])], p, TAG_REQUEST) for p in passives],
+              f"goodbye of rank {self.rank}")
+
+
+class PassiveServer:
+    """A passive worker's background thread that serves averaging requests one at a time.
+
+    ``master`` holds this worker's values; every access to it, by any thread, holds ``lock``.
+    :attr:`version` counts the averagings applied, so the main thread can tell whether ``master``
+    changed since it last looked.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, master: torch.Tensor, lock: threading.Lock,
+                 actives: Sequence[int]) -> None:
+        self.pg, self.rank, self.master, self.lock = pg, rank, master, lock
+        self.actives = tuple(actives)
+        self.version = 0
+        self.served = 0
+        self.serve_s = 0.0
+        self.error: BaseException | None = None
+        self._incoming = torch.empty_like(master)
+        self._thread = threading.Thread(target=self._serve, name=f"adpsgd-passive-{rank}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        request = torch.zeros(2, dtype=torch.int64)
+        done: set[int] = set()
+        try:
+            while len(done) < len(self.actives):
+                _run(lambda: [self.pg.recv_anysource([request], TAG_REQUEST)], f"request wait on rank {self.rank}")
+                op, src = (int(x) for x in request.tolist())
+                if src not in self.actives:
+                    raise CommError(f"rank {self.rank} (passive) got a request from rank {src}, which is not active")
+                if op == OP_DONE:
+                    done.add(src)
+                    continue
+                t0 = time.perf_counter()
+                what = f"averaging of rank {src} with rank {self.rank} (passive)"
+                _run(lambda: [self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
+                       self.pg.recv([self._incoming], src, TAG_VALUES)], what)
+                with self.lock:
+                    self._incoming.add_(self.master).mul_(0.5)
+                    self.master.copy_(self._incoming)
+                    self.version += 1
+                _run(lambda: [self.pg.send([self._incoming], src, TAG_MEAN)], what)
+                self.served += 1
+                self.serve_s += time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread by check()
+            self.error = exc
+
+    def check(self) -> None:
+        """Raise the server thread's failure, if any, in the calling (main) thread."""
+        if self.error is not None:
+            raise CommError(f"rank {self.rank}'s AD-PSGD server thread failed: {self.error}") from self.error
+
+    def join(self, timeout_s: float) -> None:
+        """Wait until every active has said it is done; raise if that takes longer than ``timeout_s``."""
+        self._thread.join(timeout=timeout_s)
+        self.check()
+        if self._thread.is_alive():
+            raise CommError(f"rank {self.rank} (passive) waited more than {timeout_s:g} s for the active workers "
+                            f"{list(self.actives)} to finish")

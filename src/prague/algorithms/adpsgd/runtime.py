@@ -1,0 +1,196 @@
+"""``adpsgd``: Asynchronous Decentralized Parallel SGD on a bipartite active/passive graph.
+
+Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018.
+Every worker i repeats, without any global synchronisation:
+
+1. compute a stochastic gradient g on a snapshot of its parameters x_i;
+2. average with one neighbour j: x_i, x_j <- (x_i + x_j) / 2, atomically for the pair;
+3. apply g (computed before the averaging) with the local optimizer (momentum stays local).
+
+Deadlock freedom comes from the paper's bipartite split: workers are **active** (they initiate
+averaging, step 2, with a passive worker drawn uniformly at random) or **passive** (they never initiate;
+a background thread answers requests one at a time while the main thread computes). By default even
+ranks are active and odd ranks passive (``--adpsgd-active 0,3,5`` chooses the active set; both sides must
+be non-empty), so 2 workers and odd counts work. The exchange itself is in
+:mod:`prague.algorithms.adpsgd.exchange`.
+
+A passive worker's parameters may change at any time during its iteration, so it keeps its values in a
+lock-guarded master copy: the forward pass runs on a snapshot taken under the lock (autograd must not
+see its inputs change), and the optimizer step applies g to the current master values (after whatever
+averaging happened meanwhile), again under the lock. BatchNorm running statistics updated by the
+forward pass are carried over as the change they made to the snapshot. An active worker averages in
+its own main thread between backward and the step, so it needs no copy.
+
+Time accounting: an active's wait for the passive to take its request is ``wait_s``; the exchange is
+communication. A passive's waits for the lock are ``wait_s``, its snapshot copies communication.
+Stats: requests initiated (active) or served (passive), total waiting and serving time, and peers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from prague.algorithms.adpsgd import ADPSGDOptions
+from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
+from prague.algorithms.adpsgd.exchange import ActiveLink, PassiveServer, exchange_group
+from prague.algorithms.api import Algorithm, BeforeForward, StepTimes
+from prague.comm.flat import bind_flat
+from prague.errors import CommError
+
+
+class PassiveReplica:
+    """A passive worker's values: a lock-guarded master copy that its server thread averages into at any
+    time, and the snapshot the main thread computes on (see the module docstring).
+
+    Main thread: :meth:`take_snapshot` before forward, :meth:`step` for the optimizer step. Both report
+    the time they spent waiting for the lock and copying through :meth:`take_times`.
+    """
+
+    def __init__(self, flat: torch.Tensor, n_params: int, server_for: Any) -> None:
+        self.flat, self.n_params = flat, n_params
+        self.lock = threading.Lock()
+        self.master = flat.clone()
+        self._snap_buffers = flat[n_params:].clone()
+        self.server: PassiveServer = server_for(self.master, self.lock)
+        self._synced = 0  # server.version whose values self.flat holds
+        self._lock_wait_s = 0.0  # since the last take_times()
+        self._snapshot_s = 0.0
+        self.lock_wait_total_s = 0.0
+        self.snapshots = 0
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock on ``master``, counting the time spent waiting for it."""
+        t0 = time.perf_counter()
+        with self.lock:
+            waited = time.perf_counter() - t0
+            self._lock_wait_s += waited
+            self.lock_wait_total_s += waited
+            yield
+
+    def take_snapshot(self) -> None:
+        """Before forward: compute on the latest values (copied only if an averaging changed them)."""
+        self.server.check()
+        if self.server.version == self._synced:
+            return
+        t0 = time.perf_counter()
+        with self._locked():
+            self.flat.copy_(self.master)
+            self._snap_buffers.copy_(self.flat[self.n_params:])
+            self._synced = self.server.version
+        self.snapshots += 1
+        self._snapshot_s += time.perf_counter() - t0
+
+    def step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Apply the gradient (computed on the snapshot) to the current master values."""
+        self.server.check()
+        p = self.n_params
+        with self._locked():
+            if self.server.version != self._synced:  # averaged since the snapshot: step from the new values
+                buffers_delta = self.flat[p:] - self._snap_buffers
+                self.flat[:p].copy_(self.master[:p])
+                torch.add(self.master[p:], buffers_delta, out=self.flat[p:])
+                self._synced = self.server.version
+            if optimizer is not None:
+                optimizer.step()
+            self.master.copy_(self.flat)
+            self._snap_buffers.copy_(self.flat[p:])
+
+    def take_times(self) -> tuple[float, float]:
+        """(seconds copying the snapshot, seconds waiting for the lock) since the last call."""
+        out = (self._snapshot_s, self._lock_wait_s)
+        self._snapshot_s = self._lock_wait_s = 0.0
+        return out
+
+    def settle(self, timeout_s: float) -> None:
+        """After this worker's last step: serve until every active is done, then keep the final values."""
+        self.server.join(timeout_s)
+        with self.lock:
+            self.flat.copy_(self.master)
+
+
+class ADPSGD(Algorithm):
+    """See the module docstring."""
+
+    options: ADPSGDOptions
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        ctx = self.ctx
+        self.actives, self.passives = bipartite_split(ctx.world_size, self.options.adpsgd_active)
+        self.flat = bind_flat(model)
+        self.link: ActiveLink | None = None
+        self.replica: PassiveReplica | None = None
+        self._pg: Any = None
+        if ctx.world_size == 1:
+            return model
+        # Not registered for release: after a failure a passive's server thread may still block in a
+        # receive on it, and the process is about to exit anyway. finish() shuts it down.
+        pg = self._pg = exchange_group(ctx, ctx.timeout)
+        if ctx.rank in self.actives:
+            self.link = ActiveLink(pg, ctx.rank)
+            self.chooser = NeighbourChooser(self.passives, ctx.rank, self.options.adpsgd_seed)
+            return model
+        n_params = sum(p.numel() for p in model.parameters())
+        self.replica = PassiveReplica(self.flat, n_params,
+                                      lambda master, lock: PassiveServer(pg, ctx.rank, master, lock, self.actives))
+        return BeforeForward(model, self.replica.take_snapshot)
+
+    # -- hooks
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        if self.link is not None:
+            waited, _ = self.link.average(self.flat, self.chooser.next())
+            times.wait_s += waited
+        elif self.replica is not None:  # the snapshot (in forward) was communication, not compute
+            snapshot_s, lock_wait_s = self.replica.take_times()
+            times.inner_comm_s += snapshot_s
+            times.wait_s += lock_wait_s
+
+    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+        if self.replica is None:
+            super().apply_update(optimizer, step)
+        else:
+            self.replica.step(optimizer)
+
+    def after_step(self, step: int, times: StepTimes) -> None:
+        if self.replica is not None:  # lock waits inside apply_update: waiting, not compute
+            _, lock_wait_s = self.replica.take_times()
+            times.inner_comm_s += lock_wait_s
+            times.wait_s += lock_wait_s
+
+    def finish(self) -> None:
+        """Actives tell every passive they are done; passives serve until all actives are, then keep the
+        final values; then all meet at a barrier. Collective: every rank calls it."""
+        if self._pg is None:
+            return  # alone
+        if self.link is not None:
+            self.link.done(self.passives)
+        elif self.replica is not None:
+            self.replica.settle(self.ctx.timeout_s)
+        # Nobody tears the communicator down while a passive may still serve: a closed connection
+        # would fail the passive's receive-from-any.
+        try:
+            self._pg.barrier().wait()
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.ctx.rank}: AD-PSGD's closing barrier failed: {exc}") from exc
+        if hasattr(self._pg, "shutdown"):
+            self._pg.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        base: dict[str, Any] = {"actives": list(self.actives), "passives": list(self.passives)}
+        if self.link is not None:
+            return {**base, "role": "active", "requests_initiated": self.link.initiated,
+                    "request_wait_s": self.link.wait_s, "exchange_s": self.link.exchange_s,
+                    "peers": {str(k): v for k, v in sorted(self.link.peers.items())}}
+        if self.replica is not None:
+            return {**base, "role": "passive", "requests_served": self.replica.server.served,
+                    "serve_s": self.replica.server.serve_s, "lock_wait_s": self.replica.lock_wait_total_s,
+                    "snapshots": self.replica.snapshots}
+        return {**base, "role": "alone"}

@@ -1,0 +1,92 @@
+"""``adpsgd`` in simulated time: actives average with a random passive; passives never wait.
+
+Mirrors :mod:`prague.algorithms.adpsgd.runtime` (Lian et al., ICML 2018) with its own decision code: the
+bipartite split :func:`prague.algorithms.adpsgd.decisions.bipartite_split` and each active's seeded
+:class:`prague.algorithms.adpsgd.decisions.NeighbourChooser`, so a simulated active picks the same passives in the
+same order as a real one. Time:
+
+* an active computes, then asks its passive; the passive's server thread answers one request at a time
+  (FIFO), so the active first waits for it (``wait_s``), then the exchange runs: its values to the
+  passive and the mean back (:func:`prague.sim.costs.exchange_s`, sharing links like any transfer);
+  then it applies its gradient;
+* a passive computes on a snapshot and applies its gradient to its current values; it never waits
+  (its server thread works in the background).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
+from prague.sim.costs import exchange_s
+from prague.sim.engine import Process, Signal
+from prague.sim.method import SimMethod
+from prague.sim.world import World
+
+
+class SimADPSGD(SimMethod):
+    """``adpsgd`` in simulated time; see the module docstring."""
+
+    def __init__(self, world: World, options: Any) -> None:
+        super().__init__(world, options)
+        self.actives, self.passives = bipartite_split(world.n, options.adpsgd_active)
+        self._queue: dict[int, deque[tuple[int, Signal]]] = {p: deque() for p in self.passives}
+        self._busy: dict[int, bool] = {p: False for p in self.passives}
+        self.exchanges = 0
+        self.chosen: dict[int, list[int]] = {a: [] for a in self.actives}  # each active's passives, in order
+
+    # -- a passive's server thread --------------------------------------------------------------------
+    def _request(self, active: int, passive: int) -> Signal:
+        """Queue an averaging request; the signal fires with the time it waited to be taken."""
+        sig = Signal(self.world.engine)
+        self._queue[passive].append((active, sig))
+        if not self._busy[passive]:
+            self._serve_next(passive)
+        return sig
+
+    def _serve_next(self, passive: int) -> None:
+        queue = self._queue[passive]
+        if not queue:
+            self._busy[passive] = False
+            return
+        self._busy[passive] = True
+        active, sig = queue.popleft()
+        world = self.world
+        pair = (min(active, passive), max(active, passive))
+        duration, token = world.fabric.start(pair, world.state_bytes, exchange_s)
+        self.exchanges += 1
+        taken_at = world.engine.now
+
+        def done(_: Any) -> None:
+            world.fabric.end(token)
+            world.math.average(pair)
+            sig.fire(taken_at)
+            self._serve_next(passive)
+
+        world.engine.after(duration, done)
+
+    # -- workers --------------------------------------------------------------------------------------
+    def worker(self, w: int) -> Process:
+        world = self.world
+        engine, math = world.engine, world.math
+        active = w in self.actives and bool(self.passives)
+        chooser = NeighbourChooser(self.passives, w, self.options.adpsgd_seed) if active else None
+        for k in range(world.steps):
+            math.snapshot(w)
+            compute = world.compute_s(w, k)
+            yield compute
+            grad = math.gradient(w, k, at_snapshot=True)
+            if chooser is None:
+                math.apply(w, grad)
+                world.record(w, compute, 0.0, 0.0)
+                continue
+            t0 = engine.now
+            peer = chooser.next()
+            self.chosen[w].append(peer)
+            taken_at = yield self._request(w, peer)
+            math.apply(w, grad)
+            world.record(w, compute, engine.now - taken_at, taken_at - t0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"actives": len(self.actives), "passives": len(self.passives), "exchanges": self.exchanges}

@@ -1,0 +1,33 @@
+"""``allreduce``: synchronous data parallelism with PyTorch DistributedDataParallel, the reference.
+
+Runtime: :mod:`.runtime` (DDP with a timing communication hook); simulator model: :mod:`.sim`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prague.algorithms.spec import Method, Options, option
+from prague.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AllReduceOptions(Options):
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb!r}")
+
+
+METHOD = Method(
+    name="allreduce",
+    summary=("PyTorch DistributedDataParallel (bucketed gradient all-reduce overlapped with backward), then the "
+             "same optimizer step on every rank. The reference."),
+    paper="Li et al., PyTorch Distributed, VLDB 2020; Sergeev and Del Balso, Horovod, 2018",
+    options=AllReduceOptions,
+    runtime="prague.algorithms.allreduce.runtime:AllReduce",
+    sim="prague.algorithms.allreduce.sim:SimAllReduce",
+    reports={"bucket_cap_mb": "DDP's gradient bucket size"},
+)

@@ -1,0 +1,79 @@
+"""``allreduce``: synchronous data parallelism with PyTorch DistributedDataParallel.
+
+The reference every other method is measured against, as a user would run it: DDP's bucketed gradient
+all-reduce overlapped with backward (Li et al., "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB 2020; the same collective Horovod uses, Sergeev and Del Balso 2018). The only
+addition is a communication hook that wraps DDP's own all-reduce hook to time when the last bucket was
+launched, so the time backward spent waiting on communication can be reported.
+"""
+
+# No `from __future__ import annotations`: DDP checks the comm hook's annotations at run time.
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from prague.algorithms.allreduce import AllReduceOptions
+from prague.algorithms.api import Algorithm, StepTimes
+
+
+class _HookState:
+    def __init__(self, process_group: dist.ProcessGroup) -> None:
+        self.process_group = process_group
+        self.last_launch = 0.0
+
+
+def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.last_launch = time.perf_counter()
+    return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+class AllReduce(Algorithm):
+    """Gradient all-reduce over all ranks through DDP, then the same optimizer step everywhere."""
+
+    options: AllReduceOptions
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
+            gradient_as_bucket_view=True,
+        )
+        world = dist.group.WORLD
+        assert world is not None, "init_process_group has run (prague.init) before setup"
+        self._hook = _HookState(world)
+        self._ddp.register_comm_hook(self._hook, _timed_allreduce)
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
+        # synchronous collective where a fast rank waits for a slow one. Time it as communication.
+        # Plain closures, not bound methods: copies of the model (deepcopy) must not drag this object along.
+        self._forward_called = 0.0
+        self._buffer_sync_s = 0.0
+
+        def on_ddp_forward(module: nn.Module, args: Any) -> None:
+            self._forward_called = time.perf_counter()
+
+        def on_module_forward(module: nn.Module, args: Any) -> None:
+            if self._forward_called:
+                self._buffer_sync_s += time.perf_counter() - self._forward_called
+                self._forward_called = 0.0
+
+        self._ddp.register_forward_pre_hook(on_ddp_forward)
+        model.register_forward_pre_hook(on_module_forward)
+        return self._ddp
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        times.inner_comm_s += self._buffer_sync_s
+        self._buffer_sync_s = 0.0
+        # DDP has waited for every bucket by the time backward returns; what followed the last launch
+        # was communication that compute did not hide.
+        if self._hook.last_launch:
+            times.inner_comm_s += max(0.0, time.perf_counter() - self._hook.last_launch)
+            self._hook.last_launch = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"bucket_cap_mb": self.options.bucket_cap_mb}

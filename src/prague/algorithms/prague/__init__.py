@@ -1,0 +1,80 @@
+"""``prague``: local steps, then Partial All-Reduce with a group chosen by the Group Generator.
+
+The group policies are pure code in :mod:`prague.groups` (shared with the simulator); runtime:
+:mod:`.runtime` (group source, P-Reduce); simulator model: :mod:`.sim`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prague.algorithms.spec import COMM_REPORTS, Method, Options, option
+from prague.errors import ConfigError
+from prague.groups import GENERATORS, Topology
+
+
+@dataclass(frozen=True)
+class PragueOptions(Options):
+    generator: str = option("ready", "group generator", choices=tuple(GENERATORS))
+    group_size: int = option(3, "workers per group (prague: smart, random, ready; dssync: k)")
+    delta_c: int = option(4, "smart's threshold: join only if c_w > c_i - delta_c")
+    nodes: int = option(1, "topology: nodes (nproc must be a multiple)")
+    window_ms: float = option(50.0, "ready: how long a request waits for partners")
+    gg_address: str = option("", "host:port of a running `prague gg serve` (token from $PRAGUE_GG_TOKEN)")
+    gg_timeout_s: float = option(300.0, "timeout of one group generator call")
+    comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
+    gg_seed: int = option(0, "seed of the group generator (0: the run's --seed)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_size < 2:
+            raise ConfigError(f"--group-size must be >= 2, got {self.group_size}")
+        if self.delta_c < 1:
+            raise ConfigError(f"--delta-c must be >= 1, got {self.delta_c}")
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
+        if not self.window_ms > 0:
+            raise ConfigError(f"--window-ms must be > 0, got {self.window_ms}")
+        if not self.gg_timeout_s > 0:
+            raise ConfigError(f"--gg-timeout-s must be > 0, got {self.gg_timeout_s}")
+        if self.comm_cache < 1:
+            raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
+
+    def topology(self, nproc: int) -> Topology:
+        if nproc % self.nodes:
+            raise ConfigError(f"--nproc {nproc} is not a multiple of --nodes {self.nodes}; use a divisor of {nproc}")
+        return Topology(self.nodes, nproc // self.nodes)
+
+    @property
+    def uses_service(self) -> bool:
+        """Whether this job needs a Group Generator service of its own (``static`` needs none; with
+        ``--gg-address`` the user runs it)."""
+        return self.generator != "static" and not self.gg_address
+
+
+METHOD = Method(
+    name="prague",
+    summary=("Prague (ASPLOS 2020): a local optimizer step, then one call to the Group Generator service for this "
+             "iteration's group, then P-Reduce (average of one flat buffer of all parameters and buffers) with that "
+             "group only. Variants pick the generator: `static` (a conflict-free schedule each worker computes "
+             "itself, no round trip), `smart` (the paper's: random divisions into groups of `--group-size`, "
+             "alternating intra-/inter-node, through per-worker FIFOs in one global order, with the threshold rule "
+             "`--delta-c`), `random` (one random group per request: the naive generator), `ready` (ours: groups "
+             "formed only from workers already waiting, within `--window-ms`, preferring partners not met "
+             "recently)."),
+    paper="Luo, Lin, Zhuo, Qian, Prague: High-Performance Heterogeneity-Aware Asynchronous Decentralized Training, "
+          "ASPLOS 2020 (arXiv 1909.08029)",
+    options=PragueOptions,
+    runtime="prague.algorithms.prague.runtime:Prague",
+    sim="prague.algorithms.prague.sim:SimPrague",
+    variant_option="generator",
+    reports={
+        "generator": "the group generator",
+        "group_size": "the requested group size",
+        "groups_run": "groups this worker executed (including groups of one)",
+        "local_steps": "groups of one: iterations without communication",
+        "mean_group_size": "mean size of the groups executed",
+        **COMM_REPORTS,
+        "generator_stats": "the service's own counters (rank 0 only)",
+    },
+)

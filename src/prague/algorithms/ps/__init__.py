@@ -1,0 +1,81 @@
+"""``ps``: a classic parameter server (sync or async) with K server shards of their own.
+
+The update and staleness rules are pure code in :mod:`.rules` (applied by the shards, by ``ps-eager``
+workers and by the simulator alike); the wire protocol is :mod:`.protocol`, the shard process
+:mod:`.server`, the worker's side :mod:`.client`; runtime: :mod:`.runtime`; simulator model: :mod:`.sim`.
+``ps-eager`` (:mod:`prague.algorithms.ps_eager`) builds on all of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prague.algorithms.spec import Method, Options, option
+from prague.errors import ConfigError
+
+MODES = ("sync", "async")
+STALENESS_RULES = ("inverse", "none", "exp")
+MOMENTUM_MODES = ("worker", "folded")
+
+RULE_HELP = "learning rate of an update of staleness tau: inverse (lr/max(n-1,tau)), none, exp"
+MOMENTUM_HELP = ("async shards: worker (a momentum buffer per worker; ps default) or folded (no buffer, step "
+                 "lr/(1-momentum); ps-eager default)")
+BOUND_HELP = "reject updates staler than this many server versions (0: no bound)"
+SHARDS_HELP = "number of server shard processes"
+TIMEOUT_HELP = "how long a shard or worker waits for the other side"
+
+
+def check_common(shards: int, max_staleness: int, timeout_s: float) -> None:
+    """Range checks shared by the options of ``ps`` and ``ps-eager``."""
+    if shards < 1:
+        raise ConfigError(f"--ps-shards must be >= 1, got {shards}")
+    if max_staleness < 0:
+        raise ConfigError(f"--max-staleness must be >= 0 (0: no bound), got {max_staleness}")
+    if not timeout_s > 0:
+        raise ConfigError(f"--ps-timeout-s must be > 0, got {timeout_s}")
+
+
+@dataclass(frozen=True)
+class PSOptions(Options):
+    ps_mode: str = option("sync", "sync: apply the mean of all n pushes; async: apply each on arrival", choices=MODES)
+    ps_shards: int = option(1, SHARDS_HELP)
+    max_staleness: int = option(0, BOUND_HELP)
+    staleness_lr: str = option("inverse", RULE_HELP, choices=STALENESS_RULES)
+    ps_momentum: str = option("worker", MOMENTUM_HELP, choices=MOMENTUM_MODES)
+    ps_timeout_s: float = option(300.0, TIMEOUT_HELP)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_common(self.ps_shards, self.max_staleness, self.ps_timeout_s)
+
+
+#: What both parameter-server methods report.
+PS_REPORTS = {
+    "mode": "the shards' mode (sync or async)",
+    "shards": "number of shards",
+    "pushes": "gradients this worker pushed",
+    "staleness_histogram": "{tau: count} of this worker's applied updates, as the shards recorded them",
+    "mean_staleness": "mean tau of this worker's applied updates",
+    "max_staleness_seen": "largest tau applied",
+    "applied": "updates applied (with K shards each push counts once per shard)",
+    "rejected": "updates rejected by --max-staleness",
+    "max_staleness": "the bound (0: none)",
+    "staleness_lr": "the staleness learning-rate rule",
+    "momentum": "the shards' momentum mode",
+    "server_versions": "each shard's final version",
+}
+
+METHOD = Method(
+    name="ps",
+    summary=("Parameter server: the flat parameter buffer is split across `--ps-shards` server processes of their "
+             "own (started by the launcher, or by rank 0 under torchrun); workers push gradients and pull parameters "
+             "over point-to-point communicators. `ps:sync` applies the mean of all n gradients per version "
+             "(numerically the same as `allreduce`); `ps:async` applies each push on arrival, its learning rate "
+             "scaled by its staleness tau (`--staleness-lr`)."),
+    paper="Li et al., Scaling Distributed Machine Learning with the Parameter Server, OSDI 2014",
+    options=PSOptions,
+    runtime="prague.algorithms.ps.runtime:ParameterServer",
+    sim="prague.algorithms.ps.sim:SimPS",
+    variant_option="ps_mode",
+    reports=PS_REPORTS,
+)

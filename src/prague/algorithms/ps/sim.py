@@ -1,0 +1,141 @@
+"""``ps`` (``sync`` and ``async``) in simulated time, and the server shards ``ps-eager`` shares.
+
+Mirrors :mod:`prague.algorithms.ps.runtime` and :mod:`prague.algorithms.ps.server`: the flat state is split over K
+shards; a worker pushes its gradient to every shard and waits for the new values. Each shard is three
+FIFO stages in a row: receiving on its network card (``cluster.server_link``, one message at a time at
+full bandwidth, so n pushes arriving together are served one after another: the incast), applying the
+update under the shard's lock (``cluster.ps_apply_s``), sending the values back. With
+``cluster.ps_full_duplex`` false, receiving and sending share one queue (one machine, where both are
+memory copies by the same CPUs). The update rules are the runtime's own:
+:func:`prague.algorithms.ps.rules.staleness_scale` and :func:`prague.algorithms.ps.rules.accepts`.
+
+* ``sync``: a shard's round completes when the last of the n pushes is in; every worker then gets the
+  new values through the send queue, in arrival order. Runtime accounting: ``wait_s`` is the time the
+  shard held the push (until the round completed), the rest of the exchange is communication.
+* ``async``: each push is applied when received and answered at once with the values right after it;
+  staleness tau = versions applied since the values the gradient was computed on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from prague.algorithms.ps.rules import accepts, staleness_scale
+from prague.sim.costs import Queue
+from prague.sim.engine import Process, Signal
+from prague.sim.method import SimMethod
+from prague.sim.world import World
+
+
+class Shards:
+    """The K server shards' network cards and version counter."""
+
+    def __init__(self, world: World, shards: int) -> None:
+        link = world.cluster.server_link(world.topology.nodes)
+        self.count = shards
+        self.latency_s = link.latency_s
+        self.message_s = world.state_bytes / shards / link.bandwidth_bytes_per_s
+        self.apply_s = world.cluster.ps_apply_s
+        self.receive = [Queue() for _ in range(shards)]
+        # Full duplex: receiving and sending overlap (a real network card). Otherwise one queue serves
+        # both, as on one machine where every transfer is a memory copy by the same CPUs.
+        self.send = [Queue() for _ in range(shards)] if world.cluster.ps_full_duplex else self.receive
+        self.lock = [Queue() for _ in range(shards)]
+        self.version = 0
+        self.histogram: Counter[int] = Counter()
+        self.rejected = 0
+
+    def push(self, now: float) -> list[float]:
+        """A push sent now: when each shard has received it."""
+        return [q.reserve(now + self.latency_s, self.message_s) for q in self.receive]
+
+    def apply(self, received: list[float]) -> list[float]:
+        """One update per shard, under its lock, once the payload is in: when each is applied."""
+        return [q.reserve(t, self.apply_s) for q, t in zip(self.lock, received)]
+
+    def reply(self, ready: list[float]) -> float:
+        """Values leaving shard s at ``ready[s]``: when the last of them reaches the worker."""
+        return max(q.reserve(t, self.message_s) for q, t in zip(self.send, ready)) + self.latency_s
+
+    def push_async(self, world: World, grad: Any, base_version: int, rule: str, bound: int,
+                   now: float) -> tuple[float, int, Any]:
+        """Apply a push at once (in push order, which is receive order): ``(reply time, version, values)``.
+
+        Every shard sees pushes in the same order, so one version counter stands for all of them.
+        """
+        received = self.apply(self.push(now))
+        tau = self.version - base_version
+        if accepts(tau, bound):
+            world.math.server_apply([grad], staleness_scale(rule, tau, world.n))
+            self.version += 1
+            self.histogram[tau] += 1
+        else:
+            self.rejected += 1
+        return self.reply(received), self.version, world.math.server_values()
+
+    def stats(self, world: World) -> dict[str, Any]:
+        wall = world.engine.now
+        applied = sum(self.histogram.values())
+        return {
+            "shards": self.count,
+            "staleness_histogram": {str(t): self.histogram[t] for t in sorted(self.histogram)},
+            "mean_staleness": sum(t * c for t, c in self.histogram.items()) / applied if applied else 0.0,
+            "applied": applied,
+            "rejected": self.rejected,
+            "server_version": self.version,
+            "server_receive_utilization": max(q.busy_s for q in self.receive) / wall if wall > 0 else 0.0,
+        }
+
+
+class SimPS(SimMethod):
+    """``ps`` in simulated time; see the module docstring."""
+
+    def __init__(self, world: World, options: Any) -> None:
+        super().__init__(world, options)
+        self.shards = Shards(world, options.ps_shards)
+        self.sync = options.ps_mode == "sync"
+        self._round: list[tuple[int, list[float], Any, Signal]] = []
+        self._base = [0] * world.n
+
+    def _push_sync(self, w: int, grad: Any) -> Signal:
+        """Contribute to the current round; the signal fires with the shard-side wait when values are back."""
+        now = self.world.engine.now
+        sig = Signal(self.world.engine)
+        self._round.append((w, self.shards.push(now), grad, sig))
+        if len(self._round) == self.world.n:
+            members, self._round = self._round, []
+            done = self.shards.apply([max(arrived[s] for _, arrived, _, _ in members)
+                                      for s in range(self.shards.count)])
+            math = self.world.math
+            math.server_apply([g for _, _, g, _ in sorted(members, key=lambda m: m[0])])
+            self.shards.version += 1
+            self.shards.histogram[0] += self.world.n
+            values = math.server_values()
+            for v, arrived, _, s in sorted(members, key=lambda m: (m[1][0], m[0])):
+                reply_at = self.shards.reply(done)
+                math.install(v, values)
+                s.fire_after(reply_at - now, max(d - a for d, a in zip(done, arrived)))
+        return sig
+
+    def worker(self, w: int) -> Process:
+        world = self.world
+        engine, math = world.engine, world.math
+        o = self.options
+        for k in range(world.steps):
+            compute = world.compute_s(w, k)
+            yield compute
+            grad = math.gradient(w, k)
+            t0 = engine.now
+            if self.sync:
+                wait = yield self._push_sync(w, grad)
+            else:
+                reply_at, self._base[w], values = self.shards.push_async(
+                    world, grad, self._base[w], o.staleness_lr, o.max_staleness, engine.now)
+                yield reply_at - engine.now
+                math.install(w, values)
+                wait = 0.0
+            world.record(w, compute, engine.now - t0 - wait, wait)
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": self.options.ps_mode, **self.shards.stats(self.world)}

@@ -1,0 +1,187 @@
+"""The description of one method: everything the CLI, the bench, the simulator and the docs need to know.
+
+Each method package (``prague/algorithms/<name>/__init__.py``) defines one :class:`Method`: its name,
+a one-line summary, the paper it comes from, its options (a frozen dataclass whose fields are declared
+with :func:`option`), the option that ``NAME:VARIANT`` sets, the extra fields it reports in
+``algorithm_stats``, and where its runtime class and its simulator model live. The registry
+(:mod:`prague.algorithms.registry`) lists the descriptions; ``prague run``/``worker``/``bench``/
+``simulate``/``methods`` and the README's method table are all derived from them.
+
+This module and the method descriptions import neither torch nor the simulator: ``prague --help``
+and ``prague methods`` read them without loading either, and a worker process loads only its own
+method's runtime class (:meth:`Method.runtime_class`), never a simulator model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from prague.errors import ConfigError, unknown_choice
+
+
+#: What every method built on P-Reduce's communicator cache reports (:class:`prague.comm.preduce.CommStats`).
+COMM_REPORTS: dict[str, str] = {
+    "preduces": "P-Reduce operations this worker took part in",
+    "communicators_created": "members-only communicators built",
+    "communicator_create_s": "seconds spent building them",
+    "communicators_evicted": "communicators shut down by the LRU cache",
+}
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """Declare one field of a method's options dataclass: its default, help text and, for a name-valued
+    option, the valid names (checked by :meth:`Method.make_options` with a message listing them)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+class Options:
+    """Base of every method's options dataclass: a name-valued option (declared with ``choices``) is
+    checked when the options are built, with a message listing the valid names. Subclasses that add
+    checks of their own call ``super().__post_init__()`` first."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise unknown_choice(f"value of --{f.name.replace('_', '-')}", value, choices)
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """One option of one method, as the CLI and ``prague methods`` show it."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _scalar_type(hint: Any) -> type:
+    """``int``, ``float``, ``str`` or ``bool`` from a field's resolved annotation."""
+    if isinstance(hint, type):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type):
+        return args[0]
+    raise TypeError(f"option type {hint!r} is not a plain scalar type")
+
+
+def _load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One synchronisation method, described once.
+
+    ``runtime`` and ``sim`` are ``"module:Class"`` paths, imported only when asked for, so describing
+    a method costs nothing and a worker never imports a simulator model (nor the simulator a runtime
+    class). ``reports`` maps each field the method adds to ``algorithm_stats`` to what it means.
+    """
+
+    name: str
+    summary: str
+    paper: str
+    options: type
+    runtime: str
+    sim: str
+    variant_option: str | None = None
+    reports: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not dataclasses.is_dataclass(self.options):
+            raise TypeError(f"{self.name}: options must be a dataclass type, got {self.options!r}")
+        names = {o.name for o in self.option_infos}
+        if self.variant_option is not None:
+            if self.variant_option not in names:
+                raise TypeError(f"{self.name}: variant option {self.variant_option!r} is not one of {sorted(names)}")
+            if not self.variants:
+                raise TypeError(f"{self.name}: the variant option {self.variant_option!r} declares no choices")
+
+    @cached_property
+    def option_infos(self) -> tuple[OptionInfo, ...]:
+        hints = typing.get_type_hints(self.options)
+        return tuple(
+            OptionInfo(f.name, _scalar_type(hints[f.name]), f.default, str(f.metadata.get("help", "")),
+                       f.metadata.get("choices"))
+            for f in dataclasses.fields(self.options)
+        )
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The names ``NAME:VARIANT`` accepts (empty for a method without variants)."""
+        for info in self.option_infos:
+            if info.name == self.variant_option:
+                return info.choices or ()
+        return ()
+
+    @property
+    def default_variant(self) -> str | None:
+        for info in self.option_infos:
+            if info.name == self.variant_option:
+                return str(info.default)
+        return None
+
+    def make_options(self, values: Mapping[str, Any] | None = None, variant: str | None = None) -> Any:
+        """This method's options from ``values`` (names it does not declare, and ``None`` values, are
+        ignored) with ``variant`` applied; raises ConfigError naming the bad value and the valid ones."""
+        declared = {o.name: o for o in self.option_infos}
+        kwargs = {k: v for k, v in (values or {}).items() if k in declared and v is not None}
+        if variant is not None:
+            if self.variant_option is None:
+                raise ConfigError(f"method {self.name!r} has no variants, got {self.name}:{variant}; "
+                                  f"use plain {self.name!r}")
+            kwargs[self.variant_option] = variant
+        if variant is not None and variant not in self.variants:
+            raise unknown_choice(f"variant of {self.name}", variant, self.variants)
+        try:
+            return self.options(**kwargs)
+        except TypeError as exc:  # a value of the wrong type given through the Python API
+            raise ConfigError(f"invalid options for method {self.name!r}: {exc}") from None
+
+    def variant_of(self, options: Any) -> str | None:
+        """The variant ``options`` select, or None for a method without variants."""
+        return None if self.variant_option is None else str(getattr(options, self.variant_option))
+
+    def label(self, options: Any) -> str:
+        """``NAME`` or ``NAME:VARIANT``: how bench tables name a run."""
+        variant = self.variant_of(options)
+        return self.name if variant is None else f"{self.name}:{variant}"
+
+    def runtime_class(self) -> Any:
+        """The :class:`prague.algorithms.api.Algorithm` subclass (imports torch and the runtime)."""
+        return _load(self.runtime)
+
+    def sim_class(self) -> Any:
+        """The :class:`prague.sim.method.SimMethod` subclass (imports the simulator)."""
+        return _load(self.sim)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description (``prague methods --json``)."""
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "paper": self.paper,
+            "variant_option": self.variant_option,
+            "variants": list(self.variants),
+            "default_variant": self.default_variant,
+            "options": [
+                {"name": o.name, "flag": o.flag, "type": o.type.__name__, "default": o.default, "help": o.help,
+                 "choices": list(o.choices) if o.choices is not None else None}
+                for o in self.option_infos
+            ],
+            "reports": dict(self.reports),
+        }

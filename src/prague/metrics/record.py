@@ -1,0 +1,136 @@
+"""The record of one run: one dataclass for a real run and a simulated one alike.
+
+``summary.json`` is one record; ``bench.json`` a list of them; ``bench.md`` and the plots are rendered
+from them (:mod:`prague.metrics.report`); ``prague simulate --calibrate`` reads them back. The real
+worker loop (:mod:`prague.train.loop`) and the simulator (:mod:`prague.simulate.run`) both build it
+with :meth:`RunRecord.from_timings`, so throughput, the no-wait limit and the per-worker means are
+computed by one piece of code (:mod:`prague.metrics.summary`).
+
+``schema_version`` is :data:`SCHEMA_VERSION`; files written before it existed (no version field) read
+as version 1, whose fields are the same. The fields are documented in README.md (a test checks that
+the README's table is :func:`fields_markdown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prague.errors import ConfigError
+from prague.metrics.summary import WorkerTiming, mean_after, no_wait_limit, throughput
+
+SCHEMA_VERSION = 2
+
+
+def _doc(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+def _doc_list(text: str) -> Any:
+    return field(default_factory=list, metadata={"doc": text})
+
+
+@dataclass
+class RunRecord:
+    """One run of one method in one scenario (see the module docstring)."""
+
+    algorithm: str = _doc("method name (`prague`)", "")
+    scenario: str = _doc("heterogeneity scenario (`paper:5`)", "")
+    throughput_samples_per_s: float = _doc("samples per second of all workers together, after warm-up", 0.0)
+    schema_version: int = _doc("version of this layout", SCHEMA_VERSION)
+    variant: str | None = _doc("the method's variant (`ready`), or null")
+    nproc: int | None = _doc("number of workers")
+    compute_mode: str | None = _doc("`real` or `emulated`")
+    compute_ms: float | None = _doc("emulated (or simulated) compute time per iteration, ms")
+    model: str | None = _doc("model name")
+    parameters: int | None = _doc("trainable parameters of the model")
+    data: str | None = _doc("data set name")
+    batch_size: int | None = _doc("per-worker batch size")
+    steps: int | None = _doc("iterations per worker")
+    warmup_steps: int | None = _doc("iterations left out of the throughput window")
+    seed: int | None = _doc("the run's seed")
+    backend: str | None = _doc("`gloo`, `nccl`, or `sim`")
+    no_wait_limit_samples_per_s: float | None = _doc("throughput if communication were free and nobody waited")
+    fraction_of_limit: float | None = _doc("throughput / no-wait limit")
+    wall_s: float | None = _doc("training time of the slowest worker (simulated time when simulated), s")
+    test_accuracy: float | None = _doc("test accuracy of the average of all replicas (null without real compute)")
+    target_accuracy: float | None = _doc("the `--target-accuracy`, or null")
+    time_to_target_s: float | None = _doc("training time until the averaged model first reached the target")
+    eval_history: list[dict[str, float]] = _doc_list("`{wall_s, step, accuracy}` of every evaluation")
+    consensus_distance: float | None = _doc("mean distance of the replicas from their average at the end")
+    mean_compute_s: list[float] = _doc_list("per worker: mean compute time per iteration after warm-up, s")
+    mean_comm_s: list[float] = _doc_list("per worker: mean communication time per iteration, s")
+    mean_wait_s: list[float] = _doc_list("per worker: mean time per iteration waiting for others, s")
+    algorithm_stats: list[dict[str, Any]] = _doc_list(
+        "per worker (one entry when simulated): the method's own counters, as `prague methods` lists them")
+    simulated: bool = _doc("true for `prague simulate`", False)
+    sim: dict[str, Any] | None = _doc("simulated runs: nodes, cluster, event count, simulator run time")
+
+    def __post_init__(self) -> None:
+        for key in ("algorithm", "scenario"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(f"a run record has {key}={getattr(self, key)!r}; it must be a non-empty string")
+        thr = self.throughput_samples_per_s
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not math.isfinite(thr):
+            raise ConfigError(f"a run record has throughput_samples_per_s={thr!r}; it must be a number (and finite)")
+
+    @property
+    def label(self) -> str:
+        """``NAME`` or ``NAME:VARIANT``."""
+        return f"{self.algorithm}:{self.variant}" if self.variant else self.algorithm
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "run record") -> RunRecord:
+        """Read a record from its JSON form; raises ConfigError naming ``source`` and the problem."""
+        if isinstance(data, RunRecord):
+            return data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source} is a {type(data).__name__} ({data!r:.80}), not a JSON object")
+        version = data.get("schema_version", 1)
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise ConfigError(f"{source} has schema_version {version!r}; this prague reads versions 1 to "
+                              f"{SCHEMA_VERSION}: upgrade prague or re-run the benchmark")
+        missing = [k for k in REQUIRED_KEYS if k not in data]
+        if missing:
+            raise ConfigError(f"{source} lacks required key(s) {', '.join(repr(k) for k in missing)}; every "
+                              f"record needs {', '.join(REQUIRED_KEYS)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["schema_version"] = SCHEMA_VERSION
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_timings(cls, timings: Sequence[WorkerTiming], *, batch_size: int, warmup: int,
+                     **fields: Any) -> RunRecord:
+        """A record whose throughput, no-wait limit and per-worker means come from ``timings``
+        (every worker's log); ``fields`` gives the rest."""
+        thr = throughput(timings, batch_size, warmup)
+        limit = no_wait_limit(timings, batch_size, warmup)
+        return cls(
+            throughput_samples_per_s=thr, no_wait_limit_samples_per_s=limit,
+            fraction_of_limit=thr / limit if limit > 0 else None, batch_size=batch_size, warmup_steps=warmup,
+            mean_compute_s=[mean_after(t.compute_s, warmup) for t in timings],
+            mean_comm_s=[mean_after(t.comm_s, warmup) for t in timings],
+            mean_wait_s=[mean_after(t.wait_s, warmup) for t in timings],
+            **fields,
+        )
+
+
+#: Keys a record read from a file must carry; all others are optional.
+REQUIRED_KEYS: tuple[str, ...] = ("algorithm", "scenario", "throughput_samples_per_s")
+
+
+def fields_markdown() -> str:
+    """The README's table of record fields."""
+    rows = ["| field | meaning |", "| --- | --- |"]
+    rows += [f"| `{f.name}` | {f.metadata['doc']} |" for f in dataclasses.fields(RunRecord)]
+    return "\n".join(rows)

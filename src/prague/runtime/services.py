@@ -1,0 +1,88 @@
+"""Helper processes of a job (a Group Generator, parameter-server shards): what to start, and how to
+know it is ready.
+
+A service announces that it is ready by writing a *ready file* atomically (its address, or a line
+naming it). :func:`wait_ready` is the one wait for that file, used by the launcher
+(:mod:`prague.runtime.launcher`) and by :func:`start_service`, which rank 0 uses under torchrun,
+where no launcher exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prague.errors import CommError
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A helper process the job needs (a group generator, a parameter-server shard).
+
+    It is started before the workers with the job's environment plus ``env`` and stopped after them.
+    If ``ready_file`` is set, the workers start only once the service has written it, and its text is
+    published in the job store under ``publish_key``. If the service exits while workers are running,
+    the job fails with its name and output.
+    """
+
+    name: str
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_file: Path | None = None
+    publish_key: str | None = None
+    ready_timeout_s: float = 60.0
+
+
+class ServiceNotReady(CommError):
+    """A service exited, or did not write its ready file in time."""
+
+    def __init__(self, name: str, exitcode: int | None, why: str) -> None:
+        self.name = name
+        self.exitcode = exitcode
+        super().__init__(f"service {name!r} {why}")
+
+
+def wait_ready(name: str, ready_file: Path, exitcode: Callable[[], int | None], timeout_s: float) -> str:
+    """Wait until ``ready_file`` exists and return its text, stripped.
+
+    ``exitcode()`` is polled meanwhile (``Popen.poll``): a service that exits first, or takes longer
+    than ``timeout_s``, raises :class:`ServiceNotReady`. The service writes the file atomically, so its
+    existence means its content is complete."""
+    deadline = time.monotonic() + timeout_s
+    while not ready_file.exists():
+        code = exitcode()
+        if code is not None:
+            raise ServiceNotReady(name, code, f"exited with code {code} before it was ready")
+        if time.monotonic() > deadline:
+            raise ServiceNotReady(name, None, f"was not ready within {timeout_s:g} s")
+        time.sleep(POLL_S)
+    return ready_file.read_text().strip()
+
+
+def start_service(spec: ServiceSpec) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``spec`` as a child of this process (its output goes to ours) and wait until it is ready;
+    return the process and its ready file's text. On failure the child is killed before raising."""
+    if spec.ready_file is None:
+        raise ValueError(f"service {spec.name!r} has no ready file to wait for")
+    spec.ready_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(list(spec.argv), env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL)
+    try:
+        return proc, wait_ready(spec.name, spec.ready_file, proc.poll, spec.ready_timeout_s)
+    except BaseException:
+        stop_process(proc, grace_s=0.0)
+        raise
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Wait up to ``grace_s`` for ``proc`` to exit by itself, then kill it; always reaps it."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,45 @@
+"""The interface of a simulated method.
+
+A method's simulator model (``prague/algorithms/<name>/sim.py``) mirrors its runtime class in
+simulated time: one process per worker on the world's engine, each iteration ``compute -> the method's
+synchronisation -> record``, with the time split into compute, communication and waiting the way the
+runtime reports it. The decisions come from the method's own pure code, shared with the runtime (group
+generator policies, the DS-Sync shuffle, the AD-PSGD split, the parameter server's rules, the
+scenario); only the passage of time is modelled here. Options are the method's own options object, as
+its description (:mod:`prague.algorithms.spec`) builds it for the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prague.sim.engine import Process
+from prague.sim.world import World
+
+
+class SimMethod:
+    """Base class: ``start`` spawns :meth:`worker` for every rank; subclasses write :meth:`worker`."""
+
+    def __init__(self, world: World, options: Any) -> None:
+        self.world = world
+        self.options = options
+
+    def start(self) -> None:
+        for w in range(self.world.n):
+            self.world.engine.process(self.worker(w))
+
+    def worker(self, w: int) -> Process:
+        raise NotImplementedError
+
+    def check_done(self) -> None:
+        """Raise if the run ended with work left (a deadlock in the simulated method)."""
+        world = self.world
+        short = [w for w in range(world.n) if len(world.end_s[w]) != world.steps]
+        if short or world.open_meetings:
+            raise RuntimeError(
+                f"simulated {type(self).__name__} stopped early: workers {short[:8]} did not finish all "
+                f"{world.steps} steps, {world.open_meetings} groups still wait for members"
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return {}

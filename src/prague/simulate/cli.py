@@ -1,0 +1,192 @@
+"""``prague simulate``: every method on a simulated cluster, writing what ``prague bench`` writes.
+
+    prague simulate --algorithms allreduce,prague:smart,prague:ready --scenarios homogeneous,paper:5 \\
+        --nproc 16 --nodes 4 --model resnet18 --cluster paper --steps 300 --out runs/sim
+    prague simulate --calibrate runs/bench/bench.json --out runs/cal        # fit, compare, write cluster.toml
+    prague simulate --calibrate runs/bench/bench.json --algorithms prague:ready --nproc 256 --out runs/big
+    prague simulate --algorithms prague:smart,allreduce --nproc 256 --math real --steps 400   # accuracy too
+
+The run flags are ``prague bench``'s own (same names, same method options); cluster flags override
+single values of ``--cluster`` (a preset: ``paper``, ``local``; or a TOML file, see
+:mod:`prague.sim.cluster`). With ``--calibrate`` the cluster is fitted to that benchmark first
+(:mod:`prague.simulate.calibrate`), the comparison is printed and written to ``OUT/calibration.{md,json}``
+and the fitted cluster to ``OUT/cluster.toml``; methods are simulated only if ``--algorithms`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prague.metrics.record import RunRecord
+    from prague.simulate.run import SimConfig
+
+from prague.errors import ConfigError
+from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
+from prague.train.config import RunConfig, add_run_arguments, check_options_apply, config_from_args, option_values
+from prague.workload.catalog import dataset_info, steps_per_epoch
+
+DEFAULT_ALGORITHMS = "allreduce,prague:smart"
+DEFAULT_STEPS = 200
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``simulate`` to the ``prague`` command's subparsers; its handler is :func:`cmd_simulate`."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate", help="simulate methods on a cluster of any size, in simulated time")
+    p.add_argument("--algorithms", default=None,
+                   help=f"comma-separated methods, NAME or NAME:VARIANT (default {DEFAULT_ALGORITHMS})")
+    p.add_argument("--scenarios", default="homogeneous,paper:5", help="comma-separated scenarios")
+    p.add_argument("--calibrate", type=Path, metavar="BENCH_JSON",
+                   help="fit the cluster to this real benchmark and compare simulated with measured throughput")
+    p.add_argument("--math", default="none",
+                   help="none (default): timing only; real: every simulated worker trains real parameters "
+                        "(accuracy against simulated time)")
+    c = p.add_argument_group("cluster (override single values of --cluster)")
+    c.add_argument("--cluster", default=None,
+                   help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file (default paper; the base "
+                        "that --calibrate fits: local)")
+    c.add_argument("--compute-cv", type=float, help="coefficient of variation of per-iteration compute")
+    c.add_argument("--compute-dist", help="constant | uniform | normal | lognormal")
+    c.add_argument("--intra-latency-us", type=float)
+    c.add_argument("--intra-gbps", type=float, help="intra-node bandwidth, Gbit/s")
+    c.add_argument("--inter-latency-us", type=float)
+    c.add_argument("--inter-gbps", type=float, help="inter-node bandwidth, Gbit/s")
+    c.add_argument("--allreduce-exposed", type=float, help="share of the ring all-reduce not hidden by backward")
+    c.add_argument("--gg-rtt-us", type=float, help="Group Generator RPC round trip")
+    c.add_argument("--gg-service-us", type=float, help="Group Generator time per request")
+    c.add_argument("--no-contention", action="store_true", help="concurrent transfers do not share links")
+    p.add_argument("--nproc", type=int, default=4, help="number of simulated workers (default 4)")
+    p.add_argument("--out", type=Path, help="output directory (default runs/simulate-<time>)")
+    add_run_arguments(p, defaults={"model": "resnet18"})
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> Cluster:
+    """``--cluster`` (or ``base``) with the single-value flags applied."""
+    cluster = base if base is not None else load_cluster(args.cluster or "paper")
+
+    def link(old: Link, latency_us: float | None, gbps: float | None) -> Link | None:
+        if latency_us is None and gbps is None:
+            return None
+        return Link.of(old.latency_s * 1e6 if latency_us is None else latency_us,
+                       old.bandwidth_bytes_per_s * 8 / 1e9 if gbps is None else gbps)
+
+    return cluster.replace_fields(
+        compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
+        compute_cv=args.compute_cv, compute_dist=args.compute_dist,
+        intra=link(cluster.intra, args.intra_latency_us, args.intra_gbps),
+        inter=link(cluster.inter, args.inter_latency_us, args.inter_gbps),
+        allreduce_exposed=args.allreduce_exposed,
+        gg_rtt_s=None if args.gg_rtt_us is None else args.gg_rtt_us * 1e-6,
+        gg_service_s=None if args.gg_service_us is None else args.gg_service_us * 1e-6,
+        contention=False if args.no_contention else None,
+    )
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """``cluster`` in the TOML layout :func:`prague.sim.cluster.load_cluster` reads."""
+    def link(name: str, value: Link) -> list[str]:
+        return [f"[links.{name}]", f"latency_us = {value.latency_s * 1e6:.6g}",
+                f"bandwidth_gbps = {value.bandwidth_bytes_per_s * 8 / 1e9:.6g}", ""]
+
+    lines = [f"name = {json.dumps(cluster.name)}", "", "[compute]", f"time_ms = {cluster.compute_s * 1e3:.6g}",
+             f"overhead_ms = {cluster.compute_overhead_s * 1e3:.6g}",
+             f"distribution = {json.dumps(cluster.compute_dist)}", f"cv = {cluster.compute_cv:.6g}"]
+    if cluster.speeds:
+        lines.append(f"speeds = [{', '.join(f'{s:.6g}' for s in cluster.speeds)}]")
+    lines.append("")
+    lines += link("intra", cluster.intra) + link("inter", cluster.inter)
+    lines += ["[allreduce]", f"exposed_fraction = {cluster.allreduce_exposed:.6g}", "",
+              "[preduce]", f"setup_ms = {cluster.preduce_setup_s * 1e3:.6g}", f"cache = {cluster.comm_cache}", "",
+              "[gg]", f"rtt_us = {cluster.gg_rtt_s * 1e6:.6g}", f"service_us = {cluster.gg_service_s * 1e6:.6g}", "",
+              "[ps]", f"apply_ms = {cluster.ps_apply_s * 1e3:.6g}",
+              f"full_duplex = {'true' if cluster.ps_full_duplex else 'false'}"]
+    if cluster.server is not None:
+        lines += [f"server_latency_us = {cluster.server.latency_s * 1e6:.6g}",
+                  f"server_bandwidth_gbps = {cluster.server.bandwidth_bytes_per_s * 8 / 1e9:.6g}"]
+    lines += ["", "[network]", f"contention = {'true' if cluster.contention else 'false'}", ""]
+    return "\n".join(lines)
+
+
+def _steps(run: RunConfig) -> int:
+    if run.steps is not None:
+        return run.steps
+    if run.epochs is None:
+        return DEFAULT_STEPS
+    per_epoch = steps_per_epoch(dataset_info(run.data).train_samples, run.nproc, run.batch_size)
+    return max(1, math.ceil(run.epochs * per_epoch))
+
+
+def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) -> SimConfig:
+    """The simulated twin of one run's settings."""
+    from prague.simulate.run import SimConfig
+
+    if math_mode == "real":
+        run.check_data_source()
+    options = {k: v for k, v in run.options.items() if k != "nodes"}
+    return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
+                     batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
+                     warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
+                     momentum=run.momentum, eval_every=run.eval_every, target_accuracy=run.target_accuracy)
+
+
+def _line(r: RunRecord) -> str:
+    acc = "" if r.test_accuracy is None else f", test accuracy {100 * r.test_accuracy:.2f}%"
+    sim = r.sim or {}
+    return (f"{r.label} [{r.scenario}, simulated] nproc={r.nproc}: {r.throughput_samples_per_s:.1f} samples/s "
+            f"({100 * (r.fraction_of_limit or 0):.0f}% of no-wait limit){acc}, simulated wall "
+            f"{r.wall_s or 0:.1f} s, {sim.get('events')} events in {sim.get('run_s', 0):.1f} s")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Handler of ``prague simulate`` (see the module docstring). Bad input raises ConfigError."""
+    from prague.io import atomic_write_json, atomic_write_text
+    from prague.metrics.report import bench_table
+    from prague.simulate.calibrate import calibrate, calibration_table
+    from prague.simulate.run import simulate_bench
+
+    out = Path(args.out) if args.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
+    command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    base: Cluster | None = None
+    if args.calibrate is not None:
+        cal = calibrate(args.calibrate, load_cluster(args.cluster or "local"))
+        table = calibration_table(cal)
+        print(table)
+        atomic_write_text(out / "calibration.md", f"# prague simulate --calibrate\n\n```\n{command}\n```\n\n{table}")
+        atomic_write_json(out / "calibration.json", {
+            "bench": str(args.calibrate), "cluster": cal.cluster.describe(), "sources": cal.sources,
+            "rows": [{k: v for k, v in row.items() if k != "record"} for row in cal.rows],
+        })
+        atomic_write_text(out / "cluster.toml", cluster_to_toml(cal.cluster))
+        print(f"wrote {out / 'calibration.md'}, {out / 'calibration.json'} and {out / 'cluster.toml'}")
+        if args.algorithms is None:
+            return 0
+        base = cal.cluster
+    cluster = cluster_from_args(args, base)
+    algorithms = [a.strip() for a in (args.algorithms or DEFAULT_ALGORITHMS).split(",") if a.strip()]
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if not algorithms or not scenarios:
+        raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
+    nodes = int(option_values(args).get("nodes", 1))  # the simulated topology, for every method
+    check_options_apply(args, algorithms, topology=("nodes",))
+    nproc = args.nproc
+    configs = [
+        sim_config(config_from_args(args, algorithm=a, scenario=s, nproc=nproc, out=out),
+                   cluster=cluster, math_mode=args.math, nodes=nodes)
+        for s in scenarios for a in algorithms
+    ]  # validated (ConfigError) before anything runs
+    echo = None if args.quiet else (lambda r: print(_line(r), flush=True))
+    records = simulate_bench(configs, out, command=command, echo=echo)
+    print()
+    print(bench_table(records))
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
+    return 0

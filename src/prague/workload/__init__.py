@@ -1,0 +1,2 @@
+"""What is trained: built-in data sets, models and emulated compute (:mod:`.catalog` holds their facts
+without importing torch)."""

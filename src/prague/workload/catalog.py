@@ -1,0 +1,50 @@
+"""Facts about the built-in data sets and models, without loading either (no torch, no scikit-learn).
+
+The launcher, the CLI and the simulator need a data set's shape and size (for ``--epochs``, and for the
+size of the model a simulated worker moves) without loading it; :mod:`.data` and :mod:`.models` build
+the real things and a test checks that they agree with these facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prague.errors import ConfigError, unknown_choice
+
+MODELS = ("mlp", "cnn", "resnet18")
+COMPUTE_MODES = ("real", "emulated")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One built-in data set: the shape of a sample (C, H, W), its classes, its training-set size."""
+
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    train_samples: int
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo((1, 8, 8), 10, 1437),  # 1,797 images, 80/20 split
+    "mnist": DatasetInfo((1, 28, 28), 10, 60000),
+    "synthetic": DatasetInfo((3, 32, 32), 10, 8192),
+}
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    try:
+        return DATASETS[name]
+    except (KeyError, TypeError):
+        raise unknown_choice("data set", name, DATASETS) from None
+
+
+def steps_per_epoch(train_samples: int, world_size: int, batch_size: int) -> int:
+    """Full batches per epoch of each worker: from the smallest shard, so every rank agrees
+    (:class:`prague.workload.data.ShardLoader` cuts its batches this way)."""
+    per_rank = train_samples // world_size
+    steps = per_rank // batch_size
+    if steps == 0:
+        raise ConfigError(f"batch size {batch_size} is larger than the {per_rank} samples each of the "
+                          f"{world_size} workers holds ({train_samples} in all), so an epoch would have "
+                          f"0 steps; lower --batch-size to at most {per_rank} or lower --nproc")
+    return steps

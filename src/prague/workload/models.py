@@ -1,0 +1,147 @@
+"""The models trained in experiments, built by name for any image shape.
+
+* ``mlp``: flatten, two hidden layers of 128 with ReLU, linear classifier (fast; for tests and demos).
+* ``cnn``: the small CNN of PyTorch's MNIST example (two 3x3 convolutions of 32 and 64 channels, 2x2
+  max-pool, dropout 0.25, a hidden layer of 128), with padding 1 so that inputs as small as 8x8 work.
+* ``resnet18``: ResNet-18 (He et al., "Deep Residual Learning for Image Recognition", CVPR 2016) in its
+  CIFAR form: a 3x3 stride-1 stem without max-pool, BasicBlocks [2, 2, 2, 2] at 64/128/256/512
+  channels, BatchNorm, global average pooling and a linear classifier; 11,173,962 parameters for
+  3x32x32 inputs and 10 classes. Adaptive pooling lets it run on inputs as small as 1x1.
+
+Weights are drawn from torch's global RNG: seed it (``torch.manual_seed``) before :func:`build_model`
+on every rank, or broadcast rank 0's weights, so that all replicas start equal.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from prague.errors import ConfigError, unknown_choice
+from prague.workload.catalog import MODELS
+
+__all__ = ["MODELS", "build_model", "parameter_count"]
+
+
+MLP_HIDDEN = 128
+CNN_HIDDEN = 128
+RESNET18_BLOCKS = (2, 2, 2, 2)
+RESNET_WIDTHS = (64, 128, 256, 512)
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Build model ``name`` (one of :data:`MODELS`) for inputs ``(B, *input_shape)`` and return it.
+
+    The model maps a float tensor of shape ``(B, C, H, W)`` to logits of shape ``(B, num_classes)``.
+
+    Raises:
+        ConfigError: ``name`` is unknown (the message lists the valid ones), ``input_shape`` is not
+            three positive sizes, or ``num_classes`` < 2.
+    """
+    if name not in MODELS:
+        raise unknown_choice("model", name, MODELS)
+    shape = tuple(int(d) for d in input_shape)
+    if len(shape) != 3 or any(d < 1 for d in shape):
+        raise ConfigError(f"model {name!r}: input_shape {tuple(input_shape)!r} must be three positive "
+                          f"sizes (C, H, W)")
+    if num_classes < 2:
+        raise ConfigError(f"model {name!r}: num_classes={num_classes!r} must be at least 2")
+    channels, height, width = shape
+    if name == "mlp":
+        return _mlp(channels * height * width, num_classes)
+    if name == "cnn":
+        return _cnn(channels, height, width, num_classes)
+    return ResNet(RESNET18_BLOCKS, in_channels=channels, num_classes=num_classes)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of scalar parameters of ``model`` (trainable or not; buffers such as BN statistics excluded)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _mlp(in_features: int, num_classes: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_features, MLP_HIDDEN),
+        nn.ReLU(),
+        nn.Linear(MLP_HIDDEN, MLP_HIDDEN),
+        nn.ReLU(),
+        nn.Linear(MLP_HIDDEN, num_classes),
+    )
+
+
+def _cnn(channels: int, height: int, width: int, num_classes: int) -> nn.Module:
+    # conv-pool twice: the second convolution runs on a quarter of the pixels, which keeps an MNIST
+    # step cheap on a CPU. A side too thin to pool is left as it is instead of failing.
+    def pool(h: int, w: int) -> tuple[nn.Module, int, int]:
+        if h >= 2 and w >= 2:
+            return nn.MaxPool2d(2), h // 2, w // 2
+        return nn.Identity(), h, w
+
+    pool1, h1, w1 = pool(height, width)
+    pool2, h2, w2 = pool(h1, w1)
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, kernel_size=3, padding=1),
+        nn.ReLU(),
+        pool1,
+        nn.Conv2d(32, 64, kernel_size=3, padding=1),
+        nn.ReLU(),
+        pool2,
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Linear(64 * h2 * w2, CNN_HIDDEN),
+        nn.ReLU(),
+        nn.Linear(CNN_HIDDEN, num_classes),
+    )
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers with an identity shortcut, or a 1x1 conv-BN one where the shape changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet of :class:`BasicBlock` stages; ``blocks=(2, 2, 2, 2)`` is ResNet-18."""
+
+    def __init__(self, blocks: tuple[int, ...], in_channels: int, num_classes: int) -> None:
+        super().__init__()
+        if len(blocks) != len(RESNET_WIDTHS) or any(b < 1 for b in blocks):
+            raise ConfigError(f"ResNet blocks {blocks!r} must be {len(RESNET_WIDTHS)} counts >= 1")
+        width = RESNET_WIDTHS[0]
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+        stages: list[nn.Module] = []
+        for stage, (count, out_width) in enumerate(zip(blocks, RESNET_WIDTHS)):
+            first_stride = 1 if stage == 0 else 2
+            layers = []
+            for i in range(count):
+                layers.append(BasicBlock(width, out_width, first_stride if i == 0 else 1))
+                width = out_width
+            stages.append(nn.Sequential(*layers))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.pool(self.stages(self.stem(x)))
+        return self.fc(out.flatten(1))
