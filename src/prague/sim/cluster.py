@@ -49,10 +49,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same API from the tomli backport
+    import tomli as tomllib
 
 from prague.errors import ConfigError, unknown_choice
 
