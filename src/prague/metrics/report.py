@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
-from prague.metrics.record import REQUIRED_KEYS, RunRecord
+from prague.metrics.record import RunRecord
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [

@@ -17,36 +17,34 @@ MODES = ("sync", "async")
 STALENESS_RULES = ("inverse", "none", "exp")
 MOMENTUM_MODES = ("worker", "folded")
 
-RULE_HELP = "learning rate of an update of staleness tau: inverse (lr/max(n-1,tau)), none, exp"
 MOMENTUM_HELP = ("async shards: worker (a momentum buffer per worker; ps default) or folded (no buffer, step "
                  "lr/(1-momentum); ps-eager default)")
-BOUND_HELP = "reject updates staler than this many server versions (0: no bound)"
-SHARDS_HELP = "number of server shard processes"
-TIMEOUT_HELP = "how long a shard or worker waits for the other side"
-
-
-def check_common(shards: int, max_staleness: int, timeout_s: float) -> None:
-    """Range checks shared by the options of ``ps`` and ``ps-eager``."""
-    if shards < 1:
-        raise ConfigError(f"--ps-shards must be >= 1, got {shards}")
-    if max_staleness < 0:
-        raise ConfigError(f"--max-staleness must be >= 0 (0: no bound), got {max_staleness}")
-    if not timeout_s > 0:
-        raise ConfigError(f"--ps-timeout-s must be > 0, got {timeout_s}")
 
 
 @dataclass(frozen=True)
-class PSOptions(Options):
-    ps_mode: str = option("sync", "sync: apply the mean of all n pushes; async: apply each on arrival", choices=MODES)
-    ps_shards: int = option(1, SHARDS_HELP)
-    max_staleness: int = option(0, BOUND_HELP)
-    staleness_lr: str = option("inverse", RULE_HELP, choices=STALENESS_RULES)
+class ShardOptions(Options):
+    """The options both parameter-server methods have (their shards are the same processes)."""
+
+    ps_shards: int = option(1, "number of server shard processes")
+    max_staleness: int = option(0, "reject updates staler than this many server versions (0: no bound)")
+    staleness_lr: str = option("inverse", "learning rate of an update of staleness tau: inverse (lr/max(n-1,tau)), "
+                                          "none, exp", choices=STALENESS_RULES)
     ps_momentum: str = option("worker", MOMENTUM_HELP, choices=MOMENTUM_MODES)
-    ps_timeout_s: float = option(300.0, TIMEOUT_HELP)
+    ps_timeout_s: float = option(300.0, "how long a shard or worker waits for the other side")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_common(self.ps_shards, self.max_staleness, self.ps_timeout_s)
+        if self.ps_shards < 1:
+            raise ConfigError(f"--ps-shards must be >= 1, got {self.ps_shards}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0 (0: no bound), got {self.max_staleness}")
+        if not self.ps_timeout_s > 0:
+            raise ConfigError(f"--ps-timeout-s must be > 0, got {self.ps_timeout_s}")
+
+
+@dataclass(frozen=True)
+class PSOptions(ShardOptions):
+    ps_mode: str = option("sync", "sync: apply the mean of all n pushes; async: apply each on arrival", choices=MODES)
 
 
 #: What both parameter-server methods report.

@@ -8,24 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prague.algorithms.ps import (
-    BOUND_HELP, MOMENTUM_HELP, MOMENTUM_MODES, PS_REPORTS, RULE_HELP, SHARDS_HELP, STALENESS_RULES, TIMEOUT_HELP,
-    check_common,
-)
-from prague.algorithms.spec import Method, Options, option
+from prague.algorithms.ps import MOMENTUM_HELP, MOMENTUM_MODES, PS_REPORTS, ShardOptions
+from prague.algorithms.spec import Method, option
 
 
 @dataclass(frozen=True)
-class PSEagerOptions(Options):
-    ps_shards: int = option(1, SHARDS_HELP)
-    max_staleness: int = option(0, BOUND_HELP)
-    staleness_lr: str = option("inverse", RULE_HELP, choices=STALENESS_RULES)
-    ps_momentum: str = option("folded", MOMENTUM_HELP, choices=MOMENTUM_MODES)
-    ps_timeout_s: float = option(300.0, TIMEOUT_HELP)
+class PSEagerOptions(ShardOptions):
+    """The shards' options; momentum is folded by default (heavy-ball momentum oscillates on gradients two
+    rounds old: see :meth:`prague.algorithms.ps.rules.SGDRule.folded`)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_common(self.ps_shards, self.max_staleness, self.ps_timeout_s)
+    ps_momentum: str = option("folded", MOMENTUM_HELP, choices=MOMENTUM_MODES)
 
 
 METHOD = Method(
