@@ -58,8 +58,8 @@ def method_resources(cfg: Any) -> Any:
     """The services and environment the method of ``cfg`` needs; validates its options."""
     from prague.algorithms.registry import resolve_options
 
-    method, options = resolve_options(cfg.algorithm, cfg.options)
-    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out), cfg.seed)
+    method, options = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)
+    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out))
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:

@@ -25,7 +25,8 @@ from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.runtime import layout_for
 from prague.algorithms.ps_eager import PSEagerOptions
 from prague.algorithms.ps.protocol import Layout, shard_bounds
-from prague.algorithms.ps.rules import SGDRule, accepts, staleness_scale
+from prague.algorithms.ps.rules import accepts, staleness_scale
+from prague.optim import SGDRule
 from prague.algorithms.ps.server import ShardState
 from prague.errors import CommError, ConfigError
 from prague.workload.data import load_dataset

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import prague
+from prague.comm.cache import CommunicatorCache, group_needs_setup
 from prague.comm.preduce import GroupCommunicators, preduce
 from prague.errors import CommError
 from prague.runtime.context import DistContext
@@ -231,6 +232,16 @@ def test_cache_is_bounded_and_eviction_on_one_member_rebuilds_on_all() -> None:
     outs = run_ranks(_eviction_rank, 4, numel)
 
     assert_snapshots(outs, _EVICTION_SCHEDULE, numel, torch.float32)
+    # The simulator's model of the cache (the same pure policy) predicts every rank's builds and evictions.
+    caches = [CommunicatorCache[bool](2) for _ in range(4)]
+    created, evicted = [0] * 4, 0
+    for group in _EVICTION_SCHEDULE:
+        missing, dropped = group_needs_setup((caches[m] for m in group), group)
+        evicted += dropped
+        for m in group:
+            created[m] += missing
+    assert [outs[r]["created"] for r in range(4)] == created
+    assert sum(outs[r]["evicted"] for r in range(4)) == evicted
     r0 = outs[0]
     uses0 = [g for g in _EVICTION_SCHEDULE if 0 in g]
     assert r0["evicted"] > 0 and r0["created"] == len(uses0), "rank 0 cycles through 3 sets in 2 slots: every use rebuilds"

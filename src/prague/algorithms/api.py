@@ -90,7 +90,7 @@ class Algorithm:
         self._closed = False
 
     @classmethod
-    def job_resources(cls, options: Any, nproc: int, out_dir: Path, seed: int) -> JobResources:
+    def job_resources(cls, options: Any, nproc: int, out_dir: Path) -> JobResources:
         """Services and environment the launcher provides for this method (none by default). Under
         torchrun there is no launcher: a method that needs a service starts it from rank 0 instead."""
         return JobResources()

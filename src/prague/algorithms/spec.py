@@ -34,10 +34,11 @@ COMM_REPORTS: dict[str, str] = {
 }
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, run_seed: bool = False) -> Any:
     """Declare one field of a method's options dataclass: its default, help text and, for a name-valued
-    option, the valid names (checked by :meth:`Method.make_options` with a message listing them)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    option, the valid names (checked by :meth:`Method.make_options` with a message listing them).
+    ``run_seed``: a seed whose value 0 stands for the run's ``--seed`` (resolved by ``make_options``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "run_seed": run_seed})
 
 
 class Options:
@@ -62,6 +63,7 @@ class OptionInfo:
     default: Any
     help: str
     choices: tuple[str, ...] | None
+    run_seed: bool = False
 
     @property
     def flag(self) -> str:
@@ -89,7 +91,10 @@ class Method:
 
     ``runtime`` and ``sim`` are ``"module:Class"`` paths, imported only when asked for, so describing
     a method costs nothing and a worker never imports a simulator model (nor the simulator a runtime
-    class). ``reports`` maps each field the method adds to ``algorithm_stats`` to what it means.
+    class). ``reports`` maps each field the method adds to ``algorithm_stats`` to what it means; the
+    runtime reports them per worker, the simulator for the whole job (counts summed over workers).
+    ``sim_reports``: the fields only the simulator model reports (what it models and a run cannot
+    measure, such as a queue's utilisation).
     """
 
     name: str
@@ -100,6 +105,7 @@ class Method:
     sim: str
     variant_option: str | None = None
     reports: Mapping[str, str] = field(default_factory=dict)
+    sim_reports: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):
@@ -116,7 +122,7 @@ class Method:
         hints = typing.get_type_hints(self.options)
         return tuple(
             OptionInfo(f.name, _scalar_type(hints[f.name]), f.default, str(f.metadata.get("help", "")),
-                       f.metadata.get("choices"))
+                       f.metadata.get("choices"), bool(f.metadata.get("run_seed", False)))
             for f in dataclasses.fields(self.options)
         )
 
@@ -135,11 +141,18 @@ class Method:
                 return str(info.default)
         return None
 
-    def make_options(self, values: Mapping[str, Any] | None = None, variant: str | None = None) -> Any:
+    def make_options(self, values: Mapping[str, Any] | None = None, variant: str | None = None,
+                     seed: int | None = None) -> Any:
         """This method's options from ``values`` (names it does not declare, and ``None`` values, are
-        ignored) with ``variant`` applied; raises ConfigError naming the bad value and the valid ones."""
+        ignored) with ``variant`` applied; raises ConfigError naming the bad value and the valid ones.
+        With the run's ``seed``, every seed option declared ``run_seed`` that is 0 (or not given) takes
+        it, so the launcher, every worker (under torchrun too) and the simulator draw from the same seed."""
         declared = {o.name: o for o in self.option_infos}
         kwargs = {k: v for k, v in (values or {}).items() if k in declared and v is not None}
+        if seed is not None:
+            for info in self.option_infos:
+                if info.run_seed and not kwargs.get(info.name, info.default):
+                    kwargs[info.name] = seed
         if variant is not None:
             if self.variant_option is None:
                 raise ConfigError(f"method {self.name!r} has no variants, got {self.name}:{variant}; "
@@ -180,8 +193,9 @@ class Method:
             "default_variant": self.default_variant,
             "options": [
                 {"name": o.name, "flag": o.flag, "type": o.type.__name__, "default": o.default, "help": o.help,
-                 "choices": list(o.choices) if o.choices is not None else None}
+                 "choices": list(o.choices) if o.choices is not None else None, "run_seed": o.run_seed}
                 for o in self.option_infos
             ],
             "reports": dict(self.reports),
+            "sim_reports": dict(self.sim_reports),
         }

@@ -8,7 +8,8 @@ A group needs a communicator that contains only its members, and creating one mu
 ``torch.distributed.new_group`` needs every rank of the job (or, with ``use_local_synchronization``,
 names groups from a process-wide counter that disagrees when members create their groups in different
 orders, which dynamic groups do). So the members build a backend process group themselves, on a
-``PrefixStore`` of the job's store. Communicators are cached by member set in a bounded LRU; an evicted
+``PrefixStore`` of the job's store. Communicators are cached by member set in a bounded LRU
+(:class:`prague.comm.cache.CommunicatorCache`, the policy the simulator charges set-up by); an evicted
 one is shut down (a gloo group holds several file descriptors).
 
 Each rank's cache follows its own history, so members disagree about what is cached: rank 0 may have
@@ -30,13 +31,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from prague.comm.cache import CommunicatorCache
 from prague.errors import CommError, ConfigError
 from prague.runtime.context import DistContext
 
@@ -82,14 +83,11 @@ class GroupCommunicators:
     """
 
     def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None) -> None:
-        if capacity < 1:
-            raise ConfigError(f"communicator cache capacity must be >= 1, got {capacity}")
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"communicator timeout_s must be > 0, got {timeout_s!r}")
         self.ctx = ctx
-        self.capacity = capacity
         self.timeout = timedelta(seconds=timeout_s if timeout_s is not None else ctx.timeout_s)
-        self._cache: OrderedDict[tuple[int, ...], tuple[str, dist.ProcessGroup]] = OrderedDict()
+        self._cache: CommunicatorCache[tuple[str, dist.ProcessGroup]] = CommunicatorCache(capacity)
         self._uses: dict[tuple[int, ...], int] = {}
         self._prefix = f"{GROUP_STORE_PREFIX}/{next(_instances)}"
         self.stats = CommStats()
@@ -127,10 +125,9 @@ class GroupCommunicators:
         except RuntimeError as exc:
             raise self._fail(members, "communicator handshake", exc) from exc
         if cached is not None and agreed:
-            self._cache.move_to_end(members)
             return cached[1]
         if cached is not None:  # a peer no longer holds it: never use it again
-            del self._cache[members]
+            self._cache.pop(members)
             self._shutdown(cached[1])
         t0 = time.perf_counter()
         name = f"{self._prefix}/{_set_name(members)}/pg{use}"
@@ -141,16 +138,14 @@ class GroupCommunicators:
             raise self._fail(members, "communicator creation", exc) from exc
         self.stats.created += 1
         self.stats.create_s += time.perf_counter() - t0
-        self._cache[members] = (name, pg)
-        while len(self._cache) > self.capacity:
-            _, (_, old) = self._cache.popitem(last=False)
+        for _, old in self._cache.put(members, (name, pg)):
             self._shutdown(old)
             self.stats.evicted += 1
         return pg
 
     def discard(self, members: tuple[int, ...]) -> None:
         """Throw away the communicator of ``members`` after a failure; the next use rebuilds it on every member."""
-        entry = self._cache.pop(members, None)
+        entry = self._cache.pop(members)
         self.stats.failed += 1
         if entry is not None:
             self._shutdown(entry[1])
@@ -164,8 +159,7 @@ class GroupCommunicators:
             pass
 
     def close(self) -> None:
-        while self._cache:
-            _, (_, pg) = self._cache.popitem()
+        for _, pg in self._cache.clear():
             self._shutdown(pg)
 
 

@@ -29,7 +29,7 @@ TOML layout (every key optional; units are in the key names)::
 
     [preduce]
     setup_ms = 0.0            # building a communicator for a member set not in the cache
-    cache = 64                # communicators each worker keeps (LRU)
+                              # (the cache's size is the method's --comm-cache, as in the runtime)
 
     [gg]
     rtt_us = 600.0            # one Group Generator RPC round trip, network and (un)marshalling
@@ -118,7 +118,6 @@ class Cluster:
     inter: Link = field(default_factory=lambda: Link.of(20.0, 40.0))
     allreduce_exposed: float = 1.0
     preduce_setup_s: float = 0.0
-    comm_cache: int = 64
     gg_rtt_s: float = 600e-6
     gg_service_s: float = 50e-6
     server: Link | None = None
@@ -147,8 +146,6 @@ class Cluster:
                            _positive("allreduce exposed_fraction", self.allreduce_exposed, allow_zero=True))
         for name in ("compute_overhead_s", "preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s"):
             object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
-        if isinstance(self.comm_cache, bool) or not isinstance(self.comm_cache, int) or self.comm_cache < 1:
-            raise ConfigError(f"cluster preduce cache must be an integer >= 1, got {self.comm_cache!r}")
         if not isinstance(self.ps_full_duplex, bool):
             raise ConfigError(f"cluster ps full_duplex must be true or false, got {self.ps_full_duplex!r}")
         if not isinstance(self.contention, bool):
@@ -182,7 +179,6 @@ class Cluster:
             "server": None if self.server is None else self.server.describe(),
             "allreduce_exposed_fraction": self.allreduce_exposed,
             "preduce_setup_ms": self.preduce_setup_s * 1e3,
-            "comm_cache": self.comm_cache,
             "gg_rtt_us": self.gg_rtt_s * 1e6,
             "gg_service_us": self.gg_service_s * 1e6,
             "ps_apply_ms": self.ps_apply_s * 1e3,
@@ -253,7 +249,7 @@ _KEYS = {
     "compute": {"time_ms", "overhead_ms", "distribution", "cv", "speeds"},
     "links": {"intra", "inter"},
     "allreduce": {"exposed_fraction"},
-    "preduce": {"setup_ms", "cache"},
+    "preduce": {"setup_ms"},
     "gg": {"rtt_us", "service_us"},
     "ps": {"server_bandwidth_gbps", "server_latency_us", "apply_ms", "full_duplex"},
     "network": {"contention"},
@@ -262,6 +258,9 @@ _KEYS = {
 
 def cluster_from_dict(data: dict[str, Any], base: Cluster = Cluster(), source: str = "cluster") -> Cluster:
     """Build a cluster from the TOML layout of the module docstring; missing keys keep ``base``'s values."""
+    if "cache" in _section(data, "preduce", source):
+        raise ConfigError(f"{source}: [preduce] cache is no longer a cluster key: the communicator cache's size is "
+                          "the method option --comm-cache, in the simulator as in the runtime; remove the key")
     for section, keys in _KEYS.items():
         table = data if not section else _section(data, section, source)
         unknown = set(table) - keys
@@ -297,7 +296,6 @@ def cluster_from_dict(data: dict[str, Any], base: Cluster = Cluster(), source: s
             inter=_link(_section(links, "inter", source), base.inter, "links.inter", source),
             allreduce_exposed=allreduce.get("exposed_fraction", base.allreduce_exposed),
             preduce_setup_s=scaled(preduce, "setup_ms", base.preduce_setup_s, 1e-3),
-            comm_cache=preduce.get("cache", base.comm_cache),
             gg_rtt_s=scaled(gg, "rtt_us", base.gg_rtt_s, 1e-6),
             gg_service_s=scaled(gg, "service_us", base.gg_service_s, 1e-6),
             server=server,

@@ -6,8 +6,10 @@ average when a P-Reduce completes, a server update when a push arrives, and so o
 out against simulated wall-clock time, for hundreds of workers, on one CPU.
 
 All replicas live in one tensor ``X`` of shape ``(n + 1, P)`` (row ``n`` is a parameter server's copy,
-unused by decentralised methods), with one momentum buffer per row: the optimizer is
-``torch.optim.SGD``'s rule (``buf = momentum * buf + g; x -= lr * buf``), as in ``prague run``. Gradients
+unused by decentralised methods). Every update is :class:`prague.optim.SGDRule`, the step of
+``torch.optim.SGD`` that ``prague run``'s optimizer and the parameter-server shards take: a worker's
+local step uses the run's rule (:attr:`RealMath.optimizer`) with its row's momentum buffer; a server
+step takes the rule and momentum buffer its method names (:meth:`RealMath.server_step`). Gradients
 come from ``torch.func.functional_call`` of the real model (:func:`prague.workload.models.build_model`) on
 a flat parameter vector. Data: each worker's batches come from :class:`prague.workload.data.ShardLoader`
 (its shard of the training set, by global step) when every shard holds at least one batch; with more
@@ -32,6 +34,7 @@ from torch.func import functional_call
 
 from prague.errors import ConfigError, unknown_choice
 from prague.hetero.spec import uniform
+from prague.optim import SGDRule
 from prague.workload.data import Dataset, ShardLoader, load_dataset
 from prague.workload.models import build_model
 
@@ -61,6 +64,7 @@ class NoMath:
     """Timing only: every hook is a no-op and there is nothing to report."""
 
     enabled = False
+    optimizer: SGDRule | None = None  # the run's optimizer rule (None: no arithmetic)
 
     def snapshot(self, w: int) -> None: ...
 
@@ -75,7 +79,9 @@ class NoMath:
 
     def allreduce_step(self, members: Sequence[int], step: int) -> None: ...
 
-    def server_apply(self, grads: Sequence[Any], scale: float = 1.0) -> None: ...
+    def server_step(self, grads: Sequence[Any], rule: SGDRule | None, key: Any, scale: float = 1.0) -> None: ...
+
+    def own_step(self, w: int, grad: Any, rule: SGDRule | None, scale: float = 1.0) -> None: ...
 
     def server_values(self) -> Any:
         return None
@@ -110,7 +116,9 @@ class RealMath(NoMath):
         self._sizes = [p.numel() for _, p in self.model.named_parameters()]
         flat0 = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
         self.X = flat0.repeat(nproc + 1, 1)
-        self.M = torch.zeros_like(self.X)
+        self._rule = SGDRule(config.lr, config.momentum)
+        self.optimizer = self._rule
+        self._bufs: dict[Any, torch.Tensor | None] = {}  # momentum buffers, by row or by the key a method names
         self._snap: dict[int, torch.Tensor] = {}
         n_train = int(self.data.train_y.shape[0])
         self._loaders: list[ShardLoader] | None = None
@@ -154,10 +162,17 @@ class RealMath(NoMath):
         flat = self._snap.pop(w) if at_snapshot and w in self._snap else self.X[w]
         return self._grad(flat, w, step)
 
+    def _step(self, row: int, grad: torch.Tensor, rule: SGDRule, key: Any, scale: float = 1.0) -> None:
+        self._bufs[key] = rule.step(self.X[row], grad, self._bufs.get(key), scale)
+
     def apply(self, w: int, grad: torch.Tensor, scale: float = 1.0) -> None:
-        buf = self.M[w]
-        buf.mul_(self.config.momentum).add_(grad)
-        self.X[w].add_(buf, alpha=-self.config.lr * scale)
+        """Worker ``w``'s optimizer step with ``grad`` (its own momentum buffer)."""
+        self._step(w, grad, self._rule, w, scale)
+
+    def own_step(self, w: int, grad: torch.Tensor, rule: SGDRule | None, scale: float = 1.0) -> None:
+        """Worker ``w`` takes a step of a server's ``rule`` on its own copy (``ps-eager``'s read-my-writes),
+        with a momentum buffer of that step's own."""
+        self._step(w, grad, rule or self._rule, ("own", w), scale)
 
     def local_step(self, w: int, step: int, scale: float = 1.0) -> None:
         self.apply(w, self.gradient(w, step), scale)
@@ -171,9 +186,12 @@ class RealMath(NoMath):
         for w in members:
             self.apply(w, grad)
 
-    def server_apply(self, grads: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+    def server_step(self, grads: Sequence[torch.Tensor], rule: SGDRule | None, key: Any, scale: float = 1.0) -> None:
+        """The server's values take one step of ``rule`` (default: the run's optimizer) with the mean of
+        ``grads`` (summed in the order given), momentum buffer ``key``, learning rate scaled by ``scale``."""
         if grads:
-            self.apply(self.n, torch.stack(list(grads)).mean(dim=0), scale)
+            grad = grads[0] if len(grads) == 1 else torch.stack(list(grads)).mean(dim=0)
+            self._step(self.n, grad, rule or self._rule, ("server", key), scale)
 
     def server_values(self) -> torch.Tensor:
         """A copy of the server's values now (what a pull answered now carries)."""

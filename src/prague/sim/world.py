@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from prague.comm.cache import CommunicatorCache, group_needs_setup
 from prague.groups.api import Topology
 from prague.hetero.spec import Scenario
 from prague.metrics.summary import WorkerTiming
@@ -29,6 +30,8 @@ from prague.sim.costs import Fabric
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
 
+
+DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
 
 
 def jitter_draws(dist: str, cv: float, seed: int, rank: int, steps: int) -> list[float] | None:
@@ -72,9 +75,11 @@ class World:
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived]
         self.groups_run = 0
         self.group_members = 0
-        # A communicator cache per worker (LRU by member set), to charge set-up for new member sets.
-        self._comm_cache: list[dict[tuple[int, ...], None]] = [{} for _ in range(self.n)]
+        # A communicator cache per worker (the runtime's LRU policy), to charge set-up for new member sets;
+        # its capacity is the method's ``--comm-cache`` (:meth:`use_comm_cache`).
+        self._comm_cache = [CommunicatorCache[bool](DEFAULT_COMM_CACHE) for _ in range(self.n)]
         self.communicators_created = 0
+        self.communicators_evicted = 0
         self._base_s = [cluster.compute_s * cluster.speed(w) for w in range(self.n)]
         self._overhead_s = cluster.compute_overhead_s
         self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
@@ -105,23 +110,18 @@ class World:
                              wait_s=self.wait_log[w]) for w in range(self.n)]
 
     # -- groups -------------------------------------------------------------------------------------
+    def use_comm_cache(self, capacity: int) -> None:
+        """Give every worker a communicator cache of ``capacity`` member sets (before the run starts)."""
+        self._comm_cache = [CommunicatorCache[bool](capacity) for _ in range(self.n)]
+
     def _setup_s(self, members: tuple[int, ...]) -> float:
         """Communicator set-up the group pays: the members lacking one for this member set build it."""
         if self.cluster.preduce_setup_s == 0.0:
             return 0.0
-        missing = False
-        cap = self.cluster.comm_cache
-        for m in members:
-            cache = self._comm_cache[m]
-            if members in cache:
-                del cache[members]  # re-insert below: most recently used last
-            else:
-                missing = True
-                if len(cache) >= cap:
-                    del cache[next(iter(cache))]
-            cache[members] = None
+        missing, evicted = group_needs_setup((self._comm_cache[m] for m in members), members)
+        self.communicators_evicted += evicted
         if missing:
-            self.communicators_created += 1
+            self.communicators_created += len(members)  # every member builds its end
             return self.cluster.preduce_setup_s
         return 0.0
 
@@ -165,6 +165,12 @@ class World:
             sig.fire()
 
         self.engine.after(duration, done)
+
+    def comm_stats(self) -> dict[str, float | int]:
+        """P-Reduce counters summed over the workers, as the runtime's ``CommStats.report`` names them."""
+        return {"preduces": self.group_members, "communicators_created": self.communicators_created,
+                "communicator_create_s": self.communicators_created * self.cluster.preduce_setup_s,
+                "communicators_evicted": self.communicators_evicted}
 
     @property
     def open_meetings(self) -> int:

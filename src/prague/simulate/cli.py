@@ -106,7 +106,7 @@ def cluster_to_toml(cluster: Cluster) -> str:
     lines.append("")
     lines += link("intra", cluster.intra) + link("inter", cluster.inter)
     lines += ["[allreduce]", f"exposed_fraction = {cluster.allreduce_exposed:.6g}", "",
-              "[preduce]", f"setup_ms = {cluster.preduce_setup_s * 1e3:.6g}", f"cache = {cluster.comm_cache}", "",
+              "[preduce]", f"setup_ms = {cluster.preduce_setup_s * 1e3:.6g}", "",
               "[gg]", f"rtt_us = {cluster.gg_rtt_s * 1e6:.6g}", f"service_us = {cluster.gg_service_s * 1e6:.6g}", "",
               "[ps]", f"apply_ms = {cluster.ps_apply_s * 1e3:.6g}",
               f"full_duplex = {'true' if cluster.ps_full_duplex else 'false'}"]

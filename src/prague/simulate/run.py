@@ -107,7 +107,7 @@ class SimConfig:
 def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tuple[World, Any]:
     """The world and the method object of ``config``, ready to :meth:`~prague.sim.method.SimMethod.start`."""
     method, variant = parse_method(config.algorithm)
-    options = method.make_options({**config.options, "nodes": config.nodes}, variant)
+    options = method.make_options({**config.options, "nodes": config.nodes}, variant, seed=config.seed)
     cluster = config.effective_cluster
     _, state_bytes = model_size(config.model, config.data)
     math = make_math(config.math, config.nproc, config.steps, MathConfig(
@@ -149,10 +149,6 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
     cluster = world.cluster
     spec, _ = parse_method(config.algorithm)
     stats = method.stats()
-    stats.update(groups_run=world.groups_run,
-                 mean_group_size=world.group_members / world.groups_run if world.groups_run else 0.0,
-                 communicators_created=world.communicators_created,
-                 max_link_sharing=world.fabric.max_share_denominator)
     sim: dict[str, Any] = {
         "nodes": config.nodes,
         "workers_per_node": config.nproc // config.nodes,
@@ -161,6 +157,8 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         "math": config.math,
         "events": world.engine.events,
         "run_s": run_s,
+        "groups": world.groups_run,  # ring all-reduces and P-Reduces run (all members at once)
+        "max_link_sharing": world.fabric.max_share_denominator,
     }
     if trace is not None:
         sim["trace"] = trace

@@ -189,7 +189,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     steps = total_steps(cfg, loader)
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
     model, optimizer, n_params = build(cfg, data, ctx)
-    trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, **cfg.options)
+    trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
+                                 **cfg.options)
 
     training = run_steps(cfg, ctx, trainer, loader, steps)
     accuracy, history, time_to_target = evaluate_run(cfg, ctx, trainer, data, training, steps)

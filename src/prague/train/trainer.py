@@ -61,6 +61,8 @@ class DistributedTrainer:
     :meth:`step` once per iteration. Collective methods (:meth:`averaged_model`,
     :meth:`consensus_distance`) must be called by every rank at the same point. :meth:`close` must be
     called on every rank, also after an exception, to stop the method's background threads.
+    ``seed`` is the run's seed: method seed options left at 0 (``gg_seed``, ``shuffle_seed``,
+    ``adpsgd_seed``) take it, as they do under ``prague run`` and in the simulator.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class DistributedTrainer:
         *,
         scenario: str | Scenario | None = None,
         ctx: DistContext | None = None,
+        seed: int | None = None,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
@@ -79,7 +82,7 @@ class DistributedTrainer:
         if unknown:
             valid = ", ".join(o.name for o in self.method.option_infos) or "none"
             raise ConfigError(f"method {self.method.name!r} has no option(s) {unknown}; its options: {valid}")
-        method_options = self.method.make_options(options, variant)
+        method_options = self.method.make_options(options, variant, seed)
         self.variant = self.method.variant_of(method_options)
         self.algorithm: Algorithm = self.method.runtime_class()(self.ctx, method_options)
         self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")

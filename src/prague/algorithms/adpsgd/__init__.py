@@ -15,7 +15,7 @@ from prague.algorithms.spec import Method, Options, option
 @dataclass(frozen=True)
 class ADPSGDOptions(Options):
     adpsgd_active: str = option("", "comma-separated active ranks (default: the even ranks)")
-    adpsgd_seed: int = option(0, "seed of the active workers' neighbour choices")
+    adpsgd_seed: int = option(0, "seed of the active workers' neighbour choices (0: the run's --seed)", run_seed=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

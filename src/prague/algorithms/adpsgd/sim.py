@@ -15,7 +15,7 @@ same order as a real one. Time:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
@@ -89,4 +89,6 @@ class SimADPSGD(SimMethod):
             world.record(w, compute, engine.now - taken_at, taken_at - t0)
 
     def stats(self) -> dict[str, Any]:
-        return {"actives": len(self.actives), "passives": len(self.passives), "exchanges": self.exchanges}
+        peers: Counter[int] = Counter(p for chosen in self.chosen.values() for p in chosen)
+        return {"actives": list(self.actives), "passives": list(self.passives), "requests_initiated": self.exchanges,
+                "requests_served": self.exchanges, "peers": {str(p): peers[p] for p in sorted(peers)}}

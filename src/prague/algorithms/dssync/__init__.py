@@ -14,7 +14,7 @@ from prague.errors import ConfigError
 @dataclass(frozen=True)
 class DSSyncOptions(Options):
     group_size: int = option(3, "workers per group (prague: smart, random, ready; dssync: k)")
-    shuffle_seed: int = option(0, "seed of dssync's shared per-iteration shuffles")
+    shuffle_seed: int = option(0, "seed of dssync's shared per-iteration shuffles (0: the run's --seed)", run_seed=True)
     comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ class SimDSSync(SimMethod):
 
     def __init__(self, world: Any, options: Any) -> None:
         super().__init__(world, options)
+        world.use_comm_cache(options.comm_cache)
         self._by_rank: dict[int, list[tuple[int, ...]]] = {}  # step -> each rank's group
         self._users: dict[int, int] = {}  # step -> workers that looked it up so far
 
@@ -51,4 +52,4 @@ class SimDSSync(SimMethod):
             world.record(w, compute, engine.now - t0, 0.0)
 
     def stats(self) -> dict[str, Any]:
-        return {"group_size": self.options.group_size}
+        return {"group_size": self.options.group_size, **self.world.comm_stats()}

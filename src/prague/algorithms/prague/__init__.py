@@ -23,7 +23,7 @@ class PragueOptions(Options):
     gg_address: str = option("", "host:port of a running `prague gg serve` (token from $PRAGUE_GG_TOKEN)")
     gg_timeout_s: float = option(300.0, "timeout of one group generator call")
     comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
-    gg_seed: int = option(0, "seed of the group generator (0: the run's --seed)")
+    gg_seed: int = option(0, "seed of the group generator (0: the run's --seed)", run_seed=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,5 +76,11 @@ METHOD = Method(
         "mean_group_size": "mean size of the groups executed",
         **COMM_REPORTS,
         "generator_stats": "the service's own counters (rank 0 only)",
+    },
+    sim_reports={
+        "gg_utilization": "share of the run the Group Generator's thread was busy",
+        "gg_mean_queue_s": "mean seconds a request queued in front of the Group Generator",
+        "policy_us_per_call": "CPU microseconds of one decision of the real policy code, timed while simulating",
+        "policy_core_share": "share of one core the policy would need at the simulated request rate",
     },
 )

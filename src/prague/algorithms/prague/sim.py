@@ -2,7 +2,7 @@
 
 The decisions are the runtime's: the policy object is :func:`prague.groups.make_generator` with the
 same :class:`~prague.groups.GeneratorConfig` the service would build (generator, group size, delta_c,
-window, seed ``gg_seed or seed``, topology from ``--nodes``), driven through the
+window, seed ``--gg-seed``, which is the run's ``--seed`` unless given), topology from ``--nodes``), driven through the
 :class:`~prague.groups.GroupPolicy` protocol with the simulated clock as ``now_s``. Only time is
 modelled:
 
@@ -41,10 +41,11 @@ class SimPrague(SimMethod):
 
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
+        world.use_comm_cache(options.comm_cache)
         o = options
         self.config = GeneratorConfig(
             nproc=world.n, topology=world.topology, group_size=o.group_size, delta_c=o.delta_c,
-            seed=o.gg_seed or world.seed, window_s=o.window_ms / 1000.0,
+            seed=o.gg_seed, window_s=o.window_ms / 1000.0,
         )
         self.policy = make_generator(o.generator, self.config)
         self.remote = o.generator != "static"
@@ -179,10 +180,15 @@ class SimPrague(SimMethod):
     def stats(self) -> dict[str, Any]:
         wall = self.world.engine.now
         per_call_s = self._sampled_ns * 1e-9 / self._sampled if self._sampled else 0.0
+        world = self.world
+        executed = world.group_members + self.local_steps  # groups run, summed over their members
         out: dict[str, Any] = {
             "generator": self.options.generator,
             "group_size": self.config.group_size,
+            "groups_run": executed,
             "local_steps": self.local_steps,
+            "mean_group_size": executed / (world.groups_run + self.local_steps) if executed else 0.0,
+            **world.comm_stats(),
             "generator_stats": dict(self.policy.stats()),
             # The simulated GG thread: share of time busy and mean wait in its queue.
             "gg_utilization": self.queue.busy_s / wall if wall > 0 and self.remote else 0.0,

@@ -43,9 +43,9 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path) -> 
     ]
 
 
-def gg_service(options: PragueOptions, nproc: int, seed: int, ready_file: Path) -> ServiceSpec:
+def gg_service(options: PragueOptions, nproc: int, ready_file: Path) -> ServiceSpec:
     """The service the launcher (or rank 0) starts for this job."""
-    return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed or seed, ready_file),
+    return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed, ready_file),
                        ready_file=ready_file, publish_key=GG_ADDRESS_KEY)
 
 
@@ -116,7 +116,7 @@ class ServiceSource:
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        spec = gg_service(options, self.ctx.world_size, options.gg_seed, folder / "address")
+        spec = gg_service(options, self.ctx.world_size, folder / "address")
         proc, address = start_service(dataclasses.replace(spec, env={TOKEN_ENV: token}))
         resources.callback(stop_process, proc, 0.0)  # kills it unless leave() already stopped it
         self._proc = proc

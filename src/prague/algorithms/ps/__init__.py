@@ -63,6 +63,9 @@ PS_REPORTS = {
     "server_versions": "each shard's final version",
 }
 
+#: What the simulator models of both report besides.
+PS_SIM_REPORTS = {"server_receive_utilization": "share of the run the busiest shard's network card was receiving"}
+
 METHOD = Method(
     name="ps",
     summary=("Parameter server: the flat parameter buffer is split across `--ps-shards` server processes of their "
@@ -76,4 +79,5 @@ METHOD = Method(
     sim="prague.algorithms.ps.sim:SimPS",
     variant_option="ps_mode",
     reports=PS_REPORTS,
+    sim_reports=PS_SIM_REPORTS,
 )

@@ -138,7 +138,7 @@ class ParameterServerBase(Algorithm):
         raise NotImplementedError
 
     @classmethod
-    def job_resources(cls, options: Any, nproc: int, out_dir: Path, seed: int) -> JobResources:
+    def job_resources(cls, options: Any, nproc: int, out_dir: Path) -> JobResources:
         services = shard_services(options, cls.shard_mode(options), nproc, out_dir, exit_when_done=False)
         return JobResources(services=services, env={MANAGED_ENV: "1"})
 

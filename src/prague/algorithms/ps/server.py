@@ -28,7 +28,7 @@ Update rules (:class:`ShardState`):
   synchronous round. (One buffer shared by all pushes decays by m^n per round instead, much faster
   than the delay on every gradient: measured here, it left a CNN on MNIST unstable.) ``folded``
   (``ps-eager`` default) drops the buffer and takes momentum's steady-state step, lr/(1 - m), at once
-  (:meth:`prague.algorithms.ps.rules.SGDRule.folded`): with gradients two rounds old, heavy-ball momentum
+  (:meth:`prague.optim.SGDRule.folded`): with gradients two rounds old, heavy-ball momentum
   oscillates, and asynchrony supplies momentum of its own (Mitliagkas et al. 2016).
 
 Buffers (BatchNorm running statistics) have no gradient: a push carries the worker's current values for
@@ -72,7 +72,7 @@ from prague.algorithms.ps.protocol import (
     STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply, pair_group,
     shard_bounds, stats_key,
 )
-from prague.algorithms.ps.rules import SGDRule, accepts, staleness_scale
+from prague.algorithms.ps.rules import accepts, sgd_rule, staleness_scale
 from prague.errors import CommError, ConfigError, unknown_choice
 from prague.io import atomic_write_text
 
@@ -103,8 +103,8 @@ class ShardState:
         self.version = 0
         self._momentum: torch.Tensor | None = None  # sync: the one buffer of the averaged gradient
         self._momenta: list[torch.Tensor | None] = [None] * nproc  # async: one per worker
-        self._rule = SGDRule.from_layout(layout)  # sync: exactly the optimizer's rule
-        self._async_rule = SGDRule.from_layout(layout, momentum)
+        self._rule = sgd_rule(layout)  # sync: exactly the optimizer's rule
+        self._async_rule = sgd_rule(layout, momentum)
         self._cond = threading.Condition()
         self._initialized = False
         self._round: dict[int, torch.Tensor] = {}

@@ -6,8 +6,10 @@ FIFO stages in a row: receiving on its network card (``cluster.server_link``, on
 full bandwidth, so n pushes arriving together are served one after another: the incast), applying the
 update under the shard's lock (``cluster.ps_apply_s``), sending the values back. With
 ``cluster.ps_full_duplex`` false, receiving and sending share one queue (one machine, where both are
-memory copies by the same CPUs). The update rules are the runtime's own:
-:func:`prague.algorithms.ps.rules.staleness_scale` and :func:`prague.algorithms.ps.rules.accepts`.
+memory copies by the same CPUs). The update rules are the runtime's own (:mod:`prague.algorithms.ps.rules`):
+:func:`~prague.algorithms.ps.rules.staleness_scale`, :func:`~prague.algorithms.ps.rules.accepts`, and
+the shards' SGD step (:class:`prague.optim.SGDRule`): ``sync`` takes the run's optimizer rule with one
+server momentum buffer; ``async`` one momentum buffer per worker, or ``--ps-momentum folded``.
 
 * ``sync``: a shard's round completes when the last of the n pushes is in; every worker then gets the
   new values through the send queue, in arrival order. Runtime accounting: ``wait_s`` is the time the
@@ -19,6 +21,7 @@ memory copies by the same CPUs). The update rules are the runtime's own:
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from prague.algorithms.ps.rules import accepts, staleness_scale
@@ -28,11 +31,28 @@ from prague.sim.method import SimMethod
 from prague.sim.world import World
 
 
-class Shards:
-    """The K server shards' network cards and version counter."""
+@dataclass(frozen=True)
+class Answer:
+    """A shard's answer to an asynchronous push: when it reaches the worker and what it carries."""
 
-    def __init__(self, world: World, shards: int) -> None:
+    at_s: float
+    version: int
+    tau: int
+    accepted: bool
+    values: Any
+
+
+class Shards:
+    """The K server shards' network cards, version counter and update rules."""
+
+    def __init__(self, world: World, options: Any) -> None:
+        shards = options.ps_shards
         link = world.cluster.server_link(world.topology.nodes)
+        self.rule = world.math.optimizer  # sync: exactly the workers' optimizer rule
+        self.async_rule = (self.rule.folded() if self.rule is not None and options.ps_momentum == "folded"
+                           else self.rule)
+        self.staleness_lr, self.max_staleness = options.staleness_lr, options.max_staleness
+        self.momentum = options.ps_momentum
         self.count = shards
         self.latency_s = link.latency_s
         self.message_s = world.state_bytes / shards / link.bandwidth_bytes_per_s
@@ -58,32 +78,37 @@ class Shards:
         """Values leaving shard s at ``ready[s]``: when the last of them reaches the worker."""
         return max(q.reserve(t, self.message_s) for q, t in zip(self.send, ready)) + self.latency_s
 
-    def push_async(self, world: World, grad: Any, base_version: int, rule: str, bound: int,
-                   now: float) -> tuple[float, int, Any]:
-        """Apply a push at once (in push order, which is receive order): ``(reply time, version, values)``.
+    def push_async(self, world: World, w: int, grad: Any, base_version: int, now: float) -> Answer:
+        """Apply worker ``w``'s push at once (in push order, which is receive order), as an async shard does.
 
         Every shard sees pushes in the same order, so one version counter stands for all of them.
         """
         received = self.apply(self.push(now))
         tau = self.version - base_version
-        if accepts(tau, bound):
-            world.math.server_apply([grad], staleness_scale(rule, tau, world.n))
+        ok = accepts(tau, self.max_staleness)
+        if ok:
+            world.math.server_step([grad], self.async_rule, w, staleness_scale(self.staleness_lr, tau, world.n))
             self.version += 1
             self.histogram[tau] += 1
         else:
             self.rejected += 1
-        return self.reply(received), self.version, world.math.server_values()
+        return Answer(self.reply(received), self.version, tau, ok, world.math.server_values())
 
     def stats(self, world: World) -> dict[str, Any]:
         wall = world.engine.now
         applied = sum(self.histogram.values())
         return {
             "shards": self.count,
+            "pushes": applied + self.rejected,
             "staleness_histogram": {str(t): self.histogram[t] for t in sorted(self.histogram)},
             "mean_staleness": sum(t * c for t, c in self.histogram.items()) / applied if applied else 0.0,
+            "max_staleness_seen": max(self.histogram, default=0),
             "applied": applied,
             "rejected": self.rejected,
-            "server_version": self.version,
+            "max_staleness": self.max_staleness,
+            "staleness_lr": self.staleness_lr,
+            "momentum": self.momentum,
+            "server_versions": [self.version] * self.count,
             "server_receive_utilization": max(q.busy_s for q in self.receive) / wall if wall > 0 else 0.0,
         }
 
@@ -93,7 +118,7 @@ class SimPS(SimMethod):
 
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
-        self.shards = Shards(world, options.ps_shards)
+        self.shards = Shards(world, options)
         self.sync = options.ps_mode == "sync"
         self._round: list[tuple[int, list[float], Any, Signal]] = []
         self._base = [0] * world.n
@@ -108,7 +133,7 @@ class SimPS(SimMethod):
             done = self.shards.apply([max(arrived[s] for _, arrived, _, _ in members)
                                       for s in range(self.shards.count)])
             math = self.world.math
-            math.server_apply([g for _, _, g, _ in sorted(members, key=lambda m: m[0])])
+            math.server_step([g for _, _, g, _ in sorted(members, key=lambda m: m[0])], self.shards.rule, "sync")
             self.shards.version += 1
             self.shards.histogram[0] += self.world.n
             values = math.server_values()
@@ -121,7 +146,6 @@ class SimPS(SimMethod):
     def worker(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
-        o = self.options
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
@@ -130,10 +154,10 @@ class SimPS(SimMethod):
             if self.sync:
                 wait = yield self._push_sync(w, grad)
             else:
-                reply_at, self._base[w], values = self.shards.push_async(
-                    world, grad, self._base[w], o.staleness_lr, o.max_staleness, engine.now)
-                yield reply_at - engine.now
-                math.install(w, values)
+                answer = self.shards.push_async(world, w, grad, self._base[w], engine.now)
+                self._base[w] = answer.version
+                yield answer.at_s - engine.now
+                math.install(w, answer.values)
                 wait = 0.0
             world.record(w, compute, engine.now - t0 - wait, wait)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prague.algorithms.ps import MOMENTUM_HELP, MOMENTUM_MODES, PS_REPORTS, ShardOptions
+from prague.algorithms.ps import MOMENTUM_HELP, MOMENTUM_MODES, PS_REPORTS, PS_SIM_REPORTS, ShardOptions
 from prague.algorithms.spec import Method, option
 
 
 @dataclass(frozen=True)
 class PSEagerOptions(ShardOptions):
     """The shards' options; momentum is folded by default (heavy-ball momentum oscillates on gradients two
-    rounds old: see :meth:`prague.algorithms.ps.rules.SGDRule.folded`)."""
+    rounds old: see :meth:`prague.optim.SGDRule.folded`)."""
 
     ps_momentum: str = option("folded", MOMENTUM_HELP, choices=MOMENTUM_MODES)
 
@@ -37,4 +37,5 @@ METHOD = Method(
         "installs_after_backward": "fresh values installed only after the next backward (waited if not there)",
         "rejections_seen": "rejections this worker was told of",
     },
+    sim_reports=PS_SIM_REPORTS,
 )

@@ -27,7 +27,7 @@ Two choices make the extra round of delay affordable:
   Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013;
 * ``--ps-momentum folded`` (default here): the shard takes momentum's steady-state step lr/(1 - m)
   without a momentum buffer, because heavy-ball momentum oscillates on gradients two rounds old
-  (:meth:`prague.algorithms.ps.rules.SGDRule.folded`).
+  (:meth:`prague.optim.SGDRule.folded`).
 
 Measured (CNN on MNIST, 8 workers, one epoch, lr 0.05, momentum 0.9): per-worker momentum without
 read-my-writes 92.4% test accuracy, with it 93.1%, folded with it 97.5% (``ps --ps-mode async``: 97.6%).
@@ -48,7 +48,7 @@ from torch import nn
 
 from prague.algorithms.api import BeforeForward, StepTimes
 from prague.algorithms.ps.client import PendingReplies
-from prague.algorithms.ps.rules import SGDRule, staleness_scale
+from prague.algorithms.ps.rules import sgd_rule, staleness_scale
 from prague.algorithms.ps.runtime import ParameterServerBase
 from prague.algorithms.ps_eager import PSEagerOptions
 
@@ -64,7 +64,7 @@ class EagerParameterServer(ParameterServerBase):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         super().setup(model, optimizer)
-        self._own_rule = SGDRule.from_layout(self.layout, self.options.ps_momentum)
+        self._own_rule = sgd_rule(self.layout, self.options.ps_momentum)
         self._own_momentum: torch.Tensor | None = None
         self._last_tau = 0
         self.incoming = torch.empty_like(self.flat)

@@ -7,15 +7,18 @@ the pull of the values right after it, and starts computing at once. The answer 
 the next forward pass if it has arrived by then. Staleness tau is measured by the server (versions
 since the values the gradient was computed on) and scales the step by ``--staleness-lr``
 (:func:`prague.algorithms.ps.rules.staleness_scale`); ``--max-staleness`` rejects updates beyond it.
+Read-my-writes as in the runtime: right after pushing, the worker takes the shard's step on its own
+copy too (the shard's rule, scaled by the tau of the last answer it installed).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from prague.algorithms.ps.rules import staleness_scale
+from prague.algorithms.ps.sim import Answer, Shards
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
-from prague.algorithms.ps.sim import Shards
 from prague.sim.world import World
 
 
@@ -24,20 +27,26 @@ class SimPSEager(SimMethod):
 
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
-        self.shards = Shards(world, options.ps_shards)
+        self.shards = Shards(world, options)
         self.installs_before_forward = 0
         self.installs_after_backward = 0
+        self.rejections_seen = 0
 
     def worker(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
-        o = self.options
-        base = 0
-        pending: tuple[float, int, Any] | None = None  # (reply time, version, values) of the posted pull
+        base, last_tau = 0, 0
+        pending: Answer | None = None  # the answer to the posted pull
+
+        def install(answer: Answer) -> None:
+            nonlocal base, last_tau
+            base, last_tau = answer.version, answer.tau
+            self.rejections_seen += not answer.accepted
+            math.install(w, answer.values)
+
         for k in range(world.steps):
-            if pending is not None and pending[0] <= engine.now:
-                _, base, values = pending
-                math.install(w, values)
+            if pending is not None and pending.at_s <= engine.now:
+                install(pending)
                 pending = None
                 self.installs_before_forward += 1
             compute = world.compute_s(w, k)
@@ -46,16 +55,16 @@ class SimPSEager(SimMethod):
             bases = base  # the values this gradient was computed on
             wait = 0.0
             if pending is not None:
-                wait = max(0.0, pending[0] - engine.now)
+                wait = max(0.0, pending.at_s - engine.now)
                 if wait > 0.0:
                     yield wait
-                _, base, values = pending
-                math.install(w, values)
+                install(pending)
                 self.installs_after_backward += 1
-            pending = self.shards.push_async(world, grad, bases, o.staleness_lr, o.max_staleness, engine.now)
+            pending = self.shards.push_async(world, w, grad, bases, engine.now)
+            math.own_step(w, grad, self.shards.async_rule, staleness_scale(self.shards.staleness_lr, last_tau, world.n))
             world.record(w, compute, 0.0, wait)
 
     def stats(self) -> dict[str, Any]:
-        return {"mode": "async", "staleness_lr": self.options.staleness_lr, **self.shards.stats(self.world),
+        return {"mode": "async", **self.shards.stats(self.world),
                 "installs_before_forward": self.installs_before_forward,
-                "installs_after_backward": self.installs_after_backward}
+                "installs_after_backward": self.installs_after_backward, "rejections_seen": self.rejections_seen}

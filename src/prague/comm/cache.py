@@ -1,0 +1,77 @@
+"""The communicator cache's policy: least recently used member sets, a fixed capacity per worker.
+
+Pure (no torch, no I/O), so the runtime (:class:`prague.comm.preduce.GroupCommunicators`, whose values
+are process groups) and the simulator (:class:`prague.sim.world.World`, which only needs to know when a
+member set is new to a worker and so pays communicator set-up) make the same decisions: which sets are
+cached, which is evicted, when a group has to build a new communicator.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+from prague.errors import ConfigError
+
+V = TypeVar("V")
+Members = tuple[int, ...]
+
+
+class CommunicatorCache(Generic[V]):
+    """One worker's communicators by member set, least recently used evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ConfigError(f"communicator cache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[Members, V] = OrderedDict()
+
+    def get(self, members: Members) -> V | None:
+        """The entry of ``members`` (now the most recently used), or None."""
+        value = self._entries.get(members)
+        if value is not None:
+            self._entries.move_to_end(members)
+        return value
+
+    def put(self, members: Members, value: V) -> list[V]:
+        """Cache ``value`` for ``members`` as the most recently used; returns the entries evicted to make room."""
+        self._entries[members] = value
+        self._entries.move_to_end(members)
+        evicted = []
+        while len(self._entries) > self.capacity:
+            _, old = self._entries.popitem(last=False)
+            evicted.append(old)
+        return evicted
+
+    def pop(self, members: Members) -> V | None:
+        """Forget ``members``; returns its entry, if any."""
+        return self._entries.pop(members, None)
+
+    def clear(self) -> list[V]:
+        """Forget everything; returns the entries."""
+        values = list(self._entries.values())
+        self._entries.clear()
+        return values
+
+    def __contains__(self, members: object) -> bool:
+        return members in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[Members]:
+        """Member sets, least recently used first."""
+        return list(self._entries)
+
+
+def group_needs_setup(caches: Iterable[CommunicatorCache[bool]], members: Members) -> tuple[bool, int]:
+    """Run one group over ``caches`` (one per member): whether any member lacked the set, so all build it,
+    and how many entries were evicted. Every member's cache then holds the set as most recently used: the
+    runtime's handshake (:meth:`prague.comm.preduce.GroupCommunicators.get`) has the same outcome."""
+    missing, evicted = False, 0
+    for cache in caches:
+        if cache.get(members) is None:
+            missing = True
+        evicted += len(cache.put(members, True))
+    return missing, evicted

@@ -1,0 +1,59 @@
+"""The communicator cache's policy (pure): LRU order, bounded size, and a group's set-up decision."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prague.comm.cache import CommunicatorCache, group_needs_setup
+from prague.errors import ConfigError
+
+
+def test_least_recently_used_is_evicted_first() -> None:
+    cache = CommunicatorCache[str](2)
+    assert cache.put((0, 1), "a") == []
+    assert cache.put((0, 2), "b") == []
+    assert cache.get((0, 1)) == "a"  # (0, 2) is now the least recently used
+    assert cache.put((0, 3), "c") == ["b"]
+    assert cache.keys() == [(0, 1), (0, 3)]
+    assert cache.get((0, 2)) is None
+    assert cache.pop((0, 1)) == "a" and cache.pop((0, 1)) is None
+    assert cache.clear() == ["c"] and len(cache) == 0
+
+
+def test_replacing_an_entry_evicts_nothing() -> None:
+    cache = CommunicatorCache[str](1)
+    cache.put((0, 1), "old")
+    assert cache.put((0, 1), "new") == []
+    assert cache.get((0, 1)) == "new"
+
+
+@pytest.mark.parametrize("capacity", [0, -3])
+def test_capacity_below_one_is_refused(capacity: int) -> None:
+    with pytest.raises(ConfigError, match="capacity must be >= 1"):
+        CommunicatorCache[str](capacity)
+
+
+def test_a_group_builds_when_any_member_lacks_the_set() -> None:
+    caches = [CommunicatorCache[bool](1) for _ in range(3)]
+    assert group_needs_setup((caches[m] for m in (0, 1)), (0, 1)) == (True, 0)
+    assert group_needs_setup((caches[m] for m in (0, 1)), (0, 1)) == (False, 0)
+    # Rank 1 evicts (0, 1) for (1, 2); rank 0 still holds it, but the pair must rebuild on both.
+    assert group_needs_setup((caches[m] for m in (1, 2)), (1, 2)) == (True, 1)
+    assert group_needs_setup((caches[m] for m in (0, 1)), (0, 1)) == (True, 1)
+    assert all(len(c) <= 1 for c in caches)
+
+
+groups = st.lists(st.sampled_from([(0, 1), (0, 2), (1, 2), (0, 1, 2), (2, 3), (0, 3), (1, 3)]), max_size=40)
+
+
+@given(groups, st.integers(1, 4))
+def test_after_a_group_every_member_holds_it_and_sizes_stay_bounded(schedule: list[tuple[int, ...]], cap: int) -> None:
+    caches = [CommunicatorCache[bool](cap) for _ in range(4)]
+    for group in schedule:
+        held_by_all = all(group in caches[m] for m in group)
+        missing, _ = group_needs_setup((caches[m] for m in group), group)
+        assert missing == (not held_by_all)
+        assert all(caches[m].keys()[-1] == group for m in group)
+        assert all(len(c) <= cap for c in caches)
