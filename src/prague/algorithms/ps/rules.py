@@ -17,7 +17,7 @@ from prague.optim import SGDRule
 def staleness_scale(rule: str, tau: int, nproc: int) -> float:
     """The factor applied to the learning rate of one push of staleness ``tau`` among ``nproc`` workers.
 
-    ``inverse``: 1/max(1, tau), the rule of Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for
+    ``inverse``: 1/max(n - 1, tau): the 1/tau rule of Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for
     Distributed Deep Learning", IJCAI 2016, with tau floored at n - 1: the staleness of every push when n
     workers push in turn, where n pushes at 1/(n - 1) each make about one synchronous step. A push that
     happens to be fresher (the first round; the last worker still running after the others finished)

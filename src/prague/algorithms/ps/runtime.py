@@ -17,8 +17,9 @@ Modes (``--ps-mode``):
 * ``async``: each push is applied on arrival and answered with the current values (the pusher's pull).
   Each shard records every update's staleness tau (versions since the values the gradient was computed
   on); ``--max-staleness`` bounds it (updates beyond are rejected and counted) and ``--staleness-lr``
-  scales the step: by default lr/max(1, tau) (Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD",
-  IJCAI 2016), with tau floored at n - 1 (:func:`prague.algorithms.ps.rules.staleness_scale`), which makes a
+  scales the step: by default lr/max(n - 1, tau) (the 1/tau rule of Zhang, Gupta, Lian, Liu,
+  "Staleness-aware Async-SGD", IJCAI 2016, with tau floored at n - 1:
+  :func:`prague.algorithms.ps.rules.staleness_scale`), which makes a
   round of n pushes (tau about n - 1 each) move as far as one synchronous step; the shard keeps one momentum buffer per worker for the same reason (see
   :mod:`prague.algorithms.ps.server`). ``none`` is plain Downpour-style asynchronous SGD, n times the step
   of a synchronous round: measured here with the CNN on MNIST at 8 workers it diverged (10% accuracy).

@@ -13,8 +13,9 @@ So a worker never waits on the server in the steady state; the price is stalenes
 computed on values one pull older than in plain ``async`` (tau about 2n - 1 instead of n - 1). Each push
 carries the versions its gradient was computed on; a shard measures the staleness tau (versions it
 advanced since) and scales the update's learning rate by ``--staleness-lr``: ``inverse`` (default),
-lr/max(1, tau), as in Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep
-Learning", IJCAI 2016, with tau floored at n - 1 (:func:`prague.algorithms.ps.rules.staleness_scale`); ``exp``;
+lr/max(n - 1, tau): the 1/tau rule of Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for
+Distributed Deep Learning", IJCAI 2016, with tau floored at n - 1
+(:func:`prague.algorithms.ps.rules.staleness_scale`); ``exp``;
 or ``none``. ``--max-staleness T`` rejects (and counts) any update with
 tau > T; the worker still receives fresh values.
 
