@@ -1,4 +1,5 @@
-"""Shared helpers: run the real CLI in a subprocess under a hard timeout, and find leftover processes."""
+"""Shared helpers: run the real CLI in a subprocess under a hard timeout, find leftover processes, and
+run code in threads whose failures reach the test."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +33,14 @@ def processes_mentioning(marker: str) -> list[int]:
         if marker in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
+    """Wait until no process mentions ``marker``; return those still there after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and processes_mentioning(marker):
+        time.sleep(0.2)
+    return processes_mentioning(marker)
 
 
 def run_cli(*args: str, timeout_s: float = 180.0, cwd: Path | None = None,
@@ -50,3 +64,80 @@ def mnist_dir() -> Path:
     if not MNIST_DIR.is_dir():
         pytest.skip(f"MNIST not found at {MNIST_DIR}")
     return MNIST_DIR
+
+
+@dataclass(frozen=True)
+class ShortRun:
+    """A short real training run of the MLP on digits that saves the averaged model (``OUT/model.pt``)."""
+
+    nproc: int = 4
+    steps: int = 10
+    batch_size: int = 16
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 3
+
+    def args(self) -> list[str]:
+        return ["--nproc", str(self.nproc), "--steps", str(self.steps), "--batch-size", str(self.batch_size),
+                "--lr", str(self.lr), "--momentum", str(self.momentum), "--seed", str(self.seed),
+                "--model", "mlp", "--data", "digits", "--save-model"]
+
+
+SHORT_RUN = ShortRun()
+
+
+@pytest.fixture(scope="session")
+def allreduce_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of ``allreduce`` over :data:`SHORT_RUN`, run once per session and shared: compared
+    with one process by tests/algorithms/test_allreduce.py and with the synchronous parameter server by
+    tests/algorithms/test_ps.py; its summary and metric files are checked by tests/runtime/test_launcher.py."""
+    out = tmp_path_factory.mktemp("allreduce") / "run"
+    res = run_cli("run", "--algorithm", "allreduce", *SHORT_RUN.args(), "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+class CheckedThread(threading.Thread):
+    """A thread whose failure reaches the test: whatever ``target(*args)`` raises (a failed assert,
+    ``pytest.fail``, ``pytest.raises`` not satisfied, any error) is re-raised by :meth:`join` in the
+    test's thread, and a thread still running when ``join``'s timeout expires fails the test. Its
+    return value is :attr:`result`. A daemon, so a hung thread cannot keep pytest from exiting."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, name: str | None = None) -> None:
+        super().__init__(name=name, daemon=True)
+        self._call = target, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.failed_at = float("inf")
+
+    def run(self) -> None:
+        target, args = self._call
+        try:
+            self.result = target(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised by join() in the test's thread
+            self.error, self.failed_at = error, time.monotonic()
+
+    def join(self, timeout: float | None = None) -> None:
+        join_all([self], timeout)
+
+
+def start_thread(target: Callable[..., Any], *args: Any, name: str | None = None) -> CheckedThread:
+    """Start ``target(*args)`` in a :class:`CheckedThread`; the test must ``join()`` it."""
+    thread = CheckedThread(target, *args, name=name)
+    thread.start()
+    return thread
+
+
+def join_all(threads: Sequence[CheckedThread], timeout_s: float | None) -> None:
+    """Wait for every thread (``timeout_s`` for all of them together), then re-raise the error that was
+    raised first (later ones are often its consequences: a peer's broken barrier), or fail naming the
+    threads still running."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for thread in threads:
+        threading.Thread.join(thread, None if deadline is None else max(0.0, deadline - time.monotonic()))
+    errors = [(t.failed_at, error) for t in threads if (error := t.error) is not None]
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    hung = [t.name for t in threads if t.is_alive()]
+    if hung:
+        pytest.fail(f"threads {hung} still running after {timeout_s} s", pytrace=False)

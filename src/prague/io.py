@@ -1,4 +1,4 @@
-"""File output that never leaves a half-written file behind."""
+"""File output that never leaves a half-written file (or a half-written line) behind."""
 
 from __future__ import annotations
 
@@ -36,3 +36,45 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Atomically write ``obj`` as indented JSON."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+class JsonLines:
+    """A file of JSON objects, one per line, written by one owner as it goes (logs and traces).
+
+    Each object goes out in one ``write`` of the whole line on a descriptor opened with ``O_APPEND`` and
+    no user-space buffer: a line is in the file as soon as :meth:`write` returns, lines written from
+    several threads never interleave, and a process killed at any moment leaves only whole lines
+    behind. Opening truncates the file (``append=False``) or adds to it. Not for many writers in
+    different processes to one file: give each its own.
+    """
+
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+
+    def write(self, obj: Any) -> None:
+        """Append ``obj`` as one compact JSON line."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        data = (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8")
+        while data:  # a regular file takes it whole unless the disk is full; then the next write raises
+            data = data[os.write(self._fd, data):]
+
+    def close(self) -> None:
+        """Close the file; a second call does nothing."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> JsonLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_json_lines(path: Path) -> list[Any]:
+    """Every object of a file :class:`JsonLines` wrote, in order."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

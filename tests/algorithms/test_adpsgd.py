@@ -10,11 +10,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from prague_testing import processes_mentioning, run_cli
 from prague.algorithms.adpsgd import ADPSGDOptions
 from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
 from prague.errors import ConfigError
+from prague.workload.data import load_dataset
+from prague.workload.models import build_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -115,10 +118,20 @@ def test_pair_averaging_keeps_the_sum_and_reaches_consensus(tmp_path: Path, npro
 def test_cli_run_reports_adpsgd_metrics(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = run_cli("run", "--algorithm", "adpsgd", "--nproc", "3", "--steps", "15", "--model", "mlp",
-                  "--data", "digits", "--out", str(out), "--quiet", timeout_s=180)
+                  "--data", "digits", "--save-model", "--out", str(out), "--quiet", timeout_s=180)
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     stats = summary["algorithm_stats"]
     assert [s["role"] for s in stats] == ["active", "passive", "active"]
     assert stats[1]["requests_served"] == 30 and stats[0]["requests_initiated"] == 15
-    assert summary["test_accuracy"] > 0.3 and summary["consensus_distance"] >= 0.0
+    assert summary["test_accuracy"] > 0.3
+    # Replicas differ (pairs average asynchronously; allreduce's are identical) yet stay close, measured
+    # against how far training moved their average from the common start: three replicas trained on the
+    # same shards without averaging end about 0.22x that apart; averaging with the passive every step
+    # keeps them near 0.08x.
+    data = load_dataset("digits", seed=0)
+    torch.manual_seed(0)  # the run's --seed: the start every rank built
+    start = build_model("mlp", data.input_shape, data.num_classes).state_dict()
+    average = torch.load(out / "model.pt")
+    moved = float(torch.linalg.vector_norm(torch.cat([(average[k] - start[k]).reshape(-1) for k in start])))
+    assert 0.0 < summary["consensus_distance"] < 0.15 * moved, (summary["consensus_distance"], moved)

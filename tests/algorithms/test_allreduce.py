@@ -1,4 +1,8 @@
-"""``allreduce`` (DDP) with 4 workers equals one process training on the concatenated batches."""
+"""``allreduce`` (DDP) with 4 workers equals one process training on the concatenated batches.
+
+The distributed run is the session's shared ``allreduce_run`` (tests/prague_testing.py), which
+test_ps.py compares with the synchronous parameter server.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prague_testing import run_cli
+from prague_testing import SHORT_RUN
 from prague.workload.data import ShardLoader, load_dataset
 from prague.workload.models import build_model
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_four_workers_match_one_process_on_concatenated_batches(tmp_path: Path) -> None:
-    nproc, steps, batch, lr, momentum, seed = 4, 10, 16, 0.05, 0.9, 3
-    out = tmp_path / "ar"
-    res = run_cli("run", "--algorithm", "allreduce", "--nproc", str(nproc), "--steps", str(steps),
-                  "--batch-size", str(batch), "--lr", str(lr), "--momentum", str(momentum), "--seed", str(seed),
-                  "--model", "mlp", "--data", "digits", "--save-model", "--out", str(out), "--quiet")
-    assert res.returncode == 0, res.stderr
-    distributed = torch.load(out / "model.pt")
+def test_four_workers_match_one_process_on_concatenated_batches(allreduce_run: Path) -> None:
+    run = SHORT_RUN
+    nproc, steps, batch, lr, momentum, seed = run.nproc, run.steps, run.batch_size, run.lr, run.momentum, run.seed
+    assert nproc == 4
+    distributed = torch.load(allreduce_run / "model.pt")
 
     data = load_dataset("digits", seed=seed)
     loaders = [ShardLoader(data.train_x, data.train_y, r, nproc, batch, seed) for r in range(nproc)]

@@ -6,6 +6,7 @@ the real CLI or ``prague launch`` under hard timeouts, including a shard process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from prague_testing import processes_mentioning, run_cli
+from prague_testing import REPO, SHORT_RUN, join_all, processes_mentioning, run_cli, start_thread, wait_gone
 from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.runtime import layout_for
 from prague.algorithms.ps_eager import PSEagerOptions
@@ -50,6 +51,19 @@ def test_staleness_rules() -> None:
     with pytest.raises(ConfigError, match="inverse"):
         staleness_scale("linear", 1, 4)
     assert accepts(100, 0) and accepts(3, 3) and not accepts(4, 3)
+
+
+def test_the_inverse_rule_is_the_one_readme_help_and_docstring_state() -> None:
+    def squeezed(text: str | None) -> str:
+        return "".join((text or "").split())
+
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(PSOptions) if f.name == "staleness_lr")
+    assert "lr/max(n-1,tau)" in squeezed((REPO / "README.md").read_text())
+    assert "lr/max(n-1,tau)" in squeezed(help_text)
+    assert "1/max(n-1,tau)" in squeezed(staleness_scale.__doc__)
+    for n in range(2, 10):
+        for tau in range(3 * n):
+            assert staleness_scale("inverse", tau, n) == 1 / max(n - 1, tau), (n, tau)
 
 
 def test_options_are_validated_with_the_bad_value() -> None:
@@ -119,14 +133,10 @@ def test_sync_shard_applies_the_mean_once_all_have_pushed() -> None:
     state = ShardState("sync", 3, 0, 6, _layout())
     state.initialize(torch.zeros(6))
     pushes = [torch.tensor([1.0, 2, 3, 4, 10, 20]) * (w + 1) for w in range(3)]
-    replies: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda w=w: replies.__setitem__(w, state.push(w, 0, pushes[w].clone())))
-               for w in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10)
-    assert state.version == 1 and len(replies) == 3
+    threads = [start_thread(state.push, w, 0, pushes[w].clone()) for w in range(3)]
+    join_all(threads, 10)
+    assert state.version == 1
+    assert [(t.result.version, t.result.tau, t.result.accepted) for t in threads] == [(1, 0, True)] * 3
     # mean gradient (x2) times -lr on the parameters; buffers take the mean of the pushed values
     assert torch.equal(state.values, torch.tensor([-1.0, -2, -3, -4, 20, 40]))
     assert state.stats(1)["staleness_histogram"] == {"0": 1}
@@ -140,11 +150,9 @@ def test_sync_shard_sums_in_rank_order_whatever_the_arrival_order() -> None:
         state = ShardState("sync", 4, 0, 6, _layout())
         threads = []
         for w in order:
-            threads.append(threading.Thread(target=state.push, args=(w, 0, pushes[w].clone())))
-            threads[-1].start()
+            threads.append(start_thread(state.push, w, 0, pushes[w].clone()))
             time.sleep(0.05)
-        for t in threads:
-            t.join(timeout=10)
+        join_all(threads, 10)
         results.append(state.values.clone())
     expected = (pushes[0] + pushes[1] + pushes[2] + pushes[3]) / 4
     assert all(torch.equal(r, results[0]) for r in results)
@@ -166,13 +174,16 @@ def test_async_shard_keeps_one_momentum_buffer_per_worker() -> None:
 def test_sync_shard_fails_when_a_worker_leaves_mid_round() -> None:
     state = ShardState("sync", 2, 0, 6, _layout(), timeout_s=5)
     state.initialize(torch.zeros(6))
-    t = threading.Thread(target=lambda: pytest.raises(CommError, state.push, 0, 0, torch.ones(6)))
-    t.start()
+
+    def waiting_worker() -> None:  # blocked in the round that worker 1 will never join
+        with pytest.raises(CommError):
+            state.push(0, 0, torch.ones(6))
+
+    t = start_thread(waiting_worker)
     time.sleep(0.2)
     with pytest.raises(CommError, match="same number of steps"):
         state.finish(1)
-    t.join(timeout=10)
-    assert not t.is_alive()
+    t.join(timeout=10)  # re-raises here if worker 0's push did not fail
 
 
 def test_async_shard_records_staleness_scales_and_rejects() -> None:
@@ -204,21 +215,12 @@ def _run(out: Path, *args: str, timeout_s: float = 180) -> dict:
     return _summary(out)
 
 
-def _wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and processes_mentioning(marker):
-        time.sleep(0.2)
-    return processes_mentioning(marker)
-
-
-def test_sync_ps_equals_allreduce_after_ten_steps(tmp_path: Path) -> None:
-    common = ["--nproc", "3", "--steps", "10", "--batch-size", "16", "--seed", "5", "--model", "mlp",
-              "--data", "digits", "--save-model"]
-    _run(tmp_path / "ar", "--algorithm", "allreduce", *common)
-    summary = _run(tmp_path / "ps", "--algorithm", "ps", "--ps-mode", "sync", "--ps-shards", "2", *common)
-    ar, ps = torch.load(tmp_path / "ar" / "model.pt"), torch.load(tmp_path / "ps" / "model.pt")
-    data = load_dataset("digits", seed=5)
-    torch.manual_seed(5)
+def test_sync_ps_equals_allreduce_after_ten_steps(tmp_path: Path, allreduce_run: Path) -> None:
+    assert SHORT_RUN.steps == 10
+    summary = _run(tmp_path / "ps", "--algorithm", "ps", "--ps-mode", "sync", "--ps-shards", "2", *SHORT_RUN.args())
+    ar, ps = torch.load(allreduce_run / "model.pt"), torch.load(tmp_path / "ps" / "model.pt")
+    data = load_dataset("digits", seed=SHORT_RUN.seed)
+    torch.manual_seed(SHORT_RUN.seed)
     start = build_model("mlp", data.input_shape, data.num_classes).state_dict()
     moved = 0.0
     for name, ref in ar.items():
@@ -233,7 +235,7 @@ def test_sync_ps_equals_allreduce_after_ten_steps(tmp_path: Path) -> None:
 
 def test_async_ps_records_and_bounds_staleness(tmp_path: Path) -> None:
     summary = _run(tmp_path / "async", "--algorithm", "ps", "--ps-mode", "async", "--max-staleness", "1",
-                   "--nproc", "3", "--steps", "20", "--model", "mlp", "--data", "digits")
+                   "--nproc", "3", "--steps", "20", "--model", "mlp", "--data", "synthetic")
     stats = summary["algorithm_stats"]
     applied = sum(s["applied"] for s in stats)
     assert applied + sum(s["rejected"] for s in stats) == 3 * 20
@@ -243,26 +245,39 @@ def test_async_ps_records_and_bounds_staleness(tmp_path: Path) -> None:
     assert summary["variant"] == "async"
 
 
-def test_eager_ps_rejects_updates_above_max_staleness(tmp_path: Path) -> None:
-    # 4 s of compute per worker, so that the workers' runs overlap however unevenly they start
-    summary = _run(tmp_path / "eager", "--algorithm", "ps-eager", "--max-staleness", "1", "--nproc", "3",
-                   "--steps", "40", "--compute", "emulated", "--compute-ms", "100", "--model", "mlp")
-    stats = summary["algorithm_stats"]
+EAGER_NPROC, EAGER_STEPS, EAGER_SHARDS = 8, 40, 2
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One ``ps-eager`` run that two tests check: eight workers with paper:5 stragglers, two shards,
+    updates staler than 1 rejected; 40 steps of 100 ms emulated compute (4 s, so that the workers' runs
+    overlap however unevenly they start). Returns (output folder, summary)."""
+    out = tmp_path_factory.mktemp("eager") / "eight"
+    summary = _run(out, "--algorithm", "ps-eager", "--max-staleness", "1", "--nproc", str(EAGER_NPROC),
+                   "--steps", str(EAGER_STEPS), "--ps-shards", str(EAGER_SHARDS), "--slowdown", "paper:5",
+                   "--compute", "emulated", "--compute-ms", "100", "--model", "mlp", "--data", "synthetic",
+                   timeout_s=200)
+    return out, summary
+
+
+def test_eager_ps_rejects_updates_above_max_staleness(eager_run: tuple[Path, dict]) -> None:
+    stats = eager_run[1]["algorithm_stats"]
     rejected = sum(s["rejected"] for s in stats)
     assert rejected > 0  # a pull lags one push behind, so others' pushes make tau >= 2 regularly
     assert rejected == sum(s["rejections_seen"] for s in stats)
     assert all(int(t) <= 1 for s in stats for t in s["staleness_histogram"])
-    assert sum(s["applied"] for s in stats) + rejected == 3 * 40
+    assert sum(s["applied"] for s in stats) + rejected == EAGER_NPROC * EAGER_STEPS * EAGER_SHARDS
 
 
-def test_eight_workers_with_eager_pulls_finish(tmp_path: Path) -> None:
-    summary = _run(tmp_path / "eight", "--algorithm", "ps-eager", "--nproc", "8", "--steps", "5",
-                   "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--slowdown", "paper:5",
-                   "--ps-shards", "2", timeout_s=200)
+def test_eight_workers_with_eager_pulls_finish(eager_run: tuple[Path, dict]) -> None:
+    out, summary = eager_run
     stats = summary["algorithm_stats"]
-    assert sum(s["applied"] + s["rejected"] for s in stats) == 8 * 5 * 2  # every push reached both shards
+    assert EAGER_NPROC == 8 and summary["nproc"] == 8 and summary["steps"] == EAGER_STEPS
+    # every push reached both shards
+    assert sum(s["applied"] + s["rejected"] for s in stats) == 8 * EAGER_STEPS * EAGER_SHARDS
     assert len({tuple(s["server_versions"]) for s in stats}) == 1
-    assert _wait_gone(str(tmp_path / "eight")) == []
+    assert wait_gone(str(out)) == []
 
 
 def _shard_pids(marker: str) -> list[int]:
@@ -276,31 +291,38 @@ def _shard_pids(marker: str) -> list[int]:
     return pids
 
 
-def _kill_when_running(marker: str, progress_dir: Path, find: Callable[[str], list[int]]) -> None:
+def _kill_shard_when(ready: Callable[[], bool], find: Callable[[], list[int]], run_ended: threading.Event) -> None:
+    """SIGKILL the first shard ``find`` names once ``ready()``; fail (in the test, through
+    :func:`start_thread`) if none was killed within 120 s or before the run ended."""
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        pids = find(marker)
-        if pids and any(progress_dir.glob("rank*.jsonl")) and all(
-                f.stat().st_size > 0 for f in progress_dir.glob("rank*.jsonl")):
+    while time.monotonic() < deadline and not run_ended.is_set():
+        pids = find()
+        if pids and ready():
             os.kill(pids[0], signal.SIGKILL)
             return
         time.sleep(0.2)
-    pytest.fail("the run never got going")
+    pytest.fail("no shard was killed: " + ("the run ended first" if run_ended.is_set() else "the run never got going"))
+
+
+def _training(progress_dir: Path) -> bool:
+    logs = list(progress_dir.glob("rank*.jsonl"))
+    return bool(logs) and all(f.stat().st_size > 0 for f in logs)
 
 
 def test_dead_shard_fails_the_run_clearly(tmp_path: Path) -> None:
-    out = tmp_path / "dies"
-    killer = threading.Thread(target=_kill_when_running, args=(str(out), out / "metrics", _shard_pids))
-    killer.start()
-    t0 = time.monotonic()
+    out, run_ended = tmp_path / "dies", threading.Event()
+    killer = start_thread(_kill_shard_when, lambda: _training(out / "metrics"), lambda: _shard_pids(str(out)),
+                          run_ended, name="killer")
+    # The hard timeout is the bound: the workers must notice the dead shard, not run their 100000 steps.
+    # (How long noticing takes is measured by benchmarks/failure_detection.py.)
     res = run_cli("run", "--algorithm", "ps", "--ps-mode", "async", "--nproc", "2", "--steps", "100000",
-                  "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--out", str(out), "--quiet",
-                  timeout_s=180)
-    killer.join()
+                  "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--data", "synthetic",
+                  "--out", str(out), "--quiet", timeout_s=150)
+    run_ended.set()
+    killer.join(timeout=10)  # fails here if no shard was killed
     assert res.returncode == 1
     assert "ps-shard-0" in res.stderr or "parameter-server shard 0" in res.stderr, res.stderr
-    assert time.monotonic() - t0 < 150
-    assert _wait_gone(str(out)) == []
+    assert wait_gone(str(out)) == []
 
 
 SCRIPT = textwrap.dedent("""
@@ -341,7 +363,7 @@ def test_without_launcher_rank0_runs_the_shards(tmp_path: Path) -> None:
     outcome = json.loads(result.read_text())
     assert outcome["spread"] == 0.0  # all ended on the server's final values
     assert outcome["stats"]["shards"] == 2 and outcome["stats"]["applied"] + outcome["stats"]["rejected"] == 30
-    assert _wait_gone(str(script)) == []
+    assert wait_gone(str(script)) == []
 
 
 def _children_shards(script: str) -> list[int]:
@@ -360,22 +382,12 @@ def _children_shards(script: str) -> list[int]:
 def test_without_launcher_a_dead_shard_fails_the_workers(tmp_path: Path) -> None:
     script, result = tmp_path / "ps_dies.py", tmp_path / "result.json"
     script.write_text(SCRIPT)
-    killer_done = threading.Event()
-
-    def kill() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not killer_done.is_set():
-            pids = _children_shards(str(script))
-            if pids and Path(str(result) + ".training").exists():
-                os.kill(pids[0], signal.SIGKILL)
-                return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill)
-    killer.start()
+    run_ended = threading.Event()
+    killer = start_thread(_kill_shard_when, Path(str(result) + ".training").exists,
+                          lambda: _children_shards(str(script)), run_ended, name="killer")
     res = run_cli("launch", "--nproc", "2", str(script), "ps", "1000000", str(result), timeout_s=150)
-    killer_done.set()
-    killer.join()
+    run_ended.set()
+    killer.join(timeout=10)  # fails here if no shard was killed
     assert res.returncode == 1
     assert "parameter-server shard" in res.stderr and "died" in res.stderr, res.stderr
-    assert _wait_gone(str(script)) == []
+    assert wait_gone(str(script)) == []

@@ -273,11 +273,9 @@ def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     buf = torch.full((numel,), float(rank))
 
-    def expect_comm_error(members: tuple[int, ...]) -> float:
-        t0 = time.monotonic()
+    def expect_comm_error(members: tuple[int, ...]) -> None:
         with pytest.raises(CommError, match=r"ranks \[" + ", ".join(map(str, members)) + r"\]"):
             preduce(buf, members, comms)
-        return time.monotonic() - t0
 
     if rank in (0, 1):
         preduce(buf, (0, 1), comms)  # built, cached, works
@@ -286,14 +284,14 @@ def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
         comms.get((0, 1))
         os._exit(0)
     if rank == 0:
-        out["dead_peer_s"] = expect_comm_error((0, 1))
+        expect_comm_error((0, 1))
         out["failed_after_dead_peer"] = comms.stats.failed
     if rank == 2:  # rank 3 is late: the handshake times out
-        out["late_peer_s"] = expect_comm_error((2, 3))
+        expect_comm_error((2, 3))
         ctx.store.set(GAVE_UP_KEY, "1")
     if rank == 3:  # arrives after rank 2 gave up: its own creation times out, so both count the use
         ctx.store.wait([GAVE_UP_KEY])
-        out["too_late_s"] = expect_comm_error((2, 3))
+        expect_comm_error((2, 3))
         ctx.store.set(DONE_KEY, "1")
     if rank in (0, 2):  # the survivors work with a new peer
         ctx.store.wait([GAVE_UP_KEY])
@@ -318,16 +316,15 @@ def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
 
 def test_failed_group_raises_comm_error_and_later_groups_work() -> None:
     numel = 256
-    outs = run_ranks(_failure_rank, 4, numel, may_exit=frozenset({1}))
+    # Each survivor must see its failure within its short timeout, not the job's: three failures in turn
+    # (about 3 x FAIL_TIMEOUT_S) fit in the deadline, one wait for the job's timeout does not.
+    outs = run_ranks(_failure_rank, 4, numel, may_exit=frozenset({1}), deadline_s=JOB_TIMEOUT_S - 10)
 
     assert 1 not in outs
     full = lambda v: torch.full((numel,), v)  # noqa: E731
     assert torch.equal(outs[0]["first"], full(0.5))
-    # Each survivor saw exactly one failure, within its short timeout (not the job's 40 s).
+    # Each survivor saw exactly one failure.
     assert outs[0]["failed_after_dead_peer"] == 1
-    assert outs[0]["dead_peer_s"] < FAIL_TIMEOUT_S + 5
-    assert outs[2]["late_peer_s"] < FAIL_TIMEOUT_S + 5
-    assert outs[3]["too_late_s"] < FAIL_TIMEOUT_S + 5
     assert [outs[r]["failed"] for r in (0, 2, 3)] == [1, 1, 1]
     assert torch.equal(outs[0]["new_peer"], full(10.0)) and torch.equal(outs[2]["new_peer"], full(10.0))
     assert torch.equal(outs[2]["again"], full(2.5)) and torch.equal(outs[3]["again"], full(2.5))

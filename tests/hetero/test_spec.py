@@ -61,7 +61,8 @@ def test_malformed_scenarios_name_the_term(bad: str) -> None:
 def test_emulated_compute_applies_the_straggler_factor(tmp_path: Path) -> None:
     out = tmp_path / "emu"
     res = run_cli("run", "--nproc", "2", "--steps", "12", "--compute", "emulated", "--compute-ms", "60",
-                  "--slowdown", "straggler:1:3", "--model", "resnet18", "--out", str(out), "--quiet")
+                  "--slowdown", "straggler:1:3", "--model", "resnet18", "--data", "synthetic", "--out", str(out),
+                  "--quiet")
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["compute_mode"] == "emulated" and summary["test_accuracy"] is None

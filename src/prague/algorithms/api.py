@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prague.metrics.decisions import DecisionLog
 from prague.runtime.context import DistContext
 from prague.runtime.services import ServiceSpec
 
@@ -80,11 +81,17 @@ class Algorithm:
     released (threads, communicators, processes, temporary folders) it registers on
     :attr:`resources`, in order; :meth:`close` releases exactly that, in reverse order, so it never has
     to guess how far ``setup`` got.
+
+    :attr:`decisions` is this worker's decision log (:mod:`prague.metrics.decisions`) when the run logs
+    decisions, else None; set by whoever builds the method, before :meth:`setup`, and closed by them
+    after :meth:`close`. A method writes one :class:`~prague.metrics.decisions.Decision` per decision
+    it makes (only if the log is there) and has its services write their traces to ``decisions.folder``.
     """
 
     def __init__(self, ctx: DistContext, options: Any) -> None:
         self.ctx = ctx
         self.options = options
+        self.decisions: DecisionLog | None = None
         self.resources = contextlib.ExitStack()
         self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
         self._closed = False

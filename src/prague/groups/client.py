@@ -91,6 +91,12 @@ class GroupGeneratorClient:
         out: dict[str, float | int] = json.loads(reply.json)
         return out
 
+    def trace(self, path: str) -> None:
+        """Ask the server to write every call of its policy to ``path`` (a file on the server's machine)
+        from now on; idempotent for the same path. Rejected (ConfigError) if it traces elsewhere or
+        cannot write there."""
+        self._call(f"Trace({path!r})", self._stub.Trace, lambda: pb.TraceRequest(token=self._token, path=path))
+
     def shutdown(self) -> None:
         """Ask the server to stop (its ``serve`` call returns)."""
         self._call("Shutdown()", self._stub.Shutdown, lambda: pb.ShutdownRequest(token=self._token))

@@ -59,3 +59,15 @@ class ShutdownRequest(_message.Message):
 class ShutdownReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("token", "path")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    path: str
+    def __init__(self, token: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class TraceReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class GroupGeneratorStub:
                 request_serializer=prague_dot_groups_dot_gg__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=prague_dot_groups_dot_gg__pb2.ShutdownReply.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/prague.groups.GroupGenerator/Trace',
+                request_serializer=prague_dot_groups_dot_gg__pb2.TraceRequest.SerializeToString,
+                response_deserializer=prague_dot_groups_dot_gg__pb2.TraceReply.FromString,
+                _registered_method=True)
 
 
 class GroupGeneratorServicer:
@@ -89,6 +94,15 @@ class GroupGeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """From now on, write every call of the policy (its time and answers) to `path`, a file on the
+        service's machine, one JSON line each (prague.groups.trace.PolicyCall). Idempotent for the same
+        path; another path while tracing is rejected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GroupGeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_GroupGeneratorServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=prague_dot_groups_dot_gg__pb2.ShutdownRequest.FromString,
                     response_serializer=prague_dot_groups_dot_gg__pb2.ShutdownReply.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=prague_dot_groups_dot_gg__pb2.TraceRequest.FromString,
+                    response_serializer=prague_dot_groups_dot_gg__pb2.TraceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +240,33 @@ class GroupGenerator:
             '/prague.groups.GroupGenerator/Shutdown',
             prague_dot_groups_dot_gg__pb2.ShutdownRequest.SerializeToString,
             prague_dot_groups_dot_gg__pb2.ShutdownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prague.groups.GroupGenerator/Trace',
+            prague_dot_groups_dot_gg__pb2.TraceRequest.SerializeToString,
+            prague_dot_groups_dot_gg__pb2.TraceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,11 @@ The policy (:mod:`prague.groups`) is pure and single-threaded; this module is th
   message that does not parse is rejected by gRPC itself. None of these changes the policy's state, and
   the server keeps serving;
 * ``GetGroup`` is idempotent per (worker, iteration): a client that timed out may ask again and gets
-  the same group (a buffered policy must never lose a group, or its partners would wait forever).
+  the same group (a buffered policy must never lose a group, or its partners would wait forever);
+* when asked (``--trace FILE``, or the ``Trace`` RPC, which every worker of a ``--log-decisions`` run
+  sends before its first request), every call of the policy is written to a file as it is made, in
+  lock order, with the time it was given and its answers (:class:`prague.groups.trace.PolicyCall`), so
+  the run's groups can be replayed through a fresh policy (:func:`prague.groups.trace.replay`).
 
 Run it standalone (the CLI's ``prague gg serve`` calls :func:`serve`)::
 
@@ -39,11 +43,12 @@ from typing import NoReturn
 import grpc
 
 from prague.errors import CommError, ConfigError
-from prague.io import atomic_write_text
+from prague.io import JsonLines, atomic_write_text
 from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+from prague.groups.trace import PolicyCall, call_policy
 
 TOKEN_ENV = "PRAGUE_GG_TOKEN"
 _WAKE_S = 0.25  # how often a blocked GetGroup checks that its client is still there
@@ -76,12 +81,37 @@ class GroupGeneratorCore:
         self._pending: dict[int, int] = {}  # worker -> iteration it is waiting for
         self._last: dict[int, tuple[int, Group]] = {}  # worker -> (iteration, group) last answered
         self._finished: dict[int, list[Group]] = {}
+        self._trace: JsonLines | None = None
         self._stopping = False
         self._timer = threading.Thread(target=self._timer_loop, name="gg-timer", daemon=True)
         self._timer.start()
 
     def now_s(self) -> float:
         return self._clock() - self._t0
+
+    def trace_to(self, path: Path) -> None:
+        """Write every policy call from now on to ``path`` (emptied first), one JSON line each.
+
+        Idempotent for the same path. Raises ConfigError, changing nothing, if another path is being
+        traced to or ``path`` cannot be written."""
+        path = Path(path)
+        with self._lock:
+            if self._trace is not None:
+                if self._trace.path == path:
+                    return
+                raise ConfigError(f"the group generator already writes its trace to {str(self._trace.path)!r}, "
+                                  f"not {str(path)!r}; one trace per service")
+            try:
+                self._trace = JsonLines(path)
+            except OSError as error:
+                raise ConfigError(f"the group generator cannot write its trace to {str(path)!r}: {error}") from None
+
+    def _call(self, call: str, worker: int | None, now_s: float) -> list[Answer]:
+        """Call the policy (lock held), writing the call to the trace if there is one."""
+        answers = call_policy(self.policy, call, worker, now_s)
+        if self._trace is not None:
+            self._trace.write(PolicyCall(call, worker, now_s, tuple(answers)).to_dict())
+        return answers
 
     def _deliver(self, answers: list[Answer]) -> None:
         for worker, group in answers:
@@ -111,7 +141,7 @@ class GroupGeneratorCore:
                         f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
                         "iterations must increase"
                     )
-                answers = self.policy.request(worker, self.now_s())
+                answers = self._call("request", worker, self.now_s())
                 self._pending[worker] = iteration
                 self._deliver(answers)
             elif pending != iteration:
@@ -146,7 +176,7 @@ class GroupGeneratorCore:
                     f"worker {worker} still waits for its group of iteration {self._pending[worker]}; "
                     "call finish after receiving it"
                 )
-            answers = self.policy.finish(worker, self.now_s())
+            answers = self._call("finish", worker, self.now_s())
             own = [g for w, g in answers if w == worker]
             self._deliver([(w, g) for w, g in answers if w != worker])
             self._finished[worker] = own
@@ -166,6 +196,10 @@ class GroupGeneratorCore:
             for cond in self._worker_cond:
                 cond.notify_all()
         self._timer.join(timeout=5.0)
+        with self._lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
 
     def _timer_loop(self) -> None:
         with self._lock:
@@ -177,7 +211,7 @@ class GroupGeneratorCore:
                 elif now < deadline:
                     self._timer_cond.wait(deadline - now)
                 else:
-                    answers = self.policy.poll(now)
+                    answers = self._call("poll", None, now)
                     self._deliver(answers)
                     if not answers and self.policy.next_deadline() == deadline:
                         self._timer_cond.wait(0.001)  # a policy that did not advance: do not spin
@@ -230,6 +264,16 @@ class _Servicer(pb_grpc.GroupGeneratorServicer):
         self._authorize(request.token, context)
         self._shutdown.set()
         return pb.ShutdownReply()
+
+    def Trace(self, request: pb.TraceRequest, context: grpc.ServicerContext) -> pb.TraceReply:
+        self._authorize(request.token, context)
+        if not request.path:
+            self._reject(context, ConfigError("Trace needs the path of the file to write"))
+        try:
+            self._core.trace_to(Path(request.path))
+        except ConfigError as error:
+            self._reject(context, error)
+        return pb.TraceReply()
 
 
 class GroupGeneratorServer:
@@ -303,17 +347,20 @@ def serve(
     ready_file: Path | None,
     *,
     generator: str = "smart",
+    trace: Path | None = None,
 ) -> None:
     """Run the service until a Shutdown RPC, SIGTERM or SIGINT; for ``prague gg serve``.
 
     Once listening, writes ``host:port`` (the bound port) to ``ready_file`` atomically, if given, so a
-    launcher can wait for the file and read the address. Signal handlers are installed only when called
-    from the main thread.
+    launcher can wait for the file and read the address. With ``trace``, every policy call is written
+    there from the start. Signal handlers are installed only when called from the main thread.
     """
     policy = make_generator(generator, config)
     server = GroupGeneratorServer(policy, token)
     previous: dict[signal.Signals, object] = {}
     try:
+        if trace is not None:
+            server.core.trace_to(trace)
         server.start(host, port)
         if threading.current_thread() is threading.main_thread():
 
@@ -348,6 +395,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--window-s", type=float, default=defaults["window_s"])
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write every call of the policy (time, answers) to this file, one JSON line each")
     args = parser.parse_args(argv)
     try:
         if args.nodes < 1 or args.nproc % args.nodes:
@@ -360,7 +409,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             seed=args.seed,
             window_s=args.window_s,
         )
-        serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator)
+        serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator, trace=args.trace)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -11,12 +11,19 @@ Compute: ``(cluster.compute_s x speed(rank) x scenario.slowdown(rank, step, n) +
 is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same slow iterations as a
 real run). The jitter comes from one seeded generator per worker (all its steps drawn up front), so a
 worker's compute times depend only on (seed, rank, step), never on the order of events.
+
+Decision log: with a ``decisions`` folder, :attr:`World.decisions` holds every simulated worker's
+:class:`~prague.metrics.decisions.DecisionLog` (the files a real run with ``--log-decisions`` writes)
+and methods open their services' traces there with :meth:`World.open_file`; :meth:`World.close`
+closes them all. Without it :attr:`World.decisions` is None and nothing is logged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +31,8 @@ import numpy as np
 from prague.comm.cache import CommunicatorCache, group_needs_setup
 from prague.groups.api import Topology
 from prague.hetero.spec import Scenario
+from prague.io import JsonLines
+from prague.metrics.decisions import DecisionLog
 from prague.metrics.summary import WorkerTiming
 from prague.sim.cluster import Cluster
 from prague.sim.costs import Fabric
@@ -56,7 +65,7 @@ class World:
 
     def __init__(self, *, cluster: Cluster, topology: Topology, scenario: Scenario, steps: int,
                  state_bytes: float, seed: int, math: NoMath | None = None,
-                 trace: list[tuple[Any, ...]] | None = None) -> None:
+                 trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None) -> None:
         self.engine = Engine()
         self.cluster = cluster
         self.topology = topology
@@ -85,6 +94,19 @@ class World:
         self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
         self._slow = not scenario.is_homogeneous
         self._math_on = self.math.enabled
+        self._files = ExitStack()  # last: nothing after it can fail and leak the files
+        self.decision_dir = None if decisions is None else Path(decisions)
+        self.decisions: list[DecisionLog] | None = None  # per worker, when decisions are logged
+        if decisions is not None:
+            self.decisions = [self._files.enter_context(DecisionLog(Path(decisions), w)) for w in range(self.n)]
+
+    def open_file(self, path: Path) -> JsonLines:
+        """A JSON-lines file (a service's trace) closed with the world."""
+        return self._files.enter_context(JsonLines(path))
+
+    def close(self) -> None:
+        """Close the decision logs and traces (after the run)."""
+        self._files.close()
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 from prague.errors import ConfigError
 from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
-from prague.train.config import RunConfig, add_run_arguments, check_options_apply, config_from_args, option_values
+from prague.train.config import (
+    RunConfig, add_run_arguments, check_options_apply, config_from_args, option_values, run_folder,
+)
 from prague.workload.catalog import dataset_info, steps_per_epoch
 
 DEFAULT_ALGORITHMS = "allreduce,prague:smart"
@@ -127,16 +129,21 @@ def _steps(run: RunConfig) -> int:
 
 
 def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) -> SimConfig:
-    """The simulated twin of one run's settings."""
+    """The simulated twin of one run's settings. ``run.out`` is the simulation's output folder: with
+    ``--log-decisions`` the run's decisions go to ``OUT/runs/<method>_<scenario>/decisions/``, where
+    ``prague bench`` puts a real run's."""
+    from prague.metrics.decisions import DECISIONS_DIR
     from prague.simulate.run import SimConfig
 
     if math_mode == "real":
         run.check_data_source()
     options = {k: v for k, v in run.options.items() if k != "nodes"}
+    decisions = run_folder(run.out, run.algorithm, run.scenario) / DECISIONS_DIR if run.log_decisions else None
     return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
                      batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
                      warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
-                     momentum=run.momentum, eval_every=run.eval_every, target_accuracy=run.target_accuracy)
+                     momentum=run.momentum, eval_every=run.eval_every, target_accuracy=run.target_accuracy,
+                     decisions=decisions)
 
 
 def _line(r: RunRecord) -> str:
@@ -189,4 +196,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print()
     print(bench_table(records))
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
+    if args.log_decisions:
+        print(f"wrote the decision logs to {out / 'runs'}/<method>_<scenario>/decisions/")
     return 0

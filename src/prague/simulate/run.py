@@ -10,6 +10,7 @@ pair, then :func:`prague.metrics.report.write_bench`, so the files are the same 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -48,7 +49,9 @@ class SimConfig:
     ``algorithm`` may carry a variant (``prague:smart``); ``options`` holds method options by their
     runtime names (``group_size``, ``window_ms``...). ``nodes`` splits ``nproc`` workers into equal
     nodes. ``compute_s`` overrides the cluster's nominal compute time when given. ``trace`` records
-    every Group Generator call (tests).
+    every Group Generator call (tests). ``decisions``: a folder to write every simulated worker's
+    decision log to (``rankR.jsonl``) and the services' traces, as a real run with ``--log-decisions``
+    does (:mod:`prague.metrics.decisions`).
     """
 
     algorithm: str = "allreduce"
@@ -70,6 +73,7 @@ class SimConfig:
     eval_every: int | None = None
     target_accuracy: float | None = None
     trace: bool = False
+    decisions: Path | None = None
 
     def __post_init__(self) -> None:
         method, variant = parse_method(self.algorithm)
@@ -105,7 +109,8 @@ class SimConfig:
 
 
 def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tuple[World, Any]:
-    """The world and the method object of ``config``, ready to :meth:`~prague.sim.method.SimMethod.start`."""
+    """The world and the method object of ``config``, ready to :meth:`~prague.sim.method.SimMethod.start`;
+    the caller closes the world (:meth:`~prague.sim.world.World.close`) if it logs decisions."""
     method, variant = parse_method(config.algorithm)
     options = method.make_options({**config.options, "nodes": config.nodes}, variant, seed=config.seed)
     cluster = config.effective_cluster
@@ -117,8 +122,12 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     ))
     world = World(cluster=cluster, topology=config.topology,
                   scenario=parse_scenario(config.scenario, seed=config.seed), steps=config.steps,
-                  state_bytes=state_bytes, seed=config.seed, math=math, trace=trace)
-    return world, method.sim_class()(world, options)
+                  state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions)
+    try:
+        return world, method.sim_class()(world, options)
+    except BaseException:
+        world.close()
+        raise
 
 
 def simulate(config: SimConfig) -> RunRecord:
@@ -132,9 +141,10 @@ def simulate(config: SimConfig) -> RunRecord:
         torch.set_num_threads(1)
     try:
         world, method = build(config, trace)
-        method.start()
-        world.engine.run()
-        method.check_done()
+        with contextlib.closing(world):
+            method.start()
+            world.engine.run()
+            method.check_done()
         run_s = time.perf_counter() - started
         return _record(config, world, method, run_s, trace)
     finally:

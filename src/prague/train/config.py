@@ -65,6 +65,9 @@ class RunConfig:
     timeout_s: float = setting(300.0, "collective and rendezvous timeout, in s")
     backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
+    log_decisions: bool = setting(False, "write each worker's decisions (groups, partners, pushes) to "
+                                         "decisions/rankR.jsonl in the run's folder, the services' traces "
+                                         "beside them")
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -149,7 +152,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str,
         default = defaults.get(f.name, f.default)
         where = group
         if f.metadata["exclusive"]:
-            where = exclusive.setdefault(f.metadata["exclusive"], group.add_mutually_exclusive_group())
+            if f.metadata["exclusive"] not in exclusive:  # one group per name: an empty extra one breaks --help
+                exclusive[f.metadata["exclusive"]] = group.add_mutually_exclusive_group()
+            where = exclusive[f.metadata["exclusive"]]
         helptext = f.metadata["help"] + ("" if default is None or types[f.name] is bool else f" (default {default})")
         if types[f.name] is bool:
             where.add_argument(_flag(f.name), dest=f.name, action="store_true", default=None, help=helptext)
@@ -205,6 +210,13 @@ def check_options_apply(args: argparse.Namespace, algorithms: list[str], topolog
             flag = _flag(name)
             raise ConfigError(f"{flag} is not an option of {', '.join(m.name for m in methods)}; drop it "
                               f"(`prague methods` lists each method's options)")
+
+
+def run_folder(out: Path, algorithm: str, scenario: str) -> Path:
+    """The folder of one (method, scenario) run inside a bench's output folder ``out``:
+    ``out/runs/<method>_<scenario>`` (``:`` written as ``-``). ``prague simulate`` writes a run's
+    decision logs there too."""
+    return Path(out) / "runs" / f"{algorithm.replace(':', '-')}_{scenario.replace(':', '-')}"
 
 
 def worker_argv(cfg: RunConfig) -> list[str]:

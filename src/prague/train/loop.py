@@ -1,7 +1,8 @@
 """The built-in worker: what every process of ``prague run`` (or of torchrun) executes.
 
 One short, linear function (:func:`train`) over the public :class:`DistributedTrainer` API; it never
-branches on the method's name. Rank 0 writes ``summary.json`` at the end.
+branches on the method's name. Each rank writes ``metrics/rankR.jsonl`` (and, with ``--log-decisions``,
+``decisions/rankR.jsonl``: :mod:`prague.metrics.decisions`); rank 0 writes ``summary.json`` at the end.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from torch import nn
 from prague.comm.flat import flatten, state_tensors, unflatten_into
 from prague.hetero.spec import parse_scenario
 from prague.io import atomic_write_json
+from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.runtime.context import DistContext
 from prague.train.config import RunConfig
 from prague.train.trainer import DistributedTrainer, StepRecord
+from prague.workload.catalog import dataset_info, steps_per_epoch
 from prague.workload.data import Dataset, ShardLoader, load_dataset
 from prague.workload.emulate import EmulatedCompute
 from prague.workload.models import build_model, parameter_count
@@ -108,16 +111,17 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch_size: int 
     return float(counts.item()) / n
 
 
-def total_steps(cfg: RunConfig, loader: ShardLoader) -> int:
+def total_steps(cfg: RunConfig, per_epoch: int) -> int:
     if cfg.steps is not None:
         return cfg.steps
-    return max(1, math.ceil((cfg.epochs or 1.0) * loader.steps_per_epoch))
+    return max(1, math.ceil((cfg.epochs or 1.0) * per_epoch))
 
 
-def build(cfg: RunConfig, data: Dataset, ctx: DistContext) -> tuple[nn.Module, torch.optim.Optimizer | None, int]:
+def build(cfg: RunConfig, input_shape: tuple[int, int, int], num_classes: int,
+          ctx: DistContext) -> tuple[nn.Module, torch.optim.Optimizer | None, int]:
     """The model (identical on every rank), its optimizer (None under emulated compute) and its size."""
     torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
-    model: nn.Module = build_model(cfg.model, data.input_shape, data.num_classes)
+    model: nn.Module = build_model(cfg.model, input_shape, num_classes)
     n_params = parameter_count(model)
     torch.manual_seed(cfg.seed * 1000 + ctx.rank + 1)  # independent dropout per rank
     if cfg.emulated:
@@ -134,7 +138,7 @@ class Training:
     wall_s: float
 
 
-def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loader: ShardLoader,
+def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loader: ShardLoader | None,
               steps: int) -> Training:
     """Run this rank's ``steps`` iterations, logging each to ``OUT/metrics/rankR.jsonl`` and publishing
     progress; then close the method (draining its pending group operations, so the collectives that
@@ -146,7 +150,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loa
     clock = TrainClock()
     with trainer, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
         for step in range(steps):
-            if cfg.emulated:
+            if loader is None:  # emulated compute: no data
                 rec = trainer.step(lambda m: m())
             else:
                 x, y = loader.batch(step)
@@ -163,11 +167,11 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loa
     return training
 
 
-def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset, training: Training,
-                 steps: int) -> tuple[float | None, list[dict[str, float]], float | None]:
+def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset | None,
+                 training: Training, steps: int) -> tuple[float | None, list[dict[str, float]], float | None]:
     """(final test accuracy, evaluation history, time to target) of the averaged model; all None/empty
-    under emulated compute. Collective."""
-    if cfg.emulated:
+    under emulated compute (``data`` None). Collective."""
+    if data is None:
         return None, [], None
     history = training.snapshots.evaluate(trainer.model, data, ctx)
     final = trainer.averaged_model()
@@ -184,15 +188,27 @@ def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, 
 
 def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     """Train ``cfg`` on this rank. Every rank calls it; rank 0 writes ``summary.json`` and returns its record."""
-    data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
-    loader = ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size, cfg.batch_size, cfg.seed)
-    steps = total_steps(cfg, loader)
+    data: Dataset | None = None
+    loader: ShardLoader | None = None
+    if cfg.emulated:  # only the data set's shape and size matter: no loading (the launcher checked the files)
+        info = dataset_info(cfg.data)
+        shape, classes = info.input_shape, info.num_classes
+        per_epoch = steps_per_epoch(info.train_samples, ctx.world_size, cfg.batch_size)
+    else:
+        data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+        loader = ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size, cfg.batch_size, cfg.seed)
+        shape, classes, per_epoch = data.input_shape, data.num_classes, loader.steps_per_epoch
+    steps = total_steps(cfg, per_epoch)
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
-    model, optimizer, n_params = build(cfg, data, ctx)
-    trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
-                                 **cfg.options)
-
-    training = run_steps(cfg, ctx, trainer, loader, steps)
+    model, optimizer, n_params = build(cfg, shape, classes, ctx)
+    decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
+    try:
+        trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
+                                     decisions=decisions, **cfg.options)
+        training = run_steps(cfg, ctx, trainer, loader, steps)  # closes the method: its last groups are logged
+    finally:
+        if decisions is not None:
+            decisions.close()
     accuracy, history, time_to_target = evaluate_run(cfg, ctx, trainer, data, training, steps)
     consensus = trainer.consensus_distance()
 

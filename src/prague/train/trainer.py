@@ -32,6 +32,7 @@ from prague.algorithms.registry import parse_method
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario, parse_scenario
+from prague.metrics.decisions import DecisionLog
 from prague.runtime.context import DistContext, context
 
 Closure = Callable[[nn.Module], torch.Tensor]
@@ -63,6 +64,9 @@ class DistributedTrainer:
     called on every rank, also after an exception, to stop the method's background threads.
     ``seed`` is the run's seed: method seed options left at 0 (``gg_seed``, ``shuffle_seed``,
     ``adpsgd_seed``) take it, as they do under ``prague run`` and in the simulator.
+    ``decisions``: this rank's decision log (:class:`prague.metrics.decisions.DecisionLog`), into which
+    the method writes every group, partner and push it decides on; the caller closes it after
+    :meth:`close`. None (the default): nothing is logged.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class DistributedTrainer:
         scenario: str | Scenario | None = None,
         ctx: DistContext | None = None,
         seed: int | None = None,
+        decisions: DecisionLog | None = None,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
@@ -85,6 +90,7 @@ class DistributedTrainer:
         method_options = self.method.make_options(options, variant, seed)
         self.variant = self.method.variant_of(method_options)
         self.algorithm: Algorithm = self.method.runtime_class()(self.ctx, method_options)
+        self.algorithm.decisions = decisions
         self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")
         self.scenario.check_world(self.ctx.world_size)
         self.model = model.to(self.ctx.device)

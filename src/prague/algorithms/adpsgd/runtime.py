@@ -43,6 +43,7 @@ from prague.algorithms.adpsgd.exchange import ActiveLink, PassiveServer, exchang
 from prague.algorithms.api import Algorithm, BeforeForward, StepTimes
 from prague.comm.flat import bind_flat
 from prague.errors import CommError
+from prague.metrics.decisions import Decision
 
 
 class PassiveReplica:
@@ -146,7 +147,10 @@ class ADPSGD(Algorithm):
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         if self.link is not None:
-            waited, _ = self.link.average(self.flat, self.chooser.next())
+            peer = self.chooser.next()
+            if self.decisions is not None:
+                self.decisions.write(Decision.of_partner(step, peer))
+            waited, _ = self.link.average(self.flat, peer)
             times.wait_s += waited
         elif self.replica is not None:  # the snapshot (in forward) was communication, not compute
             snapshot_s, lock_wait_s = self.replica.take_times()

@@ -19,6 +19,7 @@ from collections import Counter, deque
 from typing import Any
 
 from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
+from prague.metrics.decisions import Decision
 from prague.sim.costs import exchange_s
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -72,6 +73,7 @@ class SimADPSGD(SimMethod):
         engine, math = world.engine, world.math
         active = w in self.actives and bool(self.passives)
         chooser = NeighbourChooser(self.passives, w, self.options.adpsgd_seed) if active else None
+        log = None if world.decisions is None else world.decisions[w]
         for k in range(world.steps):
             math.snapshot(w)
             compute = world.compute_s(w, k)
@@ -84,6 +86,8 @@ class SimADPSGD(SimMethod):
             t0 = engine.now
             peer = chooser.next()
             self.chosen[w].append(peer)
+            if log is not None:
+                log.write(Decision.of_partner(k, peer))
             taken_at = yield self._request(w, peer)
             math.apply(w, grad)
             world.record(w, compute, engine.now - taken_at, taken_at - t0)

@@ -20,6 +20,7 @@ from prague.algorithms.dssync import DSSyncOptions
 from prague.algorithms.dssync.decisions import dssync_groups
 from prague.comm.flat import bind_flat
 from prague.comm.preduce import GroupCommunicators, preduce
+from prague.metrics.decisions import Decision
 
 
 class DSSync(Algorithm):
@@ -36,6 +37,8 @@ class DSSync(Algorithm):
     def after_step(self, step: int, times: StepTimes) -> None:
         groups = dssync_groups(step, self.ctx.world_size, self.options.group_size, self.options.shuffle_seed)
         mine = next(g for g in groups if self.ctx.rank in g)
+        if self.decisions is not None:
+            self.decisions.write(Decision.of_group(step, mine))
         preduce(self.flat, mine, self.comms)
 
     def stats(self) -> dict[str, Any]:

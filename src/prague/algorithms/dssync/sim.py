@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prague.algorithms.dssync.decisions import dssync_groups
+from prague.metrics.decisions import Decision
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
 
@@ -41,12 +42,15 @@ class SimDSSync(SimMethod):
     def worker(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
+        log = None if world.decisions is None else world.decisions[w]
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
             t0 = engine.now
             members = self._group(k, w)
+            if log is not None:
+                log.write(Decision.of_group(k, members))
             if len(members) > 1:
                 yield world.meet(("dssync", k, members[0]), members, on_done=math.average)
             world.record(w, compute, engine.now - t0, 0.0)

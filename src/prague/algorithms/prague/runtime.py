@@ -32,6 +32,7 @@ from prague.comm.flat import bind_flat
 from prague.comm.preduce import GroupCommunicators, preduce
 from prague.errors import CommError
 from prague.groups import Group
+from prague.metrics.decisions import Decision, gg_trace_path
 
 
 class GroupTally:
@@ -71,17 +72,21 @@ class Prague(Algorithm):
         self.comms = GroupCommunicators(self.ctx, capacity=self.options.comm_cache)
         self.resources.callback(self.comms.close)
         self.tally = GroupTally()
+        self.steps_done = 0
         self.source: GroupSource
         if self.options.generator == "static":
             self.source = StaticSource(topology)
         else:
-            self.source = ServiceSource(self.ctx, self.options, self.resources)
+            trace = None if self.decisions is None else gg_trace_path(self.decisions.folder)
+            self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace)
         return model
 
-    def _run(self, group: Group) -> None:
+    def _run(self, group: Group, step: int) -> None:
         if self.ctx.rank not in group.members:
             raise CommError(f"group generator sent rank {self.ctx.rank} a group it is not in: {group}")
         self.tally.add(group)
+        if self.decisions is not None:
+            self.decisions.write(Decision.of_group(step, group.members, group.seq))
         if not group.is_local:
             preduce(self.flat, group.members, self.comms)
 
@@ -89,12 +94,14 @@ class Prague(Algorithm):
         t0 = time.perf_counter()
         group = self.source.next_group(self.ctx.rank, step)
         times.wait_s += time.perf_counter() - t0  # the generator's answer: RPC plus waiting for partners
-        self._run(group)
+        self.steps_done = step + 1
+        self._run(group, step)
 
     def finish(self) -> None:
-        """Run the groups this worker is still committed to, then leave (see :class:`.source.ServiceSource`)."""
+        """Run the groups this worker is still committed to, then leave (see :class:`.source.ServiceSource`).
+        Logged with ``step`` = the number of steps run."""
         for group in self.source.finish(self.ctx.rank):
-            self._run(group)
+            self._run(group, self.steps_done)
         self.source.leave()
 
     def stats(self) -> dict[str, Any]:

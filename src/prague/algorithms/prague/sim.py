@@ -17,6 +17,10 @@ modelled:
   a local step); after its last iteration it calls ``finish`` and executes the groups it is still
   committed to, like :meth:`prague.algorithms.prague.runtime.Prague.close`.
 
+With a decision log each worker logs every group it executes, as the runtime does, and (all but
+``static``, which has no service) the Group Generator's calls go to ``gg.jsonl`` in the service's format
+(:class:`~prague.groups.trace.PolicyCall`, simulated time as ``now_s``).
+
 Accounting as in the runtime: ``wait_s`` is the time from asking to the answer, ``comm_s`` the P-Reduce
 including waiting for partners.
 """
@@ -28,6 +32,8 @@ from typing import Any
 
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
+from prague.groups.trace import PolicyCall, call_policy
+from prague.metrics.decisions import Decision, gg_trace_path
 from prague.sim.costs import Queue
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -62,6 +68,8 @@ class SimPrague(SimMethod):
         self._sampled = 0
         self.policy_calls = 0
         self.local_steps = 0
+        self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
+                          if world.decision_dir is not None and self.remote else None)
 
     # -- the Group Generator, as a service --------------------------------------------------------
     def _call(self, what: str, worker: int | None, now: float) -> list[Answer]:
@@ -69,20 +77,15 @@ class SimPrague(SimMethod):
         timed = self.policy_calls % _SAMPLE_EVERY == 0
         if timed:
             t0 = time.thread_time_ns()
-        if what == "request":
-            assert worker is not None
-            answers = self.policy.request(worker, now)
-        elif what == "finish":
-            assert worker is not None
-            answers = self.policy.finish(worker, now)
-        else:
-            answers = self.policy.poll(now)
+        answers = call_policy(self.policy, what, worker, now)
         if timed:
             self._sampled_ns += time.thread_time_ns() - t0
             self._sampled += 1
         self.policy_calls += 1
         if self.world.trace is not None:
             self.world.trace.append((what, worker, now, tuple((w, g.seq, g.members) for w, g in answers)))
+        if self._gg_trace is not None:
+            self._gg_trace.write(PolicyCall(what, worker, now, tuple(answers)).to_dict())
         return answers
 
     def _serve_at(self, job: tuple[str, int | None], start: float) -> None:
@@ -160,6 +163,7 @@ class SimPrague(SimMethod):
     def worker(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
+        log = None if world.decisions is None else world.decisions[w]
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
@@ -167,12 +171,16 @@ class SimPrague(SimMethod):
             asked = engine.now
             group = yield self._ask(w, "request")
             answered = engine.now
+            if log is not None:
+                log.write(Decision.of_group(k, group.members, group.seq))
             sig = self._run(w, group)
             if sig is not None:
                 yield sig
             world.record(w, compute, engine.now - answered, answered - asked)
         remaining = yield self._ask(w, "finish")
         for group in remaining:
+            if log is not None:
+                log.write(Decision.of_group(world.steps, group.members, group.seq))
             sig = self._run(w, group)
             if sig is not None:
                 yield sig

@@ -88,9 +88,14 @@ class ServiceSource:
     """Asks the Group Generator service, over gRPC. Under torchrun, rank 0 starts the service and every
     other rank waits for its address in the store; everything acquired (the client, a service this
     rank started, its folder) is registered on ``resources``.
+
+    With ``trace`` (a run that logs decisions), every rank asks the service to write its trace there
+    before its own first request, so the first of these asks precedes every call of the policy and the
+    trace holds them all (a path on the service's machine: the run's own service runs beside rank 0).
     """
 
-    def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack) -> None:
+    def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
+                 trace: Path | None = None) -> None:
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
         self.ctx = ctx
@@ -111,6 +116,8 @@ class ServiceSource:
             token, address = store.get(GG_TOKEN_KEY).decode(), store.get(GG_ADDRESS_KEY).decode()
         self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s)
         resources.callback(self.client.close)
+        if trace is not None:
+            self.client.trace(str(Path(trace).resolve()))
         self._service_stats: dict[str, Any] = {}
 
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from prague.algorithms.ps.protocol import MOMENTUM_MODES, STALENESS_RULES, Layout
+from prague.algorithms.ps.protocol import MODES, MOMENTUM_MODES, STALENESS_RULES, Layout
 from prague.errors import unknown_choice
 from prague.optim import SGDRule
 
@@ -34,6 +34,19 @@ def staleness_scale(rule: str, tau: int, nproc: int) -> float:
     if rule == "exp":
         return math.exp(-max(0, tau - floor) / max(1, nproc)) / floor
     raise unknown_choice("staleness rule", rule, STALENESS_RULES)
+
+
+def update_scale(mode: str, rule: str, tau: int, nproc: int, accepted: bool) -> float:
+    """The factor a shard applies to the learning rate of one push: 0 if it was rejected; 1 in ``sync``
+    mode (the push is one of the n gradients whose mean makes one synchronous step); in ``async`` mode
+    :func:`staleness_scale` of its staleness ``tau``. What the decision log records for a push."""
+    if not accepted:
+        return 0.0
+    if mode == "sync":
+        return 1.0
+    if mode == "async":
+        return staleness_scale(rule, tau, nproc)
+    raise unknown_choice("parameter-server mode", mode, MODES)
 
 
 def accepts(tau: int, max_staleness: int) -> bool:

@@ -61,9 +61,13 @@ from torch import nn
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.client import PendingReplies, ShardClients
-from prague.algorithms.ps.protocol import LAYOUT_KEY, MANAGED_ENV, Layout, Reply, shard_argv, shard_bounds
+from prague.algorithms.ps.protocol import (
+    DECISIONS_KEY, LAYOUT_KEY, MANAGED_ENV, Layout, Reply, shard_argv, shard_bounds,
+)
+from prague.algorithms.ps.rules import update_scale
 from prague.comm.flat import bind_flat
 from prague.errors import CommError, ConfigError
+from prague.metrics.decisions import Decision
 from prague.runtime.context import LAUNCHER_PID_ENV
 from prague.runtime.services import ServiceSpec, start_service, stop_process
 
@@ -158,6 +162,8 @@ class ParameterServerBase(Algorithm):
             if os.environ.get(MANAGED_ENV) != "1":
                 start_own_shards(opts, self.shard_mode(opts), ctx.world_size, self.resources,
                                  lambda: 0.0 if self.failed else 30.0)
+            # Before the layout: a shard reads the layout first, then where to write its trace.
+            ctx.store.set(DECISIONS_KEY, "" if self.decisions is None else str(self.decisions.folder.resolve()))
             ctx.store.set(LAYOUT_KEY, layout.encode())
         else:
             published = Layout.decode(ctx.store.get(LAYOUT_KEY))
@@ -203,6 +209,15 @@ class ParameterServerBase(Algorithm):
         self._fill_push()
         self.pushes += 1
         return self._guard(lambda: self.clients.push(self.push_buf, bases, step, into))
+
+    def _log_push(self, step: int, replies: list[Reply]) -> None:
+        """Log the shards' answers to the push of ``step`` (one decision per shard), if logging."""
+        if self.decisions is None:
+            return
+        mode, rule, n = self.shard_mode(self.options), self.options.staleness_lr, self.ctx.world_size
+        for shard, r in enumerate(replies):
+            self.decisions.write(Decision.of_push(step, shard, r.tau, update_scale(mode, rule, r.tau, n, r.accepted),
+                                                  r.accepted))
 
     def _took(self, replies: list[Reply]) -> float:
         """Record the shards' versions; return the longest time a shard made this push wait, in s."""
@@ -260,4 +275,6 @@ class ParameterServer(ParameterServerBase):
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         pending = self._push(step, list(self.versions), self.flat)
-        times.wait_s += self._took(self._guard(pending.wait))
+        replies = self._guard(pending.wait)
+        self._log_push(step, replies)
+        times.wait_s += self._took(replies)

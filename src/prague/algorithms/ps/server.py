@@ -35,6 +35,11 @@ Buffers (BatchNorm running statistics) have no gradient: a push carries the work
 them. ``sync`` sets them to the mean over the workers; ``async`` moves them 1/n of the way towards the
 pushed values (a running mean over recent pushes).
 
+With a decision log (``--log-decisions``: worker rank 0 names the folder in the store), a shard writes
+every push it handles, in the order it handles them, to ``ps-shardK.jsonl`` there
+(:class:`prague.metrics.decisions.ShardPush`: worker, step, base version, tau, learning-rate scale,
+accepted, version after), so an asynchronous run can be replayed through the simulator's shards.
+
 I/O: one thread per worker, each on its own two-member gloo communicator
 (:mod:`prague.algorithms.ps.protocol`), so a slow worker never delays the others' requests. Failure contract:
 any error (a worker's connection closed, a sync round or the final barrier waiting longer than
@@ -68,13 +73,14 @@ import torch
 import torch.distributed as dist
 
 from prague.algorithms.ps.protocol import (
-    HEADER_LEN, LAYOUT_KEY, MODES, MOMENTUM_MODES, OP_BYE, OP_CLOSED, OP_INIT, OP_PULL, OP_PUSH, SHARD_SIDE,
-    STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply, pair_group,
-    shard_bounds, stats_key,
+    DECISIONS_KEY, HEADER_LEN, LAYOUT_KEY, MODES, MOMENTUM_MODES, OP_BYE, OP_CLOSED, OP_INIT, OP_PULL, OP_PUSH,
+    SHARD_SIDE, STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply,
+    pair_group, shard_bounds, stats_key,
 )
-from prague.algorithms.ps.rules import accepts, sgd_rule, staleness_scale
+from prague.algorithms.ps.rules import accepts, sgd_rule, update_scale
 from prague.errors import CommError, ConfigError, unknown_choice
-from prague.io import atomic_write_text
+from prague.io import JsonLines, atomic_write_text
+from prague.metrics.decisions import ShardPush, shard_trace_path
 
 
 class ShardState:
@@ -82,12 +88,13 @@ class ShardState:
 
     Called by the per-worker threads of :func:`serve`. Blocking calls (:meth:`push` in ``sync`` mode,
     :meth:`finish`, :meth:`wait_initialized`) raise :class:`CommError` after ``timeout_s``.
-    ``clock`` is injected so tests can drive it.
+    ``clock`` is injected so tests can drive it. With ``trace``, every push is written there as a
+    :class:`~prague.metrics.decisions.ShardPush`, under the lock, in the order the pushes are handled.
     """
 
     def __init__(self, mode: str, nproc: int, lo: int, hi: int, layout: Layout, *, staleness_lr: str = "none",
                  max_staleness: int = 0, momentum: str = "worker", timeout_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trace: JsonLines | None = None) -> None:
         if mode not in MODES:
             raise unknown_choice("parameter-server mode", mode, MODES)
         if staleness_lr not in STALENESS_RULES:
@@ -114,6 +121,7 @@ class ShardState:
         self._error: str | None = None
         self.histogram: list[Counter[int]] = [Counter() for _ in range(nproc)]
         self.rejected = [0] * nproc
+        self._trace = trace
 
     # -- set-up
 
@@ -135,8 +143,9 @@ class ShardState:
 
     # -- updates
 
-    def push(self, worker: int, base_version: int, payload: torch.Tensor, out: torch.Tensor | None = None) -> Reply:
-        """Apply (or, in sync mode, contribute to) ``worker``'s push computed on ``base_version``.
+    def push(self, worker: int, base_version: int, payload: torch.Tensor, out: torch.Tensor | None = None,
+             step: int = 0) -> Reply:
+        """Apply (or, in sync mode, contribute to) ``worker``'s push of its ``step`` computed on ``base_version``.
 
         ``payload`` is gradient for the parameter part and buffer values for the rest; it may be
         modified. In async mode the values right after the update are copied into ``out``; in sync mode
@@ -145,12 +154,12 @@ class ShardState:
         """
         self._check_worker(worker)
         if self.mode == "sync":
-            return self._push_sync(worker, payload)
+            return self._push_sync(worker, base_version, payload, step)
         if out is None:
             raise ValueError("async pushes need an output buffer")
-        return self._push_async(worker, base_version, payload, out)
+        return self._push_async(worker, base_version, payload, out, step)
 
-    def _push_sync(self, worker: int, payload: torch.Tensor) -> Reply:
+    def _push_sync(self, worker: int, base_version: int, payload: torch.Tensor, step: int) -> Reply:
         with self._cond:
             t0 = self._clock()
             self._raise_if_failed()
@@ -162,6 +171,9 @@ class ShardState:
             self._round[worker] = payload
             self._accumulate()
             target = self.version + 1
+            if self._trace is not None:
+                scale = update_scale("sync", self.staleness_lr, 0, self.nproc, True)
+                self._trace.write(ShardPush(worker, step, base_version, 0, scale, True, target).to_dict())
             if len(self._round) == self.nproc:
                 self._apply_mean()
             else:
@@ -195,7 +207,8 @@ class ShardState:
         self.version += 1
         self._cond.notify_all()
 
-    def _push_async(self, worker: int, base_version: int, payload: torch.Tensor, out: torch.Tensor) -> Reply:
+    def _push_async(self, worker: int, base_version: int, payload: torch.Tensor, out: torch.Tensor,
+                    step: int) -> Reply:
         t0 = self._clock()
         with self._cond:
             waited = self._clock() - t0
@@ -205,9 +218,9 @@ class ShardState:
                 self._fail(f"worker {worker} pushed a gradient computed on version {base_version}, "
                            f"ahead of this shard's version {self.version}")
             ok = accepts(tau, self.max_staleness)
+            scale = update_scale("async", self.staleness_lr, tau, self.nproc, ok)
             if ok:
                 s = self.split
-                scale = staleness_scale(self.staleness_lr, tau, self.nproc)
                 self._momenta[worker] = self._async_rule.step(self.values[:s], payload[:s], self._momenta[worker],
                                                               scale)
                 self.values[s:].lerp_(payload[s:], 1.0 / self.nproc)
@@ -215,6 +228,8 @@ class ShardState:
                 self.histogram[worker][tau] += 1
             else:
                 self.rejected[worker] += 1
+            if self._trace is not None:
+                self._trace.write(ShardPush(worker, step, base_version, tau, scale, ok, self.version).to_dict())
             out.copy_(self.values)
             return Reply(self.version, tau, ok, int(waited * 1e6))
 
@@ -283,7 +298,7 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
 
     while True:
         pg.recv([header], WORKER_SIDE, TAG_REQUEST).wait()
-        op, base, _step, sender = (int(x) for x in header.tolist())
+        op, base, step, sender = (int(x) for x in header.tolist())
         if sender != worker:
             raise CommError(f"worker {worker}'s connection carried a request from worker {sender}")
         if op == OP_INIT:
@@ -295,7 +310,7 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
             reply(r, values)
         elif op == OP_PUSH:
             pg.recv([payload], WORKER_SIDE, TAG_PAYLOAD).wait()
-            r = state.push(worker, base, payload, out)
+            r = state.push(worker, base, payload, out, step)
             reply(r, out if out is not None else state.values)
         elif op == OP_BYE:
             r = state.finish(worker)
@@ -363,8 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     layout = Layout.decode(store.get(LAYOUT_KEY))  # published by worker rank 0 in setup()
     lo, hi = shard_bounds(layout.total, args.shards)[args.shard]
+    # Set before the layout by rank 0 (absent if a test or an older worker published the layout alone).
+    folder = store.get(DECISIONS_KEY).decode() if store.check([DECISIONS_KEY]) else ""
+    trace = JsonLines(shard_trace_path(Path(folder), args.shard)) if folder else None
     state = ShardState(args.mode, args.nproc, lo, hi, layout, staleness_lr=args.staleness_lr,
-                       max_staleness=args.max_staleness, momentum=args.momentum, timeout_s=args.timeout_s)
+                       max_staleness=args.max_staleness, momentum=args.momentum, timeout_s=args.timeout_s,
+                       trace=trace)
     print(f"ps-shard {args.shard}/{args.shards}: {args.mode}, slice [{lo}, {hi}) of {layout.total}, "
           f"{args.nproc} workers", flush=True)
     serve(state, store, args.shard, timeout)

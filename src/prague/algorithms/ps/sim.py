@@ -16,6 +16,9 @@ server momentum buffer; ``async`` one momentum buffer per worker, or ``--ps-mome
   shard held the push (until the round completed), the rest of the exchange is communication.
 * ``async``: each push is applied when received and answered at once with the values right after it;
   staleness tau = versions applied since the values the gradient was computed on.
+
+With a decision log each worker logs its pushes as the runtime does (one line per shard), and every
+shard writes ``ps-shardK.jsonl`` as a real shard does (:class:`~prague.metrics.decisions.ShardPush`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from prague.algorithms.ps.rules import accepts, staleness_scale
+from prague.algorithms.ps.rules import accepts, update_scale
+from prague.metrics.decisions import Decision, DecisionLog, ShardPush, shard_trace_path
 from prague.sim.costs import Queue
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -39,7 +43,14 @@ class Answer:
     version: int
     tau: int
     accepted: bool
+    scale: float
     values: Any
+
+
+def log_push(log: DecisionLog, step: int, shards: int, tau: int, scale: float, accepted: bool) -> None:
+    """Log a worker's push of ``step`` as a real worker does: once per shard (all answered alike)."""
+    for shard in range(shards):
+        log.write(Decision.of_push(step, shard, tau, scale, accepted))
 
 
 class Shards:
@@ -65,6 +76,15 @@ class Shards:
         self.version = 0
         self.histogram: Counter[int] = Counter()
         self.rejected = 0
+        folder = world.decision_dir
+        self.traces = (None if folder is None else
+                       [world.open_file(shard_trace_path(folder, k)) for k in range(shards)])
+
+    def trace(self, push: ShardPush) -> None:
+        """Every shard saw ``push`` (one order for all of them): write it to their traces, if tracing."""
+        if self.traces is not None:
+            for trace in self.traces:
+                trace.write(push.to_dict())
 
     def push(self, now: float) -> list[float]:
         """A push sent now: when each shard has received it."""
@@ -78,21 +98,25 @@ class Shards:
         """Values leaving shard s at ``ready[s]``: when the last of them reaches the worker."""
         return max(q.reserve(t, self.message_s) for q, t in zip(self.send, ready)) + self.latency_s
 
-    def push_async(self, world: World, w: int, grad: Any, base_version: int, now: float) -> Answer:
-        """Apply worker ``w``'s push at once (in push order, which is receive order), as an async shard does.
+    def push_async(self, world: World, w: int, grad: Any, base_version: int, now: float, step: int = 0) -> Answer:
+        """Apply worker ``w``'s push of ``step`` at once (in push order, which is receive order), as an
+        async shard does.
 
         Every shard sees pushes in the same order, so one version counter stands for all of them.
         """
         received = self.apply(self.push(now))
         tau = self.version - base_version
         ok = accepts(tau, self.max_staleness)
+        scale = update_scale("async", self.staleness_lr, tau, world.n, ok)
         if ok:
-            world.math.server_step([grad], self.async_rule, w, staleness_scale(self.staleness_lr, tau, world.n))
+            world.math.server_step([grad], self.async_rule, w, scale)
             self.version += 1
             self.histogram[tau] += 1
         else:
             self.rejected += 1
-        return Answer(self.reply(received), self.version, tau, ok, world.math.server_values())
+        if self.traces is not None:
+            self.trace(ShardPush(w, step, base_version, tau, scale, ok, self.version))
+        return Answer(self.reply(received), self.version, tau, ok, scale, world.math.server_values())
 
     def stats(self, world: World) -> dict[str, Any]:
         wall = world.engine.now
@@ -120,13 +144,17 @@ class SimPS(SimMethod):
         super().__init__(world, options)
         self.shards = Shards(world, options)
         self.sync = options.ps_mode == "sync"
+        self.sync_scale = update_scale("sync", options.staleness_lr, 0, world.n, True)
         self._round: list[tuple[int, list[float], Any, Signal]] = []
         self._base = [0] * world.n
 
-    def _push_sync(self, w: int, grad: Any) -> Signal:
+    def _push_sync(self, w: int, grad: Any, step: int) -> Signal:
         """Contribute to the current round; the signal fires with the shard-side wait when values are back."""
         now = self.world.engine.now
         sig = Signal(self.world.engine)
+        if self.shards.traces is not None:
+            version = self.shards.version
+            self.shards.trace(ShardPush(w, step, version, 0, self.sync_scale, True, version + 1))
         self._round.append((w, self.shards.push(now), grad, sig))
         if len(self._round) == self.world.n:
             members, self._round = self._round, []
@@ -146,15 +174,21 @@ class SimPS(SimMethod):
     def worker(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
+        log = None if world.decisions is None else world.decisions[w]
+        shards = self.shards.count
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
             grad = math.gradient(w, k)
             t0 = engine.now
             if self.sync:
-                wait = yield self._push_sync(w, grad)
+                wait = yield self._push_sync(w, grad, k)
+                if log is not None:
+                    log_push(log, k, shards, 0, self.sync_scale, True)
             else:
-                answer = self.shards.push_async(world, w, grad, self._base[w], engine.now)
+                answer = self.shards.push_async(world, w, grad, self._base[w], engine.now, k)
+                if log is not None:
+                    log_push(log, k, shards, answer.tau, answer.scale, answer.accepted)
                 self._base[w] = answer.version
                 yield answer.at_s - engine.now
                 math.install(w, answer.values)

@@ -70,6 +70,7 @@ class EagerParameterServer(ParameterServerBase):
         self._last_tau = 0
         self.incoming = torch.empty_like(self.flat)
         self.pending: PendingReplies | None = None
+        self._pending_step = 0  # the step whose push self.pending answers
         self.installs_before_forward = 0
         self.installs_after_backward = 0
         self.rejections_seen = 0
@@ -86,6 +87,7 @@ class EagerParameterServer(ParameterServerBase):
         pending, self.pending = self.pending, None
         assert pending is not None
         replies = self._guard(pending.wait)
+        self._log_push(self._pending_step, replies)
         self.rejections_seen += sum(not r.accepted for r in replies)
         self._last_tau = max(r.tau for r in replies)
         self._took(replies)
@@ -99,6 +101,7 @@ class EagerParameterServer(ParameterServerBase):
             self.installs_after_backward += 1
             times.wait_s += time.perf_counter() - t0
         self.pending = self._push(step, bases, self.incoming)
+        self._pending_step = step
         # Read-my-writes: take this push's step locally too, as the shard will (see the module docstring).
         scale = staleness_scale(self.options.staleness_lr, self._last_tau, self.ctx.world_size)
         p = self.n_params

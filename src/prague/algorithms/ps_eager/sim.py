@@ -9,6 +9,9 @@ since the values the gradient was computed on) and scales the step by ``--stalen
 (:func:`prague.algorithms.ps.rules.staleness_scale`); ``--max-staleness`` rejects updates beyond it.
 Read-my-writes as in the runtime: right after pushing, the worker takes the shard's step on its own
 copy too (the shard's rule, scaled by the tau of the last answer it installed).
+
+With a decision log, a worker logs each push as the runtime does (the shard's answer; logged here when
+the shard decides, by the runtime when the answer arrives: the same lines in the same order).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from prague.algorithms.ps.rules import staleness_scale
-from prague.algorithms.ps.sim import Answer, Shards
+from prague.algorithms.ps.sim import Answer, Shards, log_push
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
 from prague.sim.world import World
@@ -36,6 +39,7 @@ class SimPSEager(SimMethod):
         world = self.world
         engine, math = world.engine, world.math
         base, last_tau = 0, 0
+        log = None if world.decisions is None else world.decisions[w]
         pending: Answer | None = None  # the answer to the posted pull
 
         def install(answer: Answer) -> None:
@@ -60,7 +64,9 @@ class SimPSEager(SimMethod):
                     yield wait
                 install(pending)
                 self.installs_after_backward += 1
-            pending = self.shards.push_async(world, w, grad, bases, engine.now)
+            pending = self.shards.push_async(world, w, grad, bases, engine.now, k)
+            if log is not None:
+                log_push(log, k, self.shards.count, pending.tau, pending.scale, pending.accepted)
             math.own_step(w, grad, self.shards.async_rule, staleness_scale(self.shards.staleness_lr, last_tau, world.n))
             world.record(w, compute, 0.0, wait)
 

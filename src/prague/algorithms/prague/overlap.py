@@ -1,0 +1,148 @@
+"""Delayed averaging: P-Reduce of a parameter snapshot on a background thread while the worker computes.
+
+After its local step a worker hands a snapshot s of its flat parameters to :class:`BackgroundAverager`.
+The averager's thread asks the group source for the next group and averages the snapshot with that
+group's members (:func:`prague.comm.preduce.preduce`), while the worker goes on with the next
+iteration. When the average a arrives, the worker applies the correction ``x += a - s``: the change
+the group's average made to the values it was computed on. Over one group the corrections sum to zero
+(``sum_i (a - s_i) = |G| a - sum_i s_i = 0``), so the mean over all workers moves only by their local
+updates, as with a blocking P-Reduce; what differs is that each worker's local steps since the snapshot
+are kept on top of the average. This is the delayed averaging of CoCoD-SGD (Shen, Xu, Liu, Wang,
+"Faster Distributed Deep Net Training: Computation and Communication Decoupled Stochastic Gradient
+Descent", IJCAI 2019) and Overlap-SGP (Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for
+Distributed Deep Learning", ICML 2019), applied to Prague's partial groups.
+
+The thread runs the requests in the order they were submitted, one at a time, so every member still
+meets its groups in the Group Generator's global order (what rules out deadlock). A failure on the
+thread (a dead peer, a timeout) is raised on the worker's thread at its next call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from prague.groups import Group
+
+#: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one).
+RunGroup = Callable[[Group, torch.Tensor], None]
+#: Asks for the next group of this worker: ``(request index) -> Group``.
+NextGroup = Callable[[int], Group]
+
+
+@dataclass
+class Averaged:
+    """One finished request: the correction to add, and what the thread spent on it."""
+
+    index: int
+    group: Group
+    correction: torch.Tensor
+    ask_s: float  # waiting for the group generator's answer
+    reduce_s: float  # P-Reduce, waiting for the members included
+
+
+class BackgroundAverager:
+    """One background thread that averages snapshots in submission order; see the module docstring."""
+
+    def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager") -> None:
+        self._next_group = next_group
+        self._run_group = run_group
+        self._jobs: queue.SimpleQueue[tuple[int, torch.Tensor] | None] = queue.SimpleQueue()
+        self._done: deque[Averaged] = deque()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._finished = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self.busy_s = 0.0  # seconds the thread spent on requests (asking plus reducing)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- the worker's side -------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted whose correction has not been taken yet."""
+        with self._cond:
+            return self._submitted - self._finished + len(self._done)
+
+    def submit(self, snapshot: torch.Tensor) -> int:
+        """Average ``snapshot`` (owned by the averager from now on) with the next group; returns its index."""
+        self._raise_if_failed()
+        with self._cond:
+            index = self._submitted
+            self._submitted += 1
+        self._jobs.put((index, snapshot))
+        return index
+
+    def take_ready(self) -> list[Averaged]:
+        """The requests finished so far, oldest first, without waiting."""
+        with self._cond:
+            self._raise_if_failed()
+            out = list(self._done)
+            self._done.clear()
+            return out
+
+    def take_oldest(self, timeout_s: float | None = None) -> Averaged:
+        """Wait for the oldest request still pending and return it (raise if the thread failed)."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._done or self._error is not None, timeout_s)
+            self._raise_if_failed()
+            if not ok:
+                raise TimeoutError(f"no average came back within {timeout_s} s")
+            return self._done.popleft()
+
+    def drain(self) -> list[Averaged]:
+        """Wait for every submitted request; return them oldest first."""
+        out: list[Averaged] = []
+        while self.in_flight:
+            out.append(self.take_oldest())
+        return out
+
+    def close(self) -> None:
+        """Stop the thread after the requests already submitted (does not wait for a failed peer: the
+        thread is a daemon and its P-Reduce times out on its own)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end; whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            index, snapshot = job
+            try:
+                t0 = time.perf_counter()
+                group = self._next_group(index)
+                t1 = time.perf_counter()
+                averaged = snapshot.clone()
+                self._run_group(group, averaged)
+                t2 = time.perf_counter()
+                correction = averaged.sub_(snapshot)
+            except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.busy_s += t2 - t0
+                self._finished += 1
+                self._done.append(Averaged(index, group, correction, t1 - t0, t2 - t1))
+                self._cond.notify_all()
