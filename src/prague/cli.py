@@ -91,6 +91,9 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     """Launch ``cfg.nproc`` workers for ``cfg`` on this machine; return rank 0's summary.
 
     Raises WorkerFailed if a worker fails (after stopping every process)."""
+    from prague.runtime.forkserver import prestart
+
+    prestart()  # the worker fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.config import worker_argv
 

@@ -11,7 +11,10 @@ and guarantees that no process outlives it:
 - Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
 
 Workers run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
-them; they also ask the kernel to kill them if the launcher dies (``PR_SET_PDEATHSIG``).
+them; they also ask the kernel to kill them if the launcher dies (``PR_SET_PDEATHSIG``). ``prague
+worker`` processes are forked from a preloaded fork server rather than started as new interpreters
+(:mod:`prague.runtime.forkserver`): the same environment, session and output, without each worker
+importing torch again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
 from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
+from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
 
 PROGRESS_KEY = "prague/progress/"
@@ -59,15 +63,22 @@ class LaunchSpec:
 
 
 class _Proc:
-    """One child process whose merged stdout/stderr is drained by a thread into a log and a tail."""
+    """One child process whose merged stdout/stderr is drained by a thread into a log and a tail.
+    ``prague worker`` processes are forked from the preloaded fork server unless ``fork`` is False
+    (:mod:`prague.runtime.forkserver`); anything else is started with :class:`subprocess.Popen`."""
 
-    def __init__(self, label: str, argv: Sequence[str], env: dict[str, str], log_path: Path | None, echo: bool) -> None:
+    def __init__(self, label: str, argv: Sequence[str], env: dict[str, str], log_path: Path | None, echo: bool,
+                 fork: bool = False) -> None:
         self.label = label
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
-        self.popen = subprocess.Popen(
-            list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, text=True, errors="replace", bufsize=1,
-        )
+        self.popen: subprocess.Popen[str] | ForkedWorker
+        if fork and forkable(argv) and start_mode(env) == "fork":
+            self.popen = ForkedWorker(argv, env)
+        else:
+            self.popen = subprocess.Popen(
+                list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, text=True, errors="replace", bufsize=1,
+            )
         self._log: IO[str] | None = open(log_path, "w", buffering=1) if log_path else None
         self._echo = echo
         self.exit_time: float | None = None
@@ -142,7 +153,8 @@ class Job:
         for rank in range(self.spec.nproc):
             wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.workers.append(
-                _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks)
+                _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks,
+                      fork=True)
             )
 
     def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> None:

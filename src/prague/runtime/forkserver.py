@@ -1,0 +1,141 @@
+"""Start ``prague worker`` processes from a preloaded fork server instead of a fresh interpreter each.
+
+A worker spends about 4 s of CPU importing before it does anything: torch (1.5 s), ``torch._dynamo``
+(1.5 s; every ``torch.optim`` optimizer imports it) and, for the digits data set, scikit-learn (1.2 s).
+Eight workers on a two-core machine wait over 15 s for that. So the launcher starts one server process
+(Python's ``multiprocessing`` fork server) that imports all of it once (:mod:`prague.runtime.preload`),
+and forks each worker from it: a worker costs a fork, and a ``prague bench`` of many runs pays the
+imports once.
+
+Forking is safe only from a single-threaded process: the server is started with one BLAS/OpenMP
+thread (numpy's OpenBLAS would otherwise start a pool at import) and imports nothing that starts
+threads; a forked worker then sets its own thread count from the job's ``OMP_NUM_THREADS``. Each worker
+gets the environment, working directory, session and output pipe that :class:`subprocess.Popen` would
+give it, so the launcher treats both kinds the same (:class:`ForkedWorker` has the part of the
+``Popen`` interface it uses). The server exits when the launcher does; its workers ask the kernel to
+kill them when the server dies (``PR_SET_PDEATHSIG``), so none outlives the launcher.
+
+``PRAGUE_WORKER_START=exec`` starts every worker as a fresh interpreter instead (what torchrun does).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import runpy
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+import setproctitle
+
+from prague.errors import ConfigError
+
+START_ENV = "PRAGUE_WORKER_START"
+START_MODES = ("fork", "exec")
+PRELOAD = "prague.runtime.preload"
+#: The fork server's own thread settings: one thread everywhere, so that forking from it is safe.
+_SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_lock = threading.Lock()
+
+
+def start_mode(env: Mapping[str, str]) -> str:
+    """``fork`` (default on Linux) or ``exec``, from ``$PRAGUE_WORKER_START``."""
+    mode = env.get(START_ENV, "fork" if sys.platform.startswith("linux") else "exec")
+    if mode not in START_MODES:
+        raise ConfigError(f"${START_ENV} must be one of {', '.join(START_MODES)}, got {mode!r}")
+    return "exec" if not sys.platform.startswith("linux") else mode
+
+
+def forkable(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is this interpreter running ``prague worker`` (the only command forked)."""
+    return list(argv[:4]) == [sys.executable, "-m", "prague", "worker"]
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    """The fork server, started on first use with the preload module and a single-threaded environment."""
+    ctx = multiprocessing.get_context("forkserver")
+    with _lock:
+        ctx.set_forkserver_preload([PRELOAD])
+        saved = {k: os.environ.get(k) for k in _SINGLE_THREADED}
+        os.environ.update(_SINGLE_THREADED)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return ctx
+
+
+def prestart() -> None:
+    """Start the fork server now (unless workers are to be exec'd), so that its imports overlap the
+    launcher's own preparations; the first fork waits for them to finish."""
+    if start_mode(os.environ) == "fork":
+        _context()
+
+
+class ForkedWorker:
+    """A ``prague worker`` forked from the fork server; the subset of :class:`subprocess.Popen` the
+    launcher uses (``pid``, ``stdout``, ``poll``, ``wait``)."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        if not forkable(argv):
+            raise ConfigError(f"only `{sys.executable} -m prague worker ...` can be forked, got {list(argv)[:4]}")
+        self.args = list(argv)
+        ctx = _context()
+        read_fd, write_fd = os.pipe()
+        writer = multiprocessing.connection.Connection(write_fd, readable=False)
+        self._process = ctx.Process(target=_worker_main, args=(list(argv[3:]), dict(env), writer),
+                                    name="prague-worker")
+        try:
+            self._process.start()
+        finally:
+            writer.close()  # the worker holds its own copy; EOF on stdout then means it exited
+        assert self._process.pid is not None  # started
+        self.pid: int = self._process.pid
+        self.stdout: io.TextIOWrapper = open(read_fd, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+
+def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.connection.Connection) -> None:
+    """In the forked worker: become what ``Popen(argv, env=env, start_new_session=True, stdout=PIPE,
+    stderr=STDOUT)`` would have started, then run ``python -m prague ARGS`` in it."""
+    os.setsid()
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", "prague", *args]))  # what ps shows: the command
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    out.close()
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    from prague.runtime.context import LAUNCHER_PID_ENV
+
+    os.environ[LAUNCHER_PID_ENV] = str(os.getppid())  # the server is this process's parent
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [sys.executable, *args]
+    runpy.run_module("prague", run_name="__main__", alter_sys=True)  # what `python -m prague ARGS` runs
