@@ -93,7 +93,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     Raises WorkerFailed if a worker fails (after stopping every process)."""
     from prague.runtime.forkserver import prestart
 
-    prestart()  # the worker fork server imports torch meanwhile
+    prestart(cfg.data)  # the worker fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.config import worker_argv
 

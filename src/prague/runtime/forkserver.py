@@ -38,6 +38,8 @@ from prague.errors import ConfigError
 START_ENV = "PRAGUE_WORKER_START"
 START_MODES = ("fork", "exec")
 PRELOAD = "prague.runtime.preload"
+#: What a data set's loader imports, preloaded only for jobs that use that data set.
+DATA_PRELOAD = {"digits": ("sklearn.datasets", "sklearn.model_selection")}
 #: The fork server's own thread settings: one thread everywhere, so that forking from it is safe.
 _SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _lock = threading.Lock()
@@ -56,11 +58,12 @@ def forkable(argv: Sequence[str]) -> bool:
     return list(argv[:4]) == [sys.executable, "-m", "prague", "worker"]
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    """The fork server, started on first use with the preload module and a single-threaded environment."""
+def _context(data: str | None = None) -> multiprocessing.context.ForkServerContext:
+    """The fork server, started on first use with the preload modules (those of ``data`` too) and a
+    single-threaded environment. Later jobs reuse it as it is: a worker imports what it lacks itself."""
     ctx = multiprocessing.get_context("forkserver")
     with _lock:
-        ctx.set_forkserver_preload([PRELOAD])
+        ctx.set_forkserver_preload([PRELOAD, *DATA_PRELOAD.get(data or "", ())])
         saved = {k: os.environ.get(k) for k in _SINGLE_THREADED}
         os.environ.update(_SINGLE_THREADED)
         try:
@@ -74,11 +77,11 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def prestart() -> None:
-    """Start the fork server now (unless workers are to be exec'd), so that its imports overlap the
-    launcher's own preparations; the first fork waits for them to finish."""
+def prestart(data: str | None = None) -> None:
+    """Start the fork server now (unless workers are to be exec'd), for jobs on data set ``data``, so
+    that its imports overlap the launcher's own preparations; the first fork waits for them."""
     if start_mode(os.environ) == "fork":
-        _context()
+        _context(data)
 
 
 class ForkedWorker:

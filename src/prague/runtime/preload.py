@@ -1,12 +1,13 @@
 """What the worker fork server imports once, so that forked workers do not (:mod:`prague.runtime.forkserver`).
 
-Importing this module is its whole job. It must not start threads: the fork server forks from it.
+Importing this module is its whole job. It must not start threads: the fork server forks from it. A
+data set's own libraries (scikit-learn for digits) are preloaded only for jobs that use it
+(:func:`prague.runtime.forkserver.prestart`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 import torch._dynamo  # noqa: F401 - imported by every torch.optim optimizer on first use: 1.5 s
@@ -19,9 +20,5 @@ from prague.algorithms.registry import METHODS
 
 for _method in METHODS.values():  # each method's runtime module (grpc for prague's service client)
     importlib.import_module(_method.runtime.partition(":")[0])
-
-if importlib.util.find_spec("sklearn") is not None:  # the digits data set's loader
-    import sklearn.datasets  # noqa: F401
-    import sklearn.model_selection  # noqa: F401
 
 torch.set_num_threads(1)  # the server itself computes nothing; a worker sets its own count

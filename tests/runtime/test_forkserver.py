@@ -1,0 +1,65 @@
+"""Workers forked from the preloaded fork server: the same training as fresh interpreters, without the imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prague.errors import ConfigError
+from prague.runtime.forkserver import DATA_PRELOAD, PRELOAD, forkable, start_mode
+from prague_testing import run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN = ["run", "--algorithm", "prague:static", "--nproc", "2", "--steps", "12", "--batch-size", "16",
+       "--model", "mlp", "--data", "digits", "--seed", "5", "--quiet"]
+
+
+def test_start_mode_and_what_can_be_forked() -> None:
+    assert start_mode({"PRAGUE_WORKER_START": "exec"}) == "exec"
+    assert start_mode({}) == ("fork" if sys.platform.startswith("linux") else "exec")
+    with pytest.raises(ConfigError, match="PRAGUE_WORKER_START must be one of fork, exec"):
+        start_mode({"PRAGUE_WORKER_START": "spawn"})
+    assert forkable([sys.executable, "-m", "prague", "worker", "--algorithm", "allreduce"])
+    assert not forkable([sys.executable, "train.py"])
+    assert not forkable(["/other/python", "-m", "prague", "worker"])
+
+
+def _losses(out: Path) -> list[list[float]]:
+    return [[json.loads(line)["loss"] for line in (out / "metrics" / f"rank{r}.jsonl").read_text().splitlines()]
+            for r in range(2)]
+
+
+def test_forked_workers_train_exactly_like_fresh_interpreters(tmp_path: Path) -> None:
+    forked, execd = tmp_path / "fork", tmp_path / "exec"
+    res = run_cli(*RUN, "--out", str(forked), env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert res.returncode == 0, res.stderr
+    res = run_cli(*RUN, "--out", str(execd), env={"PRAGUE_WORKER_START": "exec"})
+    assert res.returncode == 0, res.stderr
+    assert _losses(forked) == _losses(execd)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (forked, execd))
+    assert a["test_accuracy"] == b["test_accuracy"] is not None
+    # The forked workers imported neither torch nor scikit-learn themselves: the fork server had.
+    for r in range(2):
+        imported = re.findall(r"import time:.*\|\s+(\S+)$", (forked / "logs" / f"rank{r}.log").read_text(), re.M)
+        assert "prague.runtime.worker" in imported  # the profile reached the worker's log
+        assert not {"torch", "torch._dynamo", "sklearn"} & set(imported), imported
+
+
+def test_the_fork_server_preloads_neither_the_simulator_nor_plotting_nor_scikit_learn() -> None:
+    """What every forked worker inherits: the runtime, not the simulator; scikit-learn only for digits jobs."""
+    code = f"import json, sys, {PRELOAD}; print(json.dumps(sorted(sys.modules)))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    imported = set(json.loads(res.stdout))
+    assert {"torch", "torch._dynamo", "prague.train.loop", "prague.algorithms.prague.runtime"} <= imported
+    assert not {m for m in imported if m.split(".")[0] in ("sklearn", "matplotlib")}
+    assert not {m for m in imported if m.startswith(("prague.sim", "prague.simulate"))}
+    assert DATA_PRELOAD == {"digits": ("sklearn.datasets", "sklearn.model_selection")}
