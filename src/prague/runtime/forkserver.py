@@ -3,7 +3,7 @@
 A worker spends about 4 s of CPU importing before it does anything: torch (1.5 s), ``torch._dynamo``
 (1.5 s; every ``torch.optim`` optimizer imports it) and, for the digits data set, scikit-learn (1.2 s).
 Eight workers on a two-core machine wait over 15 s for that. So the launcher starts one server process
-(Python's ``multiprocessing`` fork server) that imports all of it once (:mod:`prague.runtime.preload`),
+(Python's ``multiprocessing`` fork server) that imports all of it once (:mod:`prague.preload`),
 and forks each worker from it: a worker costs a fork, and a ``prague bench`` of many runs pays the
 imports once.
 
@@ -37,7 +37,7 @@ from prague.errors import ConfigError
 
 START_ENV = "PRAGUE_WORKER_START"
 START_MODES = ("fork", "exec")
-PRELOAD = "prague.runtime.preload"
+PRELOAD = "prague.preload"
 #: What a data set's loader imports, preloaded only for jobs that use that data set.
 DATA_PRELOAD = {"digits": ("sklearn.datasets", "sklearn.model_selection")}
 #: The fork server's own thread settings: one thread everywhere, so that forking from it is safe.
