@@ -5,9 +5,6 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). When an agent hosts the rendezvous store 
 launcher, both signalled by ``TORCHELASTIC_USE_AGENT_STORE=True``) every rank connects as a client;
 otherwise rank 0 hosts it, as with ``init_method="env://"``. A script started with none of these
 variables runs as a job of one.
-
-The backend and the device are chosen by two pure functions, :func:`pick_backend` and
-:func:`device_for`, which tests call with any GPU count.
 """
 
 from __future__ import annotations
@@ -32,32 +29,6 @@ DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
 LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 BACKENDS = ("auto", "gloo", "nccl")
-
-
-def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
-    """The job's backend: ``requested``, or for ``"auto"`` NCCL when this machine has a GPU for each of
-    its ``local_world_size`` ranks and gloo otherwise (NCCL cannot put two ranks of one communicator on
-    one GPU). Raises :class:`ConfigError` for an unknown name, and for ``"nccl"`` with fewer GPUs than
-    local ranks (none included)."""
-    if requested not in BACKENDS:
-        raise ConfigError(f"unknown backend {requested!r}; valid choices: {', '.join(BACKENDS)}")
-    if local_world_size < 1:
-        raise ConfigError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
-    enough = gpu_count >= local_world_size
-    if requested == "auto":
-        return "nccl" if gpu_count > 0 and enough else "gloo"
-    if requested == "nccl" and gpu_count == 0:
-        raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
-    if requested == "nccl" and not enough:
-        raise ConfigError(f"backend 'nccl' needs one GPU per rank, but this machine runs {local_world_size} ranks "
-                          f"on {gpu_count} GPU(s); use --backend gloo, or at most {gpu_count} processes per machine")
-    return requested
-
-
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """Where a rank keeps its model and the tensors of its collectives: its own GPU (``local_rank``)
-    under NCCL, the CPU under gloo."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 @dataclass
@@ -118,8 +89,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     """Join the job described by the environment and initialise ``torch.distributed``.
 
     Called once per worker process, on every rank, before wrapping a model. ``backend="auto"`` picks
-    NCCL when this machine has a GPU for each of its ranks (``LOCAL_WORLD_SIZE``) and gloo otherwise
-    (:func:`pick_backend`). Returns the context (also kept for :func:`context`).
+    NCCL when CUDA is available and gloo otherwise. Returns the context (also kept for :func:`context`).
     Raises :class:`ConfigError` for a malformed environment; a rendezvous that does not complete within
     ``timeout_s`` raises torch's timeout error.
     """
@@ -130,11 +100,10 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         raise ConfigError(f"unknown backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
-    local_world_size = 1
-    if "WORLD_SIZE" in os.environ:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE"))
-    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = pick_backend(backend, gpu_count, local_world_size)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
 
     set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
@@ -154,9 +123,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         rank, world_size, local_rank = 0, 1, 0
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
 
-    device = device_for(backend, local_rank)
-    if device.type == "cuda":
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
             backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
