@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from prague.algorithms.prague.overlap import BackgroundAverager
 from prague.groups import Group
+from prague_testing import join_all, start_thread
 
 
 class ThreadGroups:
@@ -61,34 +62,25 @@ def test_corrections_of_a_group_cancel_so_the_mean_moves_only_by_local_updates(n
     x0 = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(n)]
     updates = [[torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(len(schedule[r]))]
                for r in range(n)]
-    final: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def worker(rank: int) -> None:
-        try:
-            mine = schedule[rank]
-            avg = BackgroundAverager(lambda i: mine[i], groups.runner(rank))
-            x = x0[rank].clone()
-            for upd in updates[rank]:
-                x.add_(upd)  # the local step
-                avg.submit(x.clone())
-                for done in avg.take_ready():
-                    x.add_(done.correction)
-            for done in avg.drain():
+    def worker(rank: int) -> torch.Tensor:
+        mine = schedule[rank]
+        avg = BackgroundAverager(lambda i: mine[i], groups.runner(rank))
+        x = x0[rank].clone()
+        for upd in updates[rank]:
+            x.add_(upd)  # the local step
+            avg.submit(x.clone())
+            for done in avg.take_ready():
                 x.add_(done.correction)
-            avg.close()
-            assert avg.join(10)
-            final[rank] = x
-        except BaseException as exc:  # noqa: BLE001 - reported to the test below
-            errors.append(exc)
+        for done in avg.drain():
+            x.add_(done.correction)
+        avg.close()
+        assert avg.join(10)
+        return x
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    threads = [start_thread(worker, r) for r in range(n)]
+    join_all(threads, 30)
+    final = {r: t.result for r, t in enumerate(threads)}
     expected = sum(x0) + sum(sum(u) for u in updates if u)
     assert torch.allclose(sum(final.values()), expected, atol=1e-10)
 
@@ -96,22 +88,19 @@ def test_corrections_of_a_group_cancel_so_the_mean_moves_only_by_local_updates(n
 def test_a_group_in_flight_averages_the_snapshot_not_the_later_values() -> None:
     groups = ThreadGroups()
     g = Group(0, (0, 1))
-    results: dict[int, torch.Tensor] = {}
 
-    def worker(rank: int, start: float) -> None:
+    def worker(rank: int, start: float) -> torch.Tensor:
         avg = BackgroundAverager(lambda i: g, groups.runner(rank))
         x = torch.full((3,), start, dtype=torch.float64)
         avg.submit(x.clone())
         x.add_(10.0)  # a local step taken while the group runs
         x.add_(avg.take_oldest(timeout_s=10).correction)
         avg.close()
-        results[rank] = x
+        return x
 
-    ts = [threading.Thread(target=worker, args=(0, 0.0)), threading.Thread(target=worker, args=(1, 4.0))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=20)
+    ts = [start_thread(worker, 0, 0.0), start_thread(worker, 1, 4.0)]
+    join_all(ts, 20)
+    results = {r: t.result for r, t in enumerate(ts)}
     # Average of the snapshots is 2; each keeps its own later local step (+10) on top of it.
     assert torch.equal(results[0], torch.full((3,), 12.0, dtype=torch.float64))
     assert torch.equal(results[1], torch.full((3,), 12.0, dtype=torch.float64))
