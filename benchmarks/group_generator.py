@@ -1,40 +1,58 @@
-"""Group Generator service benchmark: requests/s and latency with 1, 8, 64 and 256 concurrent clients.
+"""Group Generator service benchmark: latency at 64 concurrent clients, sustained requests/s at 256.
 
     PYTHONPATH=src .venv/bin/python benchmarks/group_generator.py --out runs/bench_gg.json
+    PYTHONPATH=src .venv/bin/python benchmarks/group_generator.py --api unary --clients 64,256   # the old path
 
-For each client count C it starts the service (smart policy, nproc = C) in its own process on 127.0.0.1
-(port chosen by the OS, address read from a ready file), then runs C client threads. Each thread emulates
-one worker: its own channel, worker id = thread index, a few untimed warm-up calls (connection set-up),
-then, after a common start barrier, back-to-back GetGroup calls for its share of a fixed total number of
-requests, then Finish. Workers do not execute the groups (no P-Reduce), so this measures the service
-alone: an RPC round trip plus the policy's decision under the service lock. Clients are threads of one
-Python process, so at 256 clients the client side (GIL, 2 cores here) is part of what is measured.
-Prints a table and writes JSON to --out.
+For each API (``stream``: one ``GroupStream`` per worker, what the client uses by default; ``unary``: one
+``GetGroup`` call per request) and each client count C, it starts the service (smart policy, nproc = C)
+in its own process on 127.0.0.1, as ``prague gg serve`` runs it (port chosen by the OS, address read
+from a ready file). C emulated workers (worker id = index) are spread over ``--client-procs`` client
+processes, each an asyncio event loop with its own ``grpc.aio`` channel, so the clients are real gRPC
+clients outside the server's process and not serialised by one interpreter lock. Each worker first makes
+a few untimed calls (connection and stream set-up); then, from a common start, it sends back-to-back
+requests for ``--seconds`` (closed loop: C requests in flight at all times; latency then reads as C /
+throughput, Little's law), and with ``--paced-ms`` also a second run where each worker asks once per
+that period (an iteration time; open loop, the latency a worker sees when the service is not saturated).
+Workers do not execute the groups (no P-Reduce), so this measures the service: an RPC round trip plus
+the policy's decision under the service lock. The server's CPU time over the timed window (its
+``/proc/PID/stat``) divided by the requests served is its cost per request, the number the simulator's
+``gg_service_s`` uses; it does not depend on how busy the client processes keep the machine.
+
+On a machine with few cores the clients compete with the server for CPU: req/s is then a lower bound of
+the service's capacity, which is about 1 / (server CPU per request) when it has a core of its own.
+Prints a table and writes JSON to --out (``headline``: p50/p99 at 64 clients and req/s at 256 clients,
+closed loop, for each API).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 import prague.groups
-from prague.groups.client import GroupGeneratorClient
+from prague.groups import gg_pb2 as pb
+from prague.groups import gg_pb2_grpc as pb_grpc
 
 TOKEN = "bench-token"
+APIS = ("stream", "unary")
 
 
 def start_service(nproc: int, generator: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """The service in its own process, as ``prague gg serve`` runs it; returns (process, address)."""
-    ready_file = workdir / f"gg-{nproc}.addr"
+    ready_file = workdir / f"gg-{nproc}-{time.monotonic_ns()}.addr"
     src = str(Path(prague.groups.__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(
@@ -51,88 +69,163 @@ def start_service(nproc: int, generator: str, workdir: Path) -> tuple[subprocess
     return proc, ready_file.read_text().strip()
 
 
-def run_clients(address: str, clients: int, requests: int, warmup: int) -> dict[str, float | int]:
-    per_client = max(1, requests // clients)
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    errors: list[BaseException] = []
-    start = threading.Barrier(clients + 1)
-    done = threading.Barrier(clients + 1)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def worker(w: int) -> None:
-        try:
-            with GroupGeneratorClient(address, TOKEN, timeout_s=120.0) as client:
-                for it in range(warmup):
-                    client.get_group(w, it)
-                start.wait()
-                mine = latencies[w]
-                for it in range(warmup, warmup + per_client):
-                    t0 = time.perf_counter()
-                    client.get_group(w, it)
-                    mine.append(time.perf_counter() - t0)
-                done.wait()
-                client.finish(w)
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-            start.abort()
-            done.abort()
 
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    done.wait()
-    elapsed = time.perf_counter() - t0
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    flat = sorted(x for xs in latencies for x in xs)
+# -- one client process ---------------------------------------------------------------------------------
+async def _workers(address: str, api: str, workers: list[int], warmup: int, start_at: float, seconds: float,
+                   paced_s: float) -> tuple[int, list[float]]:
+    """Run ``workers`` until ``start_at + seconds`` (``time.time()``); (requests in the window, latencies)."""
+    latencies: list[float] = []
+    counted = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GroupGeneratorStub(channel)  # type: ignore[no-untyped-call]
+
+        async def worker(w: int) -> None:
+            nonlocal counted
+            call = stub.GroupStream(wait_for_ready=True) if api == "stream" else None
+
+            async def ask(it: int) -> None:
+                if call is not None:
+                    await call.write(pb.GroupRequest(token=TOKEN if it == 0 else "", worker=w, iteration=it))
+                    reply = await call.read()
+                    if reply is grpc.aio.EOF:
+                        raise RuntimeError(f"worker {w}: the stream ended: {await call.code()}")
+                else:
+                    await stub.GetGroup(pb.GroupRequest(token=TOKEN, worker=w, iteration=it), wait_for_ready=True)
+
+            for it in range(warmup):
+                await ask(it)
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            end = start_at + seconds
+            it = warmup
+            next_at = time.perf_counter() + (paced_s * (w % 97) / 97 if paced_s else 0.0)  # spread the phases
+            while time.time() < end:
+                if paced_s:
+                    await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+                    next_at += paced_s
+                t0 = time.perf_counter()
+                await ask(it)
+                t1 = time.perf_counter()
+                it += 1
+                if time.time() <= end:
+                    latencies.append(t1 - t0)
+                    counted += 1
+            if call is not None:
+                await call.done_writing()
+
+        await asyncio.gather(*(worker(w) for w in workers))
+    return counted, latencies
+
+
+def _client_process(address: str, api: str, workers: list[int], warmup: int, start_at: float, seconds: float,
+                    paced_s: float, out: Any) -> None:
+    try:
+        out.put(asyncio.run(_workers(address, api, workers, warmup, start_at, seconds, paced_s)))
+    except BaseException as error:  # noqa: BLE001 - reported by the parent
+        out.put(error)
+
+
+def run_clients(address: str, server_pid: int, api: str, clients: int, procs: int, seconds: float,
+                warmup: int, paced_s: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = max(1, min(procs, clients))
+    start_at = time.time() + 3.0 + 0.02 * clients  # time for every process to start and warm up
+    children = [
+        ctx.Process(target=_client_process, daemon=True,
+                    args=(address, api, list(range(i, clients, procs)), warmup, start_at, seconds, paced_s, out))
+        for i in range(procs)
+    ]
+    for child in children:
+        child.start()
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu0 = cpu_seconds(server_pid)
+    results = [out.get(timeout=start_at - time.time() + seconds + 120.0) for _ in children]
+    cpu1 = cpu_seconds(server_pid)  # after the window: slightly over-counts the server (drain, done_writing)
+    for child in children:
+        child.join(timeout=30.0)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    requests = sum(r[0] for r in results)
+    flat = sorted(x for r in results for x in r[1])
     q = statistics.quantiles(flat, n=100, method="inclusive")
     return {
+        "api": api,
         "clients": clients,
-        "requests": len(flat),
-        "seconds": elapsed,
-        "requests_per_s": len(flat) / elapsed,
+        "client_procs": procs,
+        "mode": f"paced {paced_s * 1e3:g} ms" if paced_s else "closed",
+        "requests": requests,
+        "seconds": seconds,
+        "requests_per_s": requests / seconds,
         "p50_ms": q[49] * 1e3,
         "p99_ms": q[98] * 1e3,
         "mean_ms": statistics.fmean(flat) * 1e3,
+        "server_cpu_us_per_request": (cpu1 - cpu0) / requests * 1e6,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", default="1,8,64,256", help="comma-separated client counts")
-    parser.add_argument("--requests", type=int, default=6400, help="timed GetGroup calls per client count")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per client first")
+    parser.add_argument("--api", default="stream,unary", help="comma-separated: stream, unary")
+    parser.add_argument("--client-procs", type=int, default=4, help="client processes per run")
+    parser.add_argument("--seconds", type=float, default=4.0, help="timed window per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per worker first")
+    parser.add_argument("--paced-ms", type=float, default=0.0,
+                        help="also run every client count with each worker asking once per this period")
     parser.add_argument("--generator", default="smart")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gg.json"))
     args = parser.parse_args()
+    apis = args.api.split(",")
+    for api in apis:
+        if api not in APIS:
+            raise SystemExit(f"unknown --api {api!r}; valid: {', '.join(APIS)}")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for clients in (int(c) for c in args.clients.split(",")):
-            proc, address = start_service(clients, args.generator, Path(tmp))
-            try:
-                row = run_clients(address, clients, args.requests, args.warmup)
-                with GroupGeneratorClient(address, TOKEN, timeout_s=30.0) as client:
-                    stats = client.stats()
-                    client.shutdown()
-                proc.wait(timeout=30)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            row["mean_group_size"] = stats["mean_group_size"]
-            rows.append(row)
-            print(f"  {clients} clients done", file=sys.stderr)
+        for api in apis:
+            for clients in (int(c) for c in args.clients.split(",")):
+                for paced_s in (0.0, args.paced_ms / 1e3) if args.paced_ms else (0.0,):
+                    proc, address = start_service(clients, args.generator, Path(tmp))
+                    try:
+                        row = run_clients(address, proc.pid, api, clients, args.client_procs, args.seconds,
+                                          args.warmup, paced_s)
+                    finally:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                    rows.append(row)
+                    print(f"  {api} {clients} clients {row['mode']}: {row['requests_per_s']:.0f} req/s, "
+                          f"p99 {row['p99_ms']:.2f} ms", file=sys.stderr)
 
     print(f"Group Generator service, {args.generator} policy, server in its own process, 127.0.0.1, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'clients':>8} {'requests':>9} {'seconds':>8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+          f"{os.cpu_count()} CPUs, clients in {args.client_procs} processes, {args.seconds:g} s per run")
+    print(f"{'api':>6} {'clients':>7} {'mode':>12} {'requests':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'srv us/req':>10}")
     for r in rows:
-        print(f"{r['clients']:>8} {r['requests']:>9} {r['seconds']:>8.2f} {r['requests_per_s']:>9.0f} "
-              f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}")
+        print(f"{r['api']:>6} {r['clients']:>7} {r['mode']:>12} {r['requests']:>9} {r['requests_per_s']:>8.0f} "
+              f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['server_cpu_us_per_request']:>10.1f}")
+    headline: dict[str, Any] = {}
+    for api in apis:
+        closed = {r["clients"]: r for r in rows if r["api"] == api and r["mode"] == "closed"}
+        h: dict[str, float] = {}
+        if 64 in closed:
+            h.update(p50_ms_at_64=closed[64]["p50_ms"], p99_ms_at_64=closed[64]["p99_ms"])
+        if 256 in closed:
+            h["requests_per_s_at_256"] = closed[256]["requests_per_s"]
+        if closed:
+            h["server_cpu_us_per_request"] = statistics.median(
+                r["server_cpu_us_per_request"] for r in closed.values())
+        headline[api] = h
+        print(f"{api}: " + ", ".join(f"{k} {v:.1f}" for k, v in h.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "group_generator",
@@ -140,8 +233,13 @@ def main() -> None:
         "server": "subprocess",
         "host": "127.0.0.1",
         "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "client_procs": args.client_procs,
+        "seconds": args.seconds,
         "python": platform.python_version(),
+        "grpc": grpc.__version__,
         "platform": platform.platform(),
+        "headline": headline,
         "results": rows,
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")

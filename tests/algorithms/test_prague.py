@@ -122,3 +122,42 @@ def test_external_group_generator_via_gg_serve(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("when_busy", ["wait", "local"])
+def test_overlapped_averages_are_all_accounted_for(tmp_path: Path, when_busy: str) -> None:
+    """Every step either submits a snapshot or (``--when-busy local``, with the one allowed average
+    still out) takes a local step; every submitted average comes back and is applied, by the end at
+    the latest. A worker five times slower than the others makes the fast ones find their average
+    still out now and then."""
+    out, steps = tmp_path / when_busy, 40
+    res = run_cli("run", "--algorithm", "prague:ready", "--nproc", "4", "--steps", str(steps), "--model", "mlp",
+                  "--data", "synthetic", "--compute", "emulated", "--compute-ms", "10", "--slowdown", "straggler:3:5",
+                  "--when-busy", when_busy, "--out", str(out), "--quiet", timeout_s=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for w in _summary(out)["algorithm_stats"]:
+        assert w["overlap"] == "on"
+        submitted = steps - w["busy_local_steps"]
+        # The averages submitted, plus the groups committed after the last step (run blocking).
+        assert w["groups_run"] >= submitted
+        assert w["preduces"] + w["local_steps"] == w["groups_run"]
+        if when_busy == "wait":
+            assert w["busy_local_steps"] == 0
+            assert w["average_waits"] <= steps - 1  # the first step finds nothing out
+        else:
+            assert w["average_waits"] == 0
+        assert 0.0 <= w["hidden_comm_share"] <= 1.0
+        assert w["exposed_averaging_s"] <= w["averaging_s"] + 1e-9 or w["averaging_s"] == 0
+
+
+def test_overlap_off_blocks_on_every_group(tmp_path: Path) -> None:
+    out = tmp_path / "off"
+    res = run_cli("run", "--algorithm", "prague:static", "--nproc", "4", "--steps", "30", "--model", "mlp",
+                  "--overlap", "off", "--out", str(out), "--quiet", timeout_s=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert s["test_accuracy"] > 0.5
+    for w in s["algorithm_stats"]:
+        assert (w["overlap"], w["hidden_comm_share"], w["busy_local_steps"], w["average_waits"]) == ("off", 0.0, 0, 0)
+        assert w["exposed_averaging_s"] == w["averaging_s"] > 0
+        assert w["groups_run"] == 30

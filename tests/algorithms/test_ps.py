@@ -15,11 +15,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from prague_testing import REPO, SHORT_RUN, join_all, processes_mentioning, run_cli, start_thread, wait_gone
 from prague.algorithms.ps import PSOptions
@@ -28,7 +30,8 @@ from prague.algorithms.ps_eager import PSEagerOptions
 from prague.algorithms.ps.protocol import Layout, shard_bounds
 from prague.algorithms.ps.rules import accepts, staleness_scale
 from prague.optim import SGDRule
-from prague.algorithms.ps.server import ShardState
+from prague.algorithms.ps.client import ShardClients
+from prague.algorithms.ps.server import ShardState, serve_worker
 from prague.errors import CommError, ConfigError
 from prague.workload.data import load_dataset
 from prague.workload.models import build_model
@@ -278,6 +281,55 @@ def test_eight_workers_with_eager_pulls_finish(eager_run: tuple[Path, dict]) -> 
     assert sum(s["applied"] + s["rejected"] for s in stats) == 8 * EAGER_STEPS * EAGER_SHARDS
     assert len({tuple(s["server_versions"]) for s in stats}) == 1
     assert wait_gone(str(out)) == []
+
+
+def test_a_reply_completed_in_the_background_is_seen_without_waiting() -> None:
+    """ps-eager's early install needs :meth:`PendingReplies.done` to turn true once the shard has
+    answered, without anyone calling ``wait()`` (a gloo receive alone never completes): one worker and
+    one shard in this process, over a real gloo pair."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    state = ShardState("async", 1, 0, 6, _layout())
+    server = start_thread(serve_worker, state, store, 0, 0, timedelta(seconds=30))
+    clients = ShardClients(store, 0, [(0, 6)], timedelta(seconds=30))
+    try:
+        clients.init(torch.arange(6.0))
+        into = torch.zeros(6)
+        clients.pull(into)
+        pending = clients.push(torch.ones(6), [0], 0, into, background=True)
+        deadline = time.monotonic() + 20
+        while not pending.done():  # never waits on the gloo work itself
+            assert time.monotonic() < deadline, "the shard's answer was never seen as done"
+            time.sleep(0.001)
+        # Done means the values are in already: read before wait(), which only collects the header.
+        assert into.tolist() == [-0.5, 0.5, 1.5, 2.5, 1.0, 1.0]  # x - lr * 1; buffers 1/n (all) of the way to 1
+        (reply,) = pending.wait()
+        assert (reply.version, reply.tau, reply.accepted) == (1, 0, True)
+        clients.finish(into)
+    finally:
+        clients.close()
+    server.join(30)
+
+
+@pytest.mark.slow
+def test_eager_pulls_are_installed_before_the_forward_pass_when_they_have_time_to_arrive(tmp_path: Path) -> None:
+    """Every worker sleeps one compute time before each forward pass (a slowdown of 2 on every rank: the
+    sleep precedes the forward), far longer than a shard's round trip, so the pull posted after the
+    previous backward has arrived when the forward starts and must be installed there. Each gradient is
+    then computed on the values right after its worker's previous push: about n - 1 other pushes land
+    before it (tau about n - 1) instead of 2n - 1 when the pull is installed only after the next backward."""
+    n, steps = 4, 30
+    slow_everyone = "+".join(f"straggler:{r}:2" for r in range(n))
+    summary = _run(tmp_path / "early", "--algorithm", "ps-eager", "--nproc", str(n), "--steps", str(steps),
+                   "--compute", "emulated", "--compute-ms", "30", "--slowdown", slow_everyone,
+                   "--model", "mlp", "--data", "synthetic", timeout_s=200)
+    stats = summary["algorithm_stats"]
+    for s in stats:  # every pull but the last is installed once, at one of the two points
+        assert s["installs_before_forward"] + s["installs_after_backward"] == steps - 1
+        assert s["installs_before_forward"] > (steps - 1) / 2, s
+    applied = sum(s["applied"] for s in stats)
+    mean_tau = sum(s["mean_staleness"] * s["applied"] for s in stats) / applied
+    assert mean_tau < ((n - 1) + (2 * n - 1)) / 2, (mean_tau, [s["staleness_histogram"] for s in stats])
 
 
 def _shard_pids(marker: str) -> list[int]:

@@ -25,6 +25,7 @@ import pytest
 import prague
 from prague.errors import CommError, ConfigError
 from prague.groups import GeneratorConfig, Group, Topology, make_generator
+from prague.groups import gg_pb2 as pb
 from prague.groups.client import GroupGeneratorClient
 from prague.groups.service import GroupGeneratorServer, main
 
@@ -69,15 +70,16 @@ class Execution:
         barrier.wait(self.timeout_s)  # BrokenBarrierError: a member never came
 
 
-def run_workers(address: str, nproc: int, iterations: list[int], seed: int = 0) -> Execution:
-    """One thread and one client per worker; re-raises the first worker's exception."""
+def run_workers(address: str, nproc: int, iterations: list[int], seed: int = 0, *, stream: bool = True) -> Execution:
+    """One thread and one client per worker (``stream``: GroupStream, else unary GetGroup); re-raises the
+    first worker's exception."""
     execution = Execution()
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:
         rng = random.Random(seed * 1000 + w)
         try:
-            with GroupGeneratorClient(address, TOKEN, timeout_s=20.0) as client:
+            with GroupGeneratorClient(address, TOKEN, timeout_s=20.0, stream=stream) as client:
                 last = -1
                 for it in range(iterations[w]):
                     time.sleep(rng.random() * 0.002 * (1 + w % 3))  # uneven speeds, shuffled arrivals
@@ -105,11 +107,12 @@ def run_workers(address: str, nproc: int, iterations: list[int], seed: int = 0) 
     return execution
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 @pytest.mark.parametrize("name", ["smart", "ready", "random", "static"])
-def test_concurrent_clients_get_consistent_groups(name: str, start_server: StartServer) -> None:
+def test_concurrent_clients_get_consistent_groups(name: str, stream: bool, start_server: StartServer) -> None:
     server = start_server(name, nproc=8, topology=Topology(2, 4), group_size=3, window_s=0.05, seed=1)
     iterations = [25] * 8 if name == "static" else [20 + 2 * w for w in range(8)]
-    execution = run_workers(server.address, 8, iterations)
+    execution = run_workers(server.address, 8, iterations, stream=stream)
     with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
         stats = client.stats()
     assert stats["requests"] == sum(iterations)
@@ -165,9 +168,10 @@ def test_malformed_message_rejected_then_serves(start_server: StartServer) -> No
         assert client.get_group(1, 0).members == (0, 1)
 
 
-def test_timeout_names_address_and_retry_gets_same_group(start_server: StartServer) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_timeout_names_address_and_retry_gets_same_group(stream: bool, start_server: StartServer) -> None:
     server = start_server("ready", nproc=3, group_size=2, window_s=30.0)
-    with GroupGeneratorClient(server.address, TOKEN, timeout_s=0.3) as impatient:
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=0.3, stream=stream) as impatient:
         with pytest.raises(CommError, match=rf"{server.address}.*timeout_s=0.3"):
             impatient.get_group(0, 0)  # nobody else is waiting: the ready policy holds it
     with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
@@ -254,3 +258,116 @@ def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
 def test_server_needs_token() -> None:
     with pytest.raises(ConfigError, match="non-empty token"):
         GroupGeneratorServer(make_generator("smart", GeneratorConfig(nproc=2)), "")
+
+
+# -- the stream path (GroupStream: one bidirectional stream per worker) -----------------------------------
+STREAM = "/prague.groups.GroupGenerator/GroupStream"
+
+
+def _raw_stream(channel: grpc.Channel, *requests: pb.GroupRequest) -> list[pb.GroupReply]:
+    """Send ``requests`` on one GroupStream and collect the replies (raises grpc.RpcError on failure)."""
+    call = channel.stream_stream(STREAM, request_serializer=pb.GroupRequest.SerializeToString,
+                                 response_deserializer=pb.GroupReply.FromString)
+    return list(call(iter(requests), timeout=5.0))
+
+
+@pytest.mark.parametrize("name", ["smart", "ready"])
+def test_many_stream_clients_get_consistent_groups(name: str, start_server: StartServer) -> None:
+    nproc = 32
+    server = start_server(name, nproc=nproc, topology=Topology(4, 8), group_size=4, window_s=0.02, seed=3)
+    iterations = [8 + w % 5 for w in range(nproc)]
+    execution = run_workers(server.address, nproc, iterations, seed=2)
+    stats = server.core.stats()
+    assert stats["requests"] == sum(iterations)
+    assert stats["finished_workers"] == nproc and stats["waiting_rpcs"] == 0
+    assert len(execution.groups) == stats["groups"]
+
+
+def test_one_client_streams_for_many_workers(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=4, group_size=2, seed=1)
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        groups = [client.get_group(w, it) for it in range(3) for w in range(4)]
+        assert all(w in g.members for w, g in zip([0, 1, 2, 3] * 3, groups))
+        assert client.get_group(3, 2) == groups[-1]  # a retry on the same stream gets the same group
+        assert client.stats()["requests"] == 12
+
+
+def test_stream_disconnect_mid_request_keeps_the_answer(start_server: StartServer) -> None:
+    server = start_server("ready", nproc=3, group_size=2, window_s=30.0)
+    leaver = GroupGeneratorClient(server.address, TOKEN, timeout_s=20.0)
+    outcome: list[BaseException | Group] = []
+
+    def ask() -> None:
+        try:
+            outcome.append(leaver.get_group(0, 0))
+        except BaseException as error:  # noqa: BLE001 - checked below
+            outcome.append(error)
+
+    waiting = threading.Thread(target=ask, daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 10.0
+    while server.core.stats()["waiting_rpcs"] < 1:  # worker 0's request is registered and waits
+        assert time.monotonic() < deadline, "worker 0's request never reached the service"
+        time.sleep(0.01)
+    leaver.close()  # the stream goes away while its request waits for a partner
+    waiting.join(10.0)
+    assert not waiting.is_alive()
+    assert isinstance(outcome[0], CommError) and "was closed while GetGroup(worker=0, iteration=0)" in str(outcome[0])
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        group = client.get_group(1, 0)  # forms {0, 1}: worker 0's request is still registered
+        assert group.members == (0, 1)
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as back:
+        assert back.get_group(0, 0) == group  # a new stream picks up the answer kept for worker 0
+    stats = server.core.stats()
+    assert stats["requests"] == 2 and stats["waiting_rpcs"] == 0  # the retry asked the policy nothing
+
+
+def test_stream_token_checked(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=2, group_size=2)
+    with GroupGeneratorClient(server.address, "not-the-token", timeout_s=5.0) as bad:
+        with pytest.raises(ConfigError, match="rejected GetGroup.*wrong or missing token"):
+            bad.get_group(0, 0)
+        with pytest.raises(ConfigError, match="wrong or missing token"):  # a new stream, checked again
+            bad.get_group(0, 0)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:  # the first request must carry the token
+            _raw_stream(channel, pb.GroupRequest(worker=0, iteration=0))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:  # a later one may leave it out, but not get it wrong
+            _raw_stream(channel, pb.GroupRequest(token=TOKEN, worker=0, iteration=0),
+                        pb.GroupRequest(worker=0, iteration=1),
+                        pb.GroupRequest(token="wrong", worker=0, iteration=2))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert server.core.stats()["requests"] == 2  # the rejected requests changed nothing
+    assert not server.shutdown_requested.is_set()
+
+
+def test_stream_bad_messages_rejected_then_serves(start_server: StartServer) -> None:
+    server = start_server("smart", nproc=4, group_size=2)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            _raw_stream(channel, pb.GroupRequest(token=TOKEN, worker=0, iteration=0),
+                        pb.GroupRequest(worker=1, iteration=1))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "this stream belongs to worker 0, got a request for worker 1" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            _raw_stream(channel, pb.GroupRequest(token=TOKEN, worker=7, iteration=0))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown worker id 7" in info.value.details()
+        raw = channel.stream_stream(STREAM)  # bytes in, bytes out
+        for junk in (b"\x0a\xff\xff\xff", b"\x12\x80", b"\xff" * 7):
+            with pytest.raises(grpc.RpcError) as info:
+                list(raw(iter([junk]), timeout=5.0))
+            assert info.value.code() != grpc.StatusCode.OK
+    with GroupGeneratorClient(server.address, TOKEN, timeout_s=5.0) as client:
+        with pytest.raises(ConfigError, match=r"unknown worker id 4; .*workers 0\.\.3"):
+            client.get_group(4, 0)
+        with pytest.raises(ConfigError, match="iteration must be >= 0, got -3"):
+            client.get_group(1, -3)
+        with pytest.raises(ConfigError, match="outside int32|out of range|cannot send"):
+            client.get_group(2**40, 0)
+        assert client.get_group(1, 0).members in {(0, 1), (1, 2), (1, 3)}
+        assert client.get_group(1, 1).members
+        with pytest.raises(ConfigError, match="iteration 0 after iteration 1"):
+            client.get_group(1, 0)
+        assert client.get_group(1, 2).members  # the stream was reopened after the rejection

@@ -1,6 +1,8 @@
 """Flat views of a model's state: one contiguous buffer of all parameters and floating buffers.
 
-P-Reduce and model averaging move one buffer, never tensor by tensor.
+P-Reduce and model averaging move one buffer, never tensor by tensor. Point-to-point transfers of such a
+buffer over a backend that cannot reach its memory (gloo and a CUDA buffer) go through a
+:class:`StagingBuffer`, placed where :func:`staging_device` says.
 """
 
 from __future__ import annotations
@@ -8,6 +10,61 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from prague.errors import ConfigError
+
+P2P_BACKENDS = ("gloo", "nccl")
+
+
+def staging_device(backend: str, device: torch.device) -> torch.device | None:
+    """Where a tensor on ``device`` must be copied before ``backend`` sends or receives it point to point;
+    None when it can be used as it is.
+
+    Gloo's send and receive read and write host memory only (it has no CUDA path for them), so a CUDA
+    tensor is staged on the CPU; NCCL reaches device memory only, so a host tensor is staged on the
+    current CUDA device. Pure: tests call it with any device, no GPU needed.
+    """
+    if backend == "gloo":
+        return None if device.type == "cpu" else torch.device("cpu")
+    if backend == "nccl":
+        return None if device.type == "cuda" else torch.device("cuda")
+    raise ConfigError(f"unknown point-to-point backend {backend!r}; valid choices: {', '.join(P2P_BACKENDS)}")
+
+
+class StagingBuffer:
+    """The tensor that point-to-point transfers of ``tensor`` use (:attr:`wire`).
+
+    ``device`` None (what :func:`staging_device` says for a tensor the backend can reach): :attr:`wire`
+    *is* ``tensor`` and both copies are no-ops. Otherwise :attr:`wire` is a buffer of the same shape and
+    dtype on ``device`` (pinned host memory when it stages a CUDA tensor, so the copies are plain DMA):
+    call :meth:`outgoing` before sending (copies ``tensor`` in) and :meth:`land` after a receive has
+    completed (copies it back into ``tensor``). Slices of :attr:`wire` may be sent and received as usual.
+    Not thread-safe: one owner.
+    """
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device | None) -> None:
+        self.tensor = tensor
+        self.staged = device is not None
+        if device is None:
+            self.wire = tensor
+        else:
+            pin = tensor.is_cuda and device.type == "cpu"
+            self.wire = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
+
+    @classmethod
+    def for_backend(cls, tensor: torch.Tensor, backend: str) -> StagingBuffer:
+        return cls(tensor, staging_device(backend, tensor.device))
+
+    def outgoing(self) -> torch.Tensor:
+        """:attr:`wire` holding ``tensor``'s current values, ready to send."""
+        if self.staged:
+            self.wire.copy_(self.tensor)
+        return self.wire
+
+    def land(self) -> None:
+        """Take what a completed receive left in :attr:`wire` into ``tensor``."""
+        if self.staged:
+            self.tensor.copy_(self.wire)
 
 
 def state_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from prague.comm.cache import CommunicatorCache
+from prague.comm.owned import shutdown_group
 from prague.errors import CommError, ConfigError
 from prague.runtime.context import DistContext
 
@@ -128,7 +129,7 @@ class GroupCommunicators:
             return cached[1]
         if cached is not None:  # a peer no longer holds it: never use it again
             self._cache.pop(members)
-            self._shutdown(cached[1])
+            shutdown_group(cached[1])
         t0 = time.perf_counter()
         name = f"{self._prefix}/{_set_name(members)}/pg{use}"
         try:
@@ -139,7 +140,7 @@ class GroupCommunicators:
         self.stats.created += 1
         self.stats.create_s += time.perf_counter() - t0
         for _, old in self._cache.put(members, (name, pg)):
-            self._shutdown(old)
+            shutdown_group(old)
             self.stats.evicted += 1
         return pg
 
@@ -148,19 +149,11 @@ class GroupCommunicators:
         entry = self._cache.pop(members)
         self.stats.failed += 1
         if entry is not None:
-            self._shutdown(entry[1])
-
-    @staticmethod
-    def _shutdown(pg: dist.ProcessGroup) -> None:
-        try:
-            if hasattr(pg, "shutdown"):
-                pg.shutdown()
-        except Exception:  # noqa: BLE001 - a broken group may fail to shut down cleanly; drop it anyway
-            pass
+            shutdown_group(entry[1])
 
     def close(self) -> None:
         for _, pg in self._cache.clear():
-            self._shutdown(pg)
+            shutdown_group(pg)
 
 
 def _set_name(members: tuple[int, ...]) -> str:

@@ -1,25 +1,35 @@
 """Client of the Group Generator service (:mod:`prague.groups.service`), used by each worker.
 
-One client per worker process; it is thread-safe (gRPC channels are), so a benchmark may share one.
+One client per worker process; it is thread-safe, so a benchmark or a test may share one among threads
+(each worker id then gets its own stream). By default ``get_group`` goes over one long-lived
+bidirectional ``GroupStream`` per worker id, opened on first use on an asyncio channel (a request and
+its reply are one message each way); one event-loop thread per process runs every client's streams; ``stream=False`` uses the
+unary ``GetGroup`` instead. The other calls are unary.
+
 Failures: a call that gets no answer within ``timeout_s`` raises :class:`~prague.errors.CommError`
 naming the address and the timeout; a request the server rejects (wrong token, unknown worker id,
 inconsistent iteration) raises :class:`~prague.errors.ConfigError` with the server's message; any other
-RPC failure raises ``CommError``. ``get_group`` may safely be retried with the same iteration: the server
-returns the same group.
+RPC failure raises ``CommError``. A failed or timed-out ``get_group`` drops that worker's stream (the next
+call opens a new one). ``get_group`` may safely be retried with the same iteration: the server returns
+the same group.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
+import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from prague.errors import CommError, ConfigError
 from prague.groups import gg_pb2 as pb
 from prague.groups import gg_pb2_grpc as pb_grpc
+from prague.groups.aio import shared_loop
 from prague.groups.api import Group
 
 _Reply = TypeVar("_Reply")
@@ -31,9 +41,10 @@ class GroupGeneratorClient:
 
     ``timeout_s`` bounds every call, including the time ``get_group`` waits for partners under the
     ready policy and the time to connect (calls wait for the server to come up, within the timeout).
+    ``stream`` (default True): ``get_group`` uses one ``GroupStream`` per worker id; False: unary calls.
     """
 
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, token: str, timeout_s: float = 60.0, *, stream: bool = True) -> None:
         if not isinstance(address, str) or not address:
             raise ConfigError(f"group generator address must be 'host:port', got {address!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
@@ -42,9 +53,29 @@ class GroupGeneratorClient:
             raise ConfigError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         self.address = address
         self.timeout_s = float(timeout_s)
+        self.stream = bool(stream)
         self._token = token
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GroupGeneratorStub(self._channel)  # type: ignore[no-untyped-call]
+        self._streams: _Streams | None = None
+        self._streams_lock = threading.Lock()
+        self._closed = False
+
+    def _error(self, what: str, error: grpc.RpcError) -> Exception:
+        """The exception ``what`` raises for a failed RPC (see the module docstring)."""
+        code = error.code()
+        details = error.details()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return self._timeout(what)
+        if code in _REJECTED:
+            return ConfigError(f"group generator at {self.address} rejected {what}: {details}")
+        return CommError(f"group generator at {self.address} failed {what}: {code.name}: {details}")
+
+    def _timeout(self, what: str) -> CommError:
+        return CommError(
+            f"group generator at {self.address} did not answer {what} within timeout_s="
+            f"{self.timeout_s:g}; check that it is running and reachable, or raise the timeout"
+        )
 
     def _call(self, what: str, method: Callable[..., _Reply], request: Callable[[], object]) -> _Reply:
         try:
@@ -54,27 +85,40 @@ class GroupGeneratorClient:
         try:
             return method(message, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as error:
-            code = error.code()
-            details = error.details()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise CommError(
-                    f"group generator at {self.address} did not answer {what} within timeout_s="
-                    f"{self.timeout_s:g}; check that it is running and reachable, or raise the timeout"
-                ) from None
-            if code in _REJECTED:
-                raise ConfigError(f"group generator at {self.address} rejected {what}: {details}") from None
-            raise CommError(
-                f"group generator at {self.address} failed {what}: {code.name}: {details}"
-            ) from None
+            raise self._error(what, error) from None
 
     def get_group(self, worker: int, iteration: int) -> Group:
         """The group ``worker`` runs after step ``iteration``; blocks until the server has decided it."""
-        reply = self._call(
-            f"GetGroup(worker={worker}, iteration={iteration})",
-            self._stub.GetGroup,
-            lambda: pb.GroupRequest(token=self._token, worker=worker, iteration=iteration),
-        )
-        return Group(reply.seq, tuple(reply.members))
+        what = f"GetGroup(worker={worker}, iteration={iteration})"
+        if not self.stream:
+            reply = self._call(
+                what, self._stub.GetGroup,
+                lambda: pb.GroupRequest(token=self._token, worker=worker, iteration=iteration),
+            )
+            return Group(reply.seq, tuple(reply.members))
+        try:
+            pb.GroupRequest(worker=worker, iteration=iteration)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"cannot send {what} to the group generator: {error}") from None
+        streams = self._open_streams()
+        try:
+            seq, members = streams.ask(worker, iteration, self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self._timeout(what) from None
+        except concurrent.futures.CancelledError:
+            raise CommError(f"the client of the group generator at {self.address} was closed while "
+                            f"{what} waited") from None
+        except grpc.RpcError as error:
+            raise self._error(what, error) from None
+        return Group(seq, members)
+
+    def _open_streams(self) -> _Streams:
+        with self._streams_lock:
+            if self._closed:
+                raise CommError(f"the client of the group generator at {self.address} is closed")
+            if self._streams is None:
+                self._streams = _Streams(self.address, self._token)
+            return self._streams
 
     def finish(self, worker: int) -> list[Group]:
         """``worker`` asks for no more groups; returns those it must still execute, in order."""
@@ -102,6 +146,12 @@ class GroupGeneratorClient:
         self._call("Shutdown()", self._stub.Shutdown, lambda: pb.ShutdownRequest(token=self._token))
 
     def close(self) -> None:
+        """Close the streams and the channels; idempotent."""
+        with self._streams_lock:
+            self._closed = True
+            streams, self._streams = self._streams, None
+        if streams is not None:
+            streams.close()
         self._channel.close()
 
     def __enter__(self) -> GroupGeneratorClient:
@@ -109,3 +159,83 @@ class GroupGeneratorClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Streams:
+    """One ``GroupStream`` per worker id on a ``grpc.aio`` channel of its own, driven by the process's
+    event loop for gRPC (:func:`prague.groups.aio.shared_loop`); :meth:`ask` is called from any thread."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self._token = token
+        self._loop = shared_loop()
+        self._calls: dict[int, Any] = {}  # worker -> its open stream (a grpc.aio StreamStreamCall)
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._asking: set[asyncio.Task[Any]] = set()  # requests in flight, cancelled by close()
+        self._channel: grpc.aio.Channel = asyncio.run_coroutine_threadsafe(
+            self._connect(address), self._loop).result(30.0)
+        self._stub = pb_grpc.GroupGeneratorStub(self._channel)  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    async def _connect(address: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(address)
+
+    def ask(self, worker: int, iteration: int, timeout_s: float) -> tuple[int, tuple[int, ...]]:
+        """(seq, members) for ``worker`` after ``iteration``. Raises ``grpc.RpcError`` for a failed
+        stream, ``concurrent.futures.TimeoutError`` after ``timeout_s``; either way the stream is
+        dropped (cancelled), and the next call opens a new one."""
+        future = asyncio.run_coroutine_threadsafe(self._ask(worker, iteration), self._loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    async def _ask(self, worker: int, iteration: int) -> tuple[int, tuple[int, ...]]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._asking.add(task)
+        try:
+            return await self._ask_on_stream(worker, iteration)
+        finally:
+            self._asking.discard(task)
+
+    async def _ask_on_stream(self, worker: int, iteration: int) -> tuple[int, tuple[int, ...]]:
+        lock = self._locks.get(worker)
+        if lock is None:
+            lock = self._locks[worker] = asyncio.Lock()
+        async with lock:  # one request at a time per stream
+            call = self._calls.get(worker)
+            token = ""
+            if call is None:
+                call = self._calls[worker] = self._stub.GroupStream(wait_for_ready=True)
+                token = self._token  # the first request authorizes the stream
+            try:
+                await call.write(pb.GroupRequest(token=token, worker=worker, iteration=iteration))
+                reply = await call.read()
+                if reply is grpc.aio.EOF:  # the server ended the stream without an error status
+                    code = await call.code()
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+                        grpc.aio.Metadata(), grpc.aio.Metadata(),
+                        f"the stream ended without a reply ({await call.details() or code.name})")
+            except BaseException:
+                self._calls.pop(worker, None)
+                call.cancel()
+                raise
+            return reply.seq, tuple(reply.members)
+
+    def close(self) -> None:
+        async def close() -> None:
+            asking = list(self._asking)
+            for task in asking:  # their callers get CancelledError, their streams are cancelled
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)
+            for call in self._calls.values():
+                call.cancel()
+            self._calls.clear()
+            await self._channel.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(5.0)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass

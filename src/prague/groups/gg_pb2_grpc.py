@@ -39,6 +39,11 @@ class GroupGeneratorStub:
                 request_serializer=prague_dot_groups_dot_gg__pb2.GroupRequest.SerializeToString,
                 response_deserializer=prague_dot_groups_dot_gg__pb2.GroupReply.FromString,
                 _registered_method=True)
+        self.GroupStream = channel.stream_stream(
+                '/prague.groups.GroupGenerator/GroupStream',
+                request_serializer=prague_dot_groups_dot_gg__pb2.GroupRequest.SerializeToString,
+                response_deserializer=prague_dot_groups_dot_gg__pb2.GroupReply.FromString,
+                _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/prague.groups.GroupGenerator/Finish',
                 request_serializer=prague_dot_groups_dot_gg__pb2.FinishRequest.SerializeToString,
@@ -68,6 +73,19 @@ class GroupGeneratorServicer:
         """The group `worker` runs after its step `iteration`. Blocks until the answer is determined (the
         ready policy waits for partners). Idempotent: asking again for the same iteration returns the same
         group, so a client may retry after a timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GroupStream(self, request_iterator, context):
+        """GetGroup over one long-lived stream per worker (what the client uses by default): the first
+        request carries the job's token and the stream's worker id (later requests may leave the token
+        empty; their worker, if set, must be the same); each request asks for the group after its
+        `iteration`, with GetGroup's semantics, and gets exactly one reply, in order. A rejected request
+        (wrong token, unknown worker, inconsistent iteration) ends the stream with UNAUTHENTICATED or
+        INVALID_ARGUMENT and changes nothing; the client may open a new stream. A request still waiting
+        when its stream ends stays registered: a retry on a new stream (or GetGroup) gets its group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +126,11 @@ def add_GroupGeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.GetGroup,
+                    request_deserializer=prague_dot_groups_dot_gg__pb2.GroupRequest.FromString,
+                    response_serializer=prague_dot_groups_dot_gg__pb2.GroupReply.SerializeToString,
+            ),
+            'GroupStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GroupStream,
                     request_deserializer=prague_dot_groups_dot_gg__pb2.GroupRequest.FromString,
                     response_serializer=prague_dot_groups_dot_gg__pb2.GroupReply.SerializeToString,
             ),
@@ -157,6 +180,33 @@ class GroupGenerator:
             request,
             target,
             '/prague.groups.GroupGenerator/GetGroup',
+            prague_dot_groups_dot_gg__pb2.GroupRequest.SerializeToString,
+            prague_dot_groups_dot_gg__pb2.GroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GroupStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/prague.groups.GroupGenerator/GroupStream',
             prague_dot_groups_dot_gg__pb2.GroupRequest.SerializeToString,
             prague_dot_groups_dot_gg__pb2.GroupReply.FromString,
             options,

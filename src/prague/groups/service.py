@@ -2,16 +2,25 @@
 
 The policy (:mod:`prague.groups`) is pure and single-threaded; this module is the edge that adds I/O:
 
-* one lock around the policy; an RPC whose answer is not determined yet (the ready policy waiting for
-  partners) blocks on a per-worker condition of that lock;
+* :class:`GroupGeneratorCore` is the one place decisions are made: one lock around the policy, the
+  idempotency and ordering checks, the trace. A request whose answer is not determined yet (the ready
+  policy waiting for partners) stays registered there until the policy delivers it;
 * a timer thread calls ``policy.poll`` at ``policy.next_deadline()``; time is ``time.monotonic()``
   since the server was built;
-* every request carries the job's shared token, compared in constant time. A wrong token gets
-  ``UNAUTHENTICATED``; an unknown worker id or an inconsistent request gets ``INVALID_ARGUMENT``; a
-  message that does not parse is rejected by gRPC itself. None of these changes the policy's state, and
-  the server keeps serving;
-* ``GetGroup`` is idempotent per (worker, iteration): a client that timed out may ask again and gets
-  the same group (a buffered policy must never lose a group, or its partners would wait forever);
+* the server is asynchronous (``grpc.aio``, on the process's event loop in a thread of its own,
+  :mod:`prague.groups.aio`): each RPC is a coroutine and a waiting request awaits a future that the
+  core resolves, so no thread is held per worker. Workers ask over one bidirectional ``GroupStream``
+  each (the client's default: a request and its reply are one message each way on an open HTTP/2
+  stream; ``benchmarks/group_generator.py`` measured a quarter to a third of a unary call's server
+  CPU); the unary ``GetGroup`` has the same semantics;
+* every request carries the job's shared token, compared in constant time (on a stream: its first
+  request, and any later one that repeats it). A wrong token gets ``UNAUTHENTICATED``; an unknown
+  worker id or an inconsistent request gets ``INVALID_ARGUMENT`` (on a stream, that ends the stream);
+  a message that does not parse is rejected by gRPC itself. None of these changes the policy's state,
+  and the server keeps serving;
+* ``GetGroup`` is idempotent per (worker, iteration): a client that timed out or lost its stream may
+  ask again and gets the same group (a buffered policy must never lose a group, or its partners would
+  wait forever);
 * when asked (``--trace FILE``, or the ``Trace`` RPC, which every worker of a ``--log-decisions`` run
   sends before its first request), every call of the policy is written to a file as it is made, in
   lock order, with the time it was given and its answers (:class:`prague.groups.trace.PolicyCall`), so
@@ -26,6 +35,7 @@ Run it standalone (the CLI's ``prague gg serve`` calls :func:`serve`)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -38,7 +48,6 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
 
 import grpc
 
@@ -46,6 +55,7 @@ from prague.errors import CommError, ConfigError
 from prague.io import JsonLines, atomic_write_text
 from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
+from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.trace import PolicyCall, call_policy
@@ -81,6 +91,7 @@ class GroupGeneratorCore:
         self._pending: dict[int, int] = {}  # worker -> iteration it is waiting for
         self._last: dict[int, tuple[int, Group]] = {}  # worker -> (iteration, group) last answered
         self._finished: dict[int, list[Group]] = {}
+        self._wakers: dict[int, list[Callable[[], None]]] = {}  # worker -> callbacks of waiting requests
         self._trace: JsonLines | None = None
         self._stopping = False
         self._timer = threading.Thread(target=self._timer_loop, name="gg-timer", daemon=True)
@@ -117,7 +128,49 @@ class GroupGeneratorCore:
         for worker, group in answers:
             self._delivered[worker] = group
             self._worker_cond[worker].notify_all()
+            for wake in self._wakers.pop(worker, ()):
+                wake()
         self._timer_cond.notify()  # the next deadline may have moved
+
+    def _register(self, worker: int, iteration: int) -> Group | None:
+        """Lock held: check the request and, if new, hand it to the policy. Returns the group if it is
+        already known (a retry of the last answered iteration)."""
+        check_worker_id(worker, self.policy.config.nproc)
+        if iteration < 0:
+            raise ConfigError(f"iteration must be >= 0, got {iteration}")
+        last = self._last.get(worker)
+        if last is not None and last[0] == iteration:
+            return last[1]
+        pending = self._pending.get(worker)
+        if pending is None:
+            if last is not None and iteration < last[0]:
+                raise ConfigError(
+                    f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
+                    "iterations must increase"
+                )
+            answers = self._call("request", worker, self.now_s())
+            self._pending[worker] = iteration
+            self._deliver(answers)
+        elif pending != iteration:
+            raise ConfigError(
+                f"worker {worker} asked for iteration {iteration} while its request for iteration "
+                f"{pending} is still waiting; wait for that answer first"
+            )
+        return None
+
+    def _pickup(self, worker: int, iteration: int) -> Group | None:
+        """Lock held, request registered: its group if determined (the first pickup records it)."""
+        group = self._delivered.pop(worker, None)
+        if group is not None:
+            del self._pending[worker]
+            self._last[worker] = (iteration, group)
+            return group
+        last = self._last.get(worker)
+        if last is not None and last[0] == iteration:  # a concurrent retry picked it up
+            return last[1]
+        if self._stopping:
+            raise _Stopping
+        return None
 
     def get_group(
         self, worker: int, iteration: int, is_active: Callable[[], bool] = lambda: True
@@ -127,43 +180,37 @@ class GroupGeneratorCore:
         Returns ``None`` if ``is_active()`` turns false while waiting (the client went away; its answer
         is kept for a retry). Raises ``ConfigError`` for a bad request, ``_Stopping`` on shutdown.
         """
-        check_worker_id(worker, self.policy.config.nproc)
-        if iteration < 0:
-            raise ConfigError(f"iteration must be >= 0, got {iteration}")
         with self._lock:
-            last = self._last.get(worker)
-            if last is not None and last[0] == iteration:
-                return last[1]
-            pending = self._pending.get(worker)
-            if pending is None:
-                if last is not None and iteration < last[0]:
-                    raise ConfigError(
-                        f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
-                        "iterations must increase"
-                    )
-                answers = self._call("request", worker, self.now_s())
-                self._pending[worker] = iteration
-                self._deliver(answers)
-            elif pending != iteration:
-                raise ConfigError(
-                    f"worker {worker} asked for iteration {iteration} while its request for iteration "
-                    f"{pending} is still waiting; wait for that answer first"
-                )
+            group = self._register(worker, iteration)
             cond = self._worker_cond[worker]
-            while True:
-                group = self._delivered.pop(worker, None)
-                if group is not None:
-                    del self._pending[worker]
-                    self._last[worker] = (iteration, group)
-                    return group
-                last = self._last.get(worker)
-                if last is not None and last[0] == iteration:  # a concurrent retry picked it up
-                    return last[1]
-                if self._stopping:
-                    raise _Stopping
-                if not is_active():
-                    return None
-                cond.wait(_WAKE_S)
+            while group is None:
+                group = self._pickup(worker, iteration)
+                if group is None:
+                    if not is_active():
+                        return None
+                    cond.wait(_WAKE_S)
+            return group
+
+    def request(self, worker: int, iteration: int, wake: Callable[[], None]) -> Group | None:
+        """:meth:`get_group` without blocking, for an event loop: the group if determined now; else
+        ``None``, and ``wake()`` is called once (from whichever thread delivers it, lock held, so it must
+        only schedule work) when it may be; then call ``request`` again with the same arguments. A
+        caller that stops waiting calls :meth:`forget` with the same ``wake``; the request stays
+        registered, its answer kept for a retry. Raises like :meth:`get_group`."""
+        with self._lock:
+            group = self._register(worker, iteration)
+            if group is None:
+                group = self._pickup(worker, iteration)
+            if group is None:
+                self._wakers.setdefault(worker, []).append(wake)
+            return group
+
+    def forget(self, worker: int, wake: Callable[[], None]) -> None:
+        """Drop a ``wake`` registered by :meth:`request` (its caller stopped waiting)."""
+        with self._lock:
+            wakers = self._wakers.get(worker)
+            if wakers is not None and wake in wakers:
+                wakers.remove(wake)
 
     def finish(self, worker: int) -> list[Group]:
         """``worker`` leaves; returns the groups it must still execute, in order. Idempotent."""
@@ -195,6 +242,9 @@ class GroupGeneratorCore:
             self._timer_cond.notify_all()
             for cond in self._worker_cond:
                 cond.notify_all()
+            wakers, self._wakers = self._wakers, {}
+            for wake in (w for ws in wakers.values() for w in ws):
+                wake()
         self._timer.join(timeout=5.0)
         with self._lock:
             if self._trace is not None:
@@ -218,69 +268,114 @@ class GroupGeneratorCore:
 
 
 class _Servicer(pb_grpc.GroupGeneratorServicer):
+    """The RPC handlers, coroutines on the server's event loop. Policy calls go through the core (its
+    lock); a request whose group is not determined yet waits on an asyncio future that the core's
+    ``wake`` resolves, so a waiting worker holds no thread."""
+
     def __init__(self, core: GroupGeneratorCore, token: str, shutdown: threading.Event) -> None:
         self._core = core
         self._token = token.encode()
         self._shutdown = shutdown
 
-    def _authorize(self, token: str, context: grpc.ServicerContext) -> None:
-        if not hmac.compare_digest(token.encode(), self._token):
-            self._abort(context, grpc.StatusCode.UNAUTHENTICATED,
-                        "wrong or missing token; pass the token the group generator was started with")
+    def _token_ok(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), self._token)
 
-    @staticmethod
-    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-        context.abort(code, message)
-        raise AssertionError("unreachable")  # context.abort raises
+    async def _authorize(self, token: str, context: grpc.aio.ServicerContext) -> None:
+        if not self._token_ok(token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "wrong or missing token; pass the token the group generator was started with")
 
-    def _reject(self, context: grpc.ServicerContext, error: Exception) -> NoReturn:
-        self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    async def _group(self, worker: int, iteration: int, context: grpc.aio.ServicerContext) -> pb.GroupReply:
+        """The reply to one request (GetGroup's semantics), or the RPC aborted with the reason."""
+        loop = asyncio.get_running_loop()
+        while True:
+            ready: asyncio.Future[None] = loop.create_future()
 
-    def GetGroup(self, request: pb.GroupRequest, context: grpc.ServicerContext) -> pb.GroupReply:
-        self._authorize(request.token, context)
-        try:
-            group = self._core.get_group(request.worker, request.iteration, context.is_active)
-        except ConfigError as error:
-            self._reject(context, error)
-        except _Stopping:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, "the group generator is shutting down")
-        if group is None:
-            self._abort(context, grpc.StatusCode.CANCELLED, "client went away")
-        return pb.GroupReply(seq=group.seq, members=group.members)
+            def wake(ready: asyncio.Future[None] = ready) -> None:
+                try:
+                    loop.call_soon_threadsafe(_resolve, ready)
+                except RuntimeError:  # the loop is closed: the server is gone
+                    pass
 
-    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
-        self._authorize(request.token, context)
+            try:
+                group = self._core.request(worker, iteration, wake)
+            except ConfigError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except _Stopping:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the group generator is shutting down")
+            if group is not None:
+                return pb.GroupReply(seq=group.seq, members=group.members)
+            try:
+                await ready
+            except asyncio.CancelledError:  # the client went away: its answer is kept for a retry
+                self._core.forget(worker, wake)
+                raise
+
+    async def GetGroup(self, request: pb.GroupRequest, context: grpc.aio.ServicerContext) -> pb.GroupReply:
+        await self._authorize(request.token, context)
+        return await self._group(request.worker, request.iteration, context)
+
+    async def GroupStream(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        await self._authorize(first.token, context)
+        worker = first.worker
+        request = first
+        while True:
+            if request.worker != worker:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"this stream belongs to worker {worker}, got a request for worker {request.worker}; "
+                    "open one stream per worker",
+                )
+            if request is not first and request.token:  # later requests may leave the token out
+                await self._authorize(request.token, context)
+            await context.write(await self._group(worker, request.iteration, context))
+            request = await context.read()
+            if request is grpc.aio.EOF:
+                return
+
+    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishReply:
+        await self._authorize(request.token, context)
         try:
             groups = self._core.finish(request.worker)
         except ConfigError as error:
-            self._reject(context, error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.FinishReply(groups=[pb.GroupReply(seq=g.seq, members=g.members) for g in groups])
 
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        self._authorize(request.token, context)
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        await self._authorize(request.token, context)
         return pb.StatsReply(json=json.dumps(self._core.stats(), sort_keys=True))
 
-    def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownReply:
-        self._authorize(request.token, context)
+    async def Shutdown(self, request: pb.ShutdownRequest, context: grpc.aio.ServicerContext) -> pb.ShutdownReply:
+        await self._authorize(request.token, context)
         self._shutdown.set()
         return pb.ShutdownReply()
 
-    def Trace(self, request: pb.TraceRequest, context: grpc.ServicerContext) -> pb.TraceReply:
-        self._authorize(request.token, context)
+    async def Trace(self, request: pb.TraceRequest, context: grpc.aio.ServicerContext) -> pb.TraceReply:
+        await self._authorize(request.token, context)
         if not request.path:
-            self._reject(context, ConfigError("Trace needs the path of the file to write"))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Trace needs the path of the file to write")
         try:
             self._core.trace_to(Path(request.path))
         except ConfigError as error:
-            self._reject(context, error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.TraceReply()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class GroupGeneratorServer:
     """A gRPC server around one policy. Call :meth:`start`, then :meth:`stop` (or use ``with``).
 
-    ``max_workers`` bounds the RPCs handled at once; blocked ``GetGroup`` calls hold a thread each, so it
-    defaults to ``nproc + 16``.
+    The server is asynchronous (``grpc.aio``, on the process's loop :func:`prague.groups.aio.shared_loop`):
+    every RPC, including a ``GetGroup`` or a stream waiting for partners, is a coroutine, so thousands
+    of workers cost no threads. Policy calls stay behind the core's lock, shared with the timer thread. ``max_workers``
+    is accepted for compatibility and ignored (blocked calls no longer hold a thread).
     """
 
     def __init__(self, policy: GroupPolicy, token: str, *, max_workers: int | None = None) -> None:
@@ -289,27 +384,33 @@ class GroupGeneratorServer:
         self.policy = policy
         self.core = GroupGeneratorCore(policy)
         self.shutdown_requested = threading.Event()
-        threads = max_workers if max_workers is not None else policy.config.nproc + 16
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gg-rpc"),
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_GroupGeneratorServicer_to_server(  # type: ignore[no-untyped-call]
-            _Servicer(self.core, token, self.shutdown_requested), self._server
-        )
+        self._servicer = _Servicer(self.core, token, self.shutdown_requested)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
         self._address: str | None = None
+        self._stopped = False
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Bind ``host:port`` (0: a free port chosen by the OS), start serving, return the bound port."""
+        if self._loop is not None:
+            raise CommError("the group generator server is already started; build a new one")
         wanted = format_address(host, port)
+        self._loop = shared_loop()
+        bound = asyncio.run_coroutine_threadsafe(self._start(wanted), self._loop).result(60.0)
+        self._address = format_address(host, bound)
+        return bound
+
+    async def _start(self, wanted: str) -> int:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GroupGeneratorServicer_to_server(self._servicer, server)  # type: ignore[no-untyped-call]
         try:
-            bound = int(self._server.add_insecure_port(wanted))
+            bound = int(server.add_insecure_port(wanted))
         except RuntimeError as error:
             raise CommError(f"group generator could not bind {wanted}: {error}") from None
         if bound == 0:
             raise CommError(f"group generator could not bind {wanted}; pick another host or port")
-        self._server.start()
-        self._address = format_address(host, bound)
+        await server.start()
+        self._server = server
         return bound
 
     @property
@@ -327,10 +428,18 @@ class GroupGeneratorServer:
         self.shutdown_requested.set()
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving; blocked GetGroup calls fail with UNAVAILABLE. Safe to call twice."""
+        """Stop serving; waiting GetGroup calls and streams fail with UNAVAILABLE. Safe to call twice."""
         self.shutdown_requested.set()
         self.core.stop()
-        self._server.stop(grace_s).wait(grace_s + 5.0)
+        if self._stopped:
+            return
+        self._stopped = True
+        loop, server = self._loop, self._server
+        if loop is not None and server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(server.stop(grace_s), loop).result(grace_s + 5.0)
+            except (TimeoutError, futures.TimeoutError):
+                pass
 
     def __enter__(self) -> GroupGeneratorServer:
         return self

@@ -5,17 +5,22 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). When an agent hosts the rendezvous store 
 launcher, both signalled by ``TORCHELASTIC_USE_AGENT_STORE=True``) every rank connects as a client;
 otherwise rank 0 hosts it, as with ``init_method="env://"``. A script started with none of these
 variables runs as a job of one.
+
+The backend and the device are chosen by two pure functions, :func:`pick_backend` and
+:func:`device_for`, which tests call with any GPU count.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import signal
 import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,12 +28,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: this module binds ``group=group.WORLD`` as
+# default arguments when first imported (torch's optimizers import it through torch._dynamo). Imported
+# after init_process_group, those defaults keep the world group alive after destroy_process_group(),
+# with its gloo worker threads; a worker thread still releasing a finished collective when the
+# interpreter finalises then aborts the process ("terminate called without an active exception").
+# Imported first, the defaults are None, which these functions read as the world group anyway.
+import torch.distributed.nn.functional  # noqa: F401
+
 from prague.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
 LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 BACKENDS = ("auto", "gloo", "nccl")
+
+
+def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
+    """The job's backend: ``requested``, or for ``"auto"`` NCCL when this machine has a GPU for each of
+    its ``local_world_size`` ranks and gloo otherwise (NCCL cannot put two ranks of one communicator on
+    one GPU). Raises :class:`ConfigError` for an unknown name, and for ``"nccl"`` with fewer GPUs than
+    local ranks (none included)."""
+    if requested not in BACKENDS:
+        raise ConfigError(f"unknown backend {requested!r}; valid choices: {', '.join(BACKENDS)}")
+    if local_world_size < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
+    enough = gpu_count >= local_world_size
+    if requested == "auto":
+        return "nccl" if gpu_count > 0 and enough else "gloo"
+    if requested == "nccl" and gpu_count == 0:
+        raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
+    if requested == "nccl" and not enough:
+        raise ConfigError(f"backend 'nccl' needs one GPU per rank, but this machine runs {local_world_size} ranks "
+                          f"on {gpu_count} GPU(s); use --backend gloo, or at most {gpu_count} processes per machine")
+    return requested
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """Where a rank keeps its model and the tensors of its collectives: its own GPU (``local_rank``)
+    under NCCL, the CPU under gloo."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 @dataclass
@@ -89,7 +128,8 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     """Join the job described by the environment and initialise ``torch.distributed``.
 
     Called once per worker process, on every rank, before wrapping a model. ``backend="auto"`` picks
-    NCCL when CUDA is available and gloo otherwise. Returns the context (also kept for :func:`context`).
+    NCCL when this machine has a GPU for each of its ranks (``LOCAL_WORLD_SIZE``) and gloo otherwise
+    (:func:`pick_backend`). Returns the context (also kept for :func:`context`).
     Raises :class:`ConfigError` for a malformed environment; a rendezvous that does not complete within
     ``timeout_s`` raises torch's timeout error.
     """
@@ -100,10 +140,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         raise ConfigError(f"unknown backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
+    local_world_size = 1
+    if "WORLD_SIZE" in os.environ:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE"))
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = pick_backend(backend, gpu_count, local_world_size)
 
     set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
@@ -123,11 +164,9 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         rank, world_size, local_rank = 0, 1, 0
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
 
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
             backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
@@ -165,9 +204,42 @@ def context() -> DistContext:
     return _CONTEXT
 
 
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+
+def communication_threads() -> list[str]:
+    """Names of this process's threads that run gloo collectives (one pair per live gloo process group;
+    Linux only, empty elsewhere). They outlive :func:`shutdown` only while something still references a
+    process group, such as a trainer that was not closed."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return sorted(n for n in names if n == GLOO_WORKER_THREAD)
+
+
 def shutdown() -> None:
-    """Leave the job: destroy the process group. Safe to call twice."""
+    """Leave the job: destroy the process group and release its threads. Safe to call twice; call it
+    after closing every trainer (:meth:`prague.DistributedTrainer.close`).
+
+    A process group lives as long as something references it, and its gloo worker threads with it; one
+    still running when the interpreter finalises can abort the process at exit. So this collects
+    garbage after destroying the group, and warns when worker threads survive."""
     global _CONTEXT
     if dist.is_initialized():
         dist.destroy_process_group()
     _CONTEXT = None
+    gc.collect()
+    left = communication_threads()
+    if left:
+        warnings.warn(
+            f"{len(left)} gloo worker thread(s) still run after prague.shutdown(): a process group is still "
+            "referenced (close every trainer before shutdown, and drop your own process groups); the "
+            "interpreter may abort at exit", RuntimeWarning, stacklevel=2)

@@ -32,8 +32,8 @@ TOML layout (every key optional; units are in the key names)::
                               # (the cache's size is the method's --comm-cache, as in the runtime)
 
     [gg]
-    rtt_us = 600.0            # one Group Generator RPC round trip, network and (un)marshalling
-    service_us = 50.0         # time the GG's single thread spends per request (its queue's service time)
+    rtt_us = 500.0            # one Group Generator RPC round trip, network and (un)marshalling
+    service_us = 110.0        # time the GG's single thread spends per request (its queue's service time)
 
     [ps]
     server_bandwidth_gbps = 40.0   # one server shard's network card (incast: all pushes queue on it)
@@ -62,6 +62,15 @@ else:  # Python 3.10: the same API from the tomli backport
 from prague.errors import ConfigError, unknown_choice
 
 DISTRIBUTIONS = ("constant", "uniform", "normal", "lognormal")
+# The Group Generator service as measured by benchmarks/group_generator.py (grpc.aio server, one
+# GroupStream per worker, smart policy, 2-core machine shared with the client processes): its event-loop
+# thread, the one that serialises requests, spent 104-117 us of CPU per request (the whole process
+# 120-190 us: gRPC's own threads run beside it); one worker's round trip through GroupGeneratorClient
+# was about 0.6 ms, of which the service's 0.11 ms. Before the streaming service (unary GetGroup on a
+# thread pool) the process spent 360-680 us per request. One service thus saturates at
+# iteration_s / 110 us workers (Cluster.gg_saturation_workers): 545 at a 60 ms iteration.
+GG_SERVICE_S = 110e-6
+GG_RTT_S = 500e-6
 GBIT = 1e9 / 8.0  # bytes per second in one gigabit per second
 
 
@@ -118,8 +127,8 @@ class Cluster:
     inter: Link = field(default_factory=lambda: Link.of(20.0, 40.0))
     allreduce_exposed: float = 1.0
     preduce_setup_s: float = 0.0
-    gg_rtt_s: float = 600e-6
-    gg_service_s: float = 50e-6
+    gg_rtt_s: float = GG_RTT_S
+    gg_service_s: float = GG_SERVICE_S
     server: Link | None = None
     ps_apply_s: float = 0.0
     ps_full_duplex: bool = True
@@ -160,6 +169,21 @@ class Cluster:
             return self.server
         return self.inter if nodes > 1 else self.intra
 
+    def iteration_floor_s(self) -> float:
+        """The shortest iteration a worker of the ``prague`` method can have: nominal compute plus its
+        overhead plus one Group Generator call (round trip and service), no P-Reduce."""
+        return self.compute_s + self.compute_overhead_s + self.gg_rtt_s + self.gg_service_s
+
+    def gg_saturation_workers(self, iteration_s: float | None = None) -> float | None:
+        """The worker count at which one Group Generator is busy all the time: each worker asks once per
+        iteration, so n workers send ``n / iteration_s`` requests per second, and one service thread
+        answers ``1 / gg_service_s``. Saturated when ``n >= iteration_s / gg_service_s``; beyond that
+        requests queue and iterations stretch. ``iteration_s`` defaults to :meth:`iteration_floor_s`
+        (a lower bound of n: real iterations, with P-Reduce, are longer). None without service time."""
+        if self.gg_service_s <= 0:
+            return None
+        return (self.iteration_floor_s() if iteration_s is None else iteration_s) / self.gg_service_s
+
     def replace_fields(self, **changes: Any) -> Cluster:
         """A copy with the given fields replaced (``None`` values are ignored), validated again."""
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -181,6 +205,9 @@ class Cluster:
             "preduce_setup_ms": self.preduce_setup_s * 1e3,
             "gg_rtt_us": self.gg_rtt_s * 1e6,
             "gg_service_us": self.gg_service_s * 1e6,
+            # One service's capacity, and the workers that fill it at the shortest iteration.
+            "gg_capacity_requests_per_s": None if self.gg_service_s <= 0 else 1.0 / self.gg_service_s,
+            "gg_saturation_workers": self.gg_saturation_workers(),
             "ps_apply_ms": self.ps_apply_s * 1e3,
             "ps_full_duplex": self.ps_full_duplex,
             "contention": self.contention,
@@ -194,7 +221,8 @@ class Cluster:
 # 56 and 25 us per step (NCCL over IB verbs); the four workers of a node share its network card. The
 # all-reduce is not overlapped with backward (exposed fraction 1.0): the paper's 1.2x for static
 # Prague over All-Reduce needs that (with half of it hidden, static would tie). The GG's gRPC round
-# trip 0.6 ms with 50 us of service per request; a NCCL communicator for a new member set 2 ms.
+# trip and service are our service's, as measured (GG_RTT_S, GG_SERVICE_S); a NCCL communicator for a
+# new member set 2 ms.
 PAPER = Cluster(
     name="paper-4x4-1080ti",
     compute_s=0.060,
@@ -204,8 +232,8 @@ PAPER = Cluster(
     inter=Link.of(25.0, 45.0),
     allreduce_exposed=1.0,
     preduce_setup_s=0.002,
-    gg_rtt_s=600e-6,
-    gg_service_s=50e-6,
+    gg_rtt_s=GG_RTT_S,
+    gg_service_s=GG_SERVICE_S,
 )
 
 # One machine of this project (gloo on loopback, 2 cores): the starting point calibration refines.
@@ -216,8 +244,8 @@ LOCAL = Cluster(
     inter=Link.of(100.0, 8.0),
     allreduce_exposed=1.0,
     preduce_setup_s=0.008,
-    gg_rtt_s=600e-6,
-    gg_service_s=100e-6,
+    gg_rtt_s=GG_RTT_S,
+    gg_service_s=GG_SERVICE_S,
     ps_full_duplex=False,
 )
 

@@ -79,6 +79,16 @@ class NoMath:
 
     def allreduce_step(self, members: Sequence[int], step: int) -> None: ...
 
+    def values(self, w: int) -> Any:
+        """A copy of x_w as it is now (a snapshot handed to a background average)."""
+        return None
+
+    def corrections(self, snapshots: dict[int, Any]) -> dict[int, Any]:
+        """The delayed-averaging corrections of one group: ``avg - s_w`` for each member's snapshot."""
+        return {}
+
+    def add(self, w: int, delta: Any) -> None: ...
+
     def server_step(self, grads: Sequence[Any], rule: SGDRule | None, key: Any, scale: float = 1.0) -> None: ...
 
     def own_step(self, w: int, grad: Any, rule: SGDRule | None, scale: float = 1.0) -> None: ...
@@ -180,6 +190,17 @@ class RealMath(NoMath):
     def average(self, members: Sequence[int]) -> None:
         idx = torch.as_tensor(list(members))
         self.X[idx] = self.X[idx].mean(dim=0)
+
+    def values(self, w: int) -> torch.Tensor:
+        return self.X[w].clone()
+
+    def corrections(self, snapshots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        mean = torch.stack(list(snapshots.values())).mean(dim=0)
+        return {w: mean - snap for w, snap in snapshots.items()}
+
+    def add(self, w: int, delta: torch.Tensor | None) -> None:
+        if delta is not None:
+            self.X[w].add_(delta)
 
     def allreduce_step(self, members: Sequence[int], step: int) -> None:
         grad = torch.stack([self._grad(self.X[w], w, step) for w in members]).mean(dim=0)

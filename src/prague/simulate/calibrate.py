@@ -15,7 +15,8 @@ link matters):
   ``allreduce`` are used (DDP adds work to backward that the all-reduce fit absorbs). Without per-step
   files, the records' ``mean_compute_s`` are used instead.
 * the GG round trip, measured: the mean ``wait_s`` of ``prague:smart`` or ``prague:random`` runs
-  without slowdowns (their answer needs no partner, so their wait is the RPC alone).
+  without slowdowns and with ``--overlap off`` (their answer needs no partner, so their wait is the RPC
+  alone; overlapped, the RPC is hidden behind compute and the wait is something else).
 * fitted, in this order, each by a one-dimensional search minimising the squared log error between
   simulated and measured throughput: the link bandwidth on the P-Reduce methods (``prague``, ``dssync``,
   ``adpsgd``); the all-reduce's exposed fraction on ``allreduce``; the server link's bandwidth and the
@@ -100,10 +101,16 @@ def _compute_model(bench: Path, records: list[RunRecord]) -> tuple[float, float,
     return nominal, max(0.0, mean - nominal), cv, source
 
 
+def _blocking(record: RunRecord) -> bool:
+    """Whether a ``prague`` record ran with ``--overlap off`` (records older than the option did)."""
+    stats = (record.algorithm_stats or [{}])[0] or {}
+    return stats.get("overlap", "off") == "off"
+
+
 def _gg_rtt(records: list[RunRecord]) -> float | None:
     waits = [fmean(r.mean_wait_s) for r in records
              if r.algorithm == "prague" and r.variant in ("smart", "random")
-             and r.scenario == "homogeneous" and r.mean_wait_s]
+             and r.scenario == "homogeneous" and r.mean_wait_s and _blocking(r)]
     return fmean(waits) if waits else None
 
 
@@ -112,7 +119,8 @@ def sim_config(record: RunRecord, cluster: Cluster) -> SimConfig:
     stats = (record.algorithm_stats or [{}])[0] or {}
     options: dict[str, Any] = {}
     for key, option in (("group_size", "group_size"), ("shards", "ps_shards"), ("max_staleness", "max_staleness"),
-                        ("staleness_lr", "staleness_lr"), ("generator", "generator")):
+                        ("staleness_lr", "staleness_lr"), ("generator", "generator"), ("overlap", "overlap"),
+                        ("max_in_flight", "max_in_flight"), ("when_busy", "when_busy")):
         if stats.get(key) is not None:
             options[option] = stats[key]
     return SimConfig(

@@ -57,9 +57,10 @@ class TrainClock:
             self._paused += time.perf_counter() - t
 
 
-def all_gather_floats(value: float) -> list[float]:
-    """Every rank's ``value``. Collective."""
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's ``value``. Collective; ``device``: the job's (:attr:`DistContext.device`: a CUDA device
+    under NCCL, whose collectives take device tensors only)."""
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
     out[dist.get_rank()] = value
     dist.all_reduce(out)
     return out.tolist()
@@ -79,17 +80,20 @@ class SnapshotLog:
         self.entries: list[tuple[int, float, torch.Tensor]] = []
 
     def take(self, model: nn.Module, step: int, wall_s: float) -> None:
-        self.entries.append((step, wall_s, flatten(state_tensors(model)).clone()))
+        # Kept on the host: a CUDA model's snapshots would otherwise hold device memory until the end.
+        self.entries.append((step, wall_s, flatten(state_tensors(model)).to("cpu", copy=True)))
 
     def evaluate(self, model: nn.Module, data: Dataset, ctx: DistContext) -> list[dict[str, float]]:
         """Score the rank-wise average of every snapshot. Collective: all ranks hold the same steps."""
         history: list[dict[str, float]] = []
         probe = copy.deepcopy(model)
-        for step, wall_s, flat in self.entries:
+        for step, wall_s, snapshot in self.entries:
+            flat = snapshot.to(ctx.device)  # the backend's device (NCCL: the GPU)
             dist.all_reduce(flat)
             flat /= ctx.world_size
             unflatten_into(flat, state_tensors(probe))
-            history.append({"wall_s": max(all_gather_floats(wall_s)), "step": step, "accuracy": evaluate(probe, data, ctx)})
+            history.append({"wall_s": max(all_gather_floats(wall_s, ctx.device)), "step": step,
+                            "accuracy": evaluate(probe, data, ctx)})
         self.entries.clear()
         return history
 
@@ -106,7 +110,7 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch_size: int 
         x = data.test_x[i : min(i + batch_size, hi)].to(ctx.device)
         y = data.test_y[i : min(i + batch_size, hi)].to(ctx.device)
         correct += int((model(x).argmax(dim=1) == y).sum())
-    counts = torch.tensor([correct], dtype=torch.float64)
+    counts = torch.tensor([correct], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts)
     return float(counts.item()) / n
 
@@ -176,7 +180,7 @@ def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, 
     history = training.snapshots.evaluate(trainer.model, data, ctx)
     final = trainer.averaged_model()
     accuracy = evaluate(final, data, ctx)
-    history.append({"wall_s": max(all_gather_floats(training.wall_s)), "step": steps, "accuracy": accuracy})
+    history.append({"wall_s": max(all_gather_floats(training.wall_s, ctx.device)), "step": steps, "accuracy": accuracy})
     if cfg.save_model and ctx.is_main:
         torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
     time_to_target = next(

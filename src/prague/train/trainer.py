@@ -38,6 +38,23 @@ from prague.runtime.context import DistContext, context
 Closure = Callable[[nn.Module], torch.Tensor]
 
 
+def step_clock(device: torch.device,
+               synchronize: Callable[[torch.device], None] | None = None) -> Callable[[], float]:
+    """The clock that times a step's phases on ``device``: ``time.perf_counter``, and on CUDA
+    ``synchronize(device)`` (default ``torch.cuda.synchronize``) first. CUDA kernels run asynchronously,
+    so without it a phase would be charged for the queued work of the one before (backward's kernels to
+    the communication hooks)."""
+    if device.type != "cuda":
+        return time.perf_counter
+    sync = torch.cuda.synchronize if synchronize is None else synchronize
+
+    def now() -> float:
+        sync(device)
+        return time.perf_counter()
+
+    return now
+
+
 @dataclass
 class StepRecord:
     """Timing and loss of one iteration on one worker (one line of the metrics file)."""
@@ -94,6 +111,7 @@ class DistributedTrainer:
         self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")
         self.scenario.check_world(self.ctx.world_size)
         self.model = model.to(self.ctx.device)
+        self._clock = step_clock(self.ctx.device)
         self.optimizer = optimizer
         try:
             self.module = self.algorithm.setup(self.model, optimizer)
@@ -128,7 +146,7 @@ class DistributedTrainer:
         factor = self.scenario.slowdown(rank, step, self.ctx.world_size)
         times = StepTimes()
 
-        t0 = time.perf_counter()
+        t0 = self._clock()
         delay = self._slowdown_delay_s(factor)
         if delay > 0:
             time.sleep(delay)
@@ -136,13 +154,13 @@ class DistributedTrainer:
             self.optimizer.zero_grad(set_to_none=False)
         loss = closure(self.module)
         loss.backward()
-        t1 = time.perf_counter()
+        t1 = self._clock()
         self.algorithm.after_backward(step, times)
-        t2 = time.perf_counter()
+        t2 = self._clock()
         self.algorithm.apply_update(self.optimizer, step)
-        t3 = time.perf_counter()
+        t3 = self._clock()
         self.algorithm.after_step(step, times)
-        t4 = time.perf_counter()
+        t4 = self._clock()
 
         hooks_s = (t2 - t1) + (t4 - t3)
         compute_s = (t1 - t0) + (t3 - t2) - times.inner_comm_s
@@ -172,6 +190,7 @@ class DistributedTrainer:
         also after a failure: pass ``failed=True`` then (the default is whether a :meth:`step` raised),
         and it only releases, without waiting for peers that may be gone."""
         self.algorithm.close(failed=self._failed if failed is None else failed)
+        self.module = self.model  # the method's wrapper (DDP holds the world group) goes with the method
 
     def __enter__(self) -> DistributedTrainer:
         return self

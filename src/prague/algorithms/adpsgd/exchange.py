@@ -20,6 +20,10 @@ with the job's own collectives), p2p only::
     passive: under the lock, m = (x_active + x_passive) / 2; x_passive = m
     passive -> active   m              tag MEAN     (the active sets x_active = m: both hold the same bits)
 
+The communicator is gloo (:data:`EXCHANGE_BACKEND`) whatever the job's backend, so parameters on CUDA
+travel through host buffers (``stage_on``: :func:`prague.comm.flat.staging_device`; on the CPU the
+values are sent and received in place, with no copies).
+
 Each active sends DONE to every passive when it finishes; a passive's server stops after the DONE of
 every active. A failed operation raises :class:`CommError` (in the active), or is kept by the server and
 raised by :meth:`PassiveServer.check` in the passive's main thread.
@@ -37,10 +41,14 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from prague.comm.flat import StagingBuffer
+from prague.comm.owned import HoldsGroup
 from prague.errors import CommError
 from prague.runtime.context import DistContext
 
 STORE_PREFIX = "prague/adpsgd/pg"
+#: The backend of :func:`exchange_group`, whatever the job's backend.
+EXCHANGE_BACKEND = "gloo"
 OP_AVERAGE, OP_DONE = 1, 2
 TAG_REQUEST, TAG_ACK, TAG_VALUES, TAG_MEAN = 20, 21, 22, 23
 
@@ -62,11 +70,14 @@ def _run(ops: Callable[[], Sequence[dist.Work]], what: str) -> None:
         raise CommError(f"AD-PSGD {what} failed: {exc}") from exc
 
 
-class ActiveLink:
-    """An active worker's side: averages with any passive on request. Main thread only."""
+class ActiveLink(HoldsGroup):
+    """An active worker's side: averages with any passive on request. Main thread only.
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int) -> None:
-        self.pg, self.rank = pg, rank
+    ``stage_on``: where the values travel through (see the module docstring); None: in place."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, stage_on: torch.device | None = None) -> None:
+        self._pg, self.rank, self.stage_on = pg, rank, stage_on
+        self._wire: StagingBuffer | None = None
         self._ack = torch.zeros(1, dtype=torch.int64)
         self.initiated = 0
         self.wait_s = 0.0
@@ -81,9 +92,14 @@ class ActiveLink:
         _run(lambda: [self.pg.send([torch.tensor([OP_AVERAGE, self.rank])], peer, TAG_REQUEST),
                self.pg.recv([self._ack], peer, TAG_ACK)], what)
         t1 = time.perf_counter()
-        _run(lambda: [self.pg.send([values], peer, TAG_VALUES)], what)
+        if self._wire is None or self._wire.tensor is not values:
+            self._wire = StagingBuffer(values, self.stage_on)
+        wire = self._wire
+        outgoing = wire.outgoing()
+        _run(lambda: [self.pg.send([outgoing], peer, TAG_VALUES)], what)
         # Only after the send: the buffer is never read and written at once.
-        _run(lambda: [self.pg.recv([values], peer, TAG_MEAN)], what)
+        _run(lambda: [self.pg.recv([wire.wire], peer, TAG_MEAN)], what)
+        wire.land()
         t2 = time.perf_counter()
         self.initiated += 1
         self.peers[peer] += 1
@@ -97,23 +113,24 @@ class ActiveLink:
               f"goodbye of rank {self.rank}")
 
 
-class PassiveServer:
+class PassiveServer(HoldsGroup):
     """A passive worker's background thread that serves averaging requests one at a time.
 
     ``master`` holds this worker's values; every access to it, by any thread, holds ``lock``.
     :attr:`version` counts the averagings applied, so the main thread can tell whether ``master``
-    changed since it last looked.
+    changed since it last looked. ``stage_on``: where the values travel through (see the module
+    docstring); None: in place.
     """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, master: torch.Tensor, lock: threading.Lock,
-                 actives: Sequence[int]) -> None:
-        self.pg, self.rank, self.master, self.lock = pg, rank, master, lock
+                 actives: Sequence[int], stage_on: torch.device | None = None) -> None:
+        self._pg, self.rank, self.master, self.lock = pg, rank, master, lock
         self.actives = tuple(actives)
         self.version = 0
         self.served = 0
         self.serve_s = 0.0
         self.error: BaseException | None = None
-        self._incoming = torch.empty_like(master)
+        self._incoming = StagingBuffer(torch.empty_like(master), stage_on)
         self._thread = threading.Thread(target=self._serve, name=f"adpsgd-passive-{rank}", daemon=True)
         self._thread.start()
 
@@ -131,13 +148,16 @@ class PassiveServer:
                     continue
                 t0 = time.perf_counter()
                 what = f"averaging of rank {src} with rank {self.rank} (passive)"
+                incoming = self._incoming
                 _run(lambda: [self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
-                       self.pg.recv([self._incoming], src, TAG_VALUES)], what)
+                       self.pg.recv([incoming.wire], src, TAG_VALUES)], what)
+                incoming.land()
                 with self.lock:
-                    self._incoming.add_(self.master).mul_(0.5)
-                    self.master.copy_(self._incoming)
+                    incoming.tensor.add_(self.master).mul_(0.5)
+                    self.master.copy_(incoming.tensor)
                     self.version += 1
-                _run(lambda: [self.pg.send([self._incoming], src, TAG_MEAN)], what)
+                mean = incoming.outgoing()
+                _run(lambda: [self.pg.send([mean], src, TAG_MEAN)], what)
                 self.served += 1
                 self.serve_s += time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread by check()

@@ -39,9 +39,9 @@ from torch import nn
 
 from prague.algorithms.adpsgd import ADPSGDOptions
 from prague.algorithms.adpsgd.decisions import NeighbourChooser, bipartite_split
-from prague.algorithms.adpsgd.exchange import ActiveLink, PassiveServer, exchange_group
+from prague.algorithms.adpsgd.exchange import EXCHANGE_BACKEND, ActiveLink, PassiveServer, exchange_group
 from prague.algorithms.api import Algorithm, BeforeForward, StepTimes
-from prague.comm.flat import bind_flat
+from prague.comm.flat import bind_flat, staging_device
 from prague.errors import CommError
 from prague.metrics.decisions import Decision
 
@@ -134,13 +134,15 @@ class ADPSGD(Algorithm):
         # Not registered for release: after a failure a passive's server thread may still block in a
         # receive on it, and the process is about to exit anyway. finish() shuts it down.
         pg = self._pg = exchange_group(ctx, ctx.timeout)
+        stage_on = staging_device(EXCHANGE_BACKEND, self.flat.device)  # host copies for a model on CUDA
         if ctx.rank in self.actives:
-            self.link = ActiveLink(pg, ctx.rank)
+            self.link = ActiveLink(pg, ctx.rank, stage_on)
             self.chooser = NeighbourChooser(self.passives, ctx.rank, self.options.adpsgd_seed)
             return model
         n_params = sum(p.numel() for p in model.parameters())
         self.replica = PassiveReplica(self.flat, n_params,
-                                      lambda master, lock: PassiveServer(pg, ctx.rank, master, lock, self.actives))
+                                      lambda master, lock: PassiveServer(pg, ctx.rank, master, lock, self.actives,
+                                                                         stage_on))
         return BeforeForward(model, self.replica.take_snapshot)
 
     # -- hooks
@@ -184,8 +186,12 @@ class ADPSGD(Algorithm):
             self._pg.barrier().wait()
         except RuntimeError as exc:
             raise CommError(f"rank {self.ctx.rank}: AD-PSGD's closing barrier failed: {exc}") from exc
-        if hasattr(self._pg, "shutdown"):
-            self._pg.shutdown()
+        # Drop every reference to the communicator: its gloo threads end with the last one.
+        self._pg = None
+        if self.link is not None:
+            self.link.release_group()
+        if self.replica is not None:
+            self.replica.server.release_group()
 
     def stats(self) -> dict[str, Any]:
         base: dict[str, Any] = {"actives": list(self.actives), "passives": list(self.passives)}

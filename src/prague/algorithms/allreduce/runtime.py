@@ -62,9 +62,17 @@ class AllReduce(Algorithm):
                 self._buffer_sync_s += time.perf_counter() - self._forward_called
                 self._forward_called = 0.0
 
-        self._ddp.register_forward_pre_hook(on_ddp_forward)
-        model.register_forward_pre_hook(on_module_forward)
+        handles = [self._ddp.register_forward_pre_hook(on_ddp_forward),
+                   model.register_forward_pre_hook(on_module_forward)]
+        self.resources.callback(self._release, handles)
         return self._ddp
+
+    def _release(self, handles: list[Any]) -> None:
+        """Forget DDP (which holds the world group) and unhook the user's model, so that the world
+        group, and its gloo threads, can go when the process group is destroyed."""
+        for handle in handles:
+            handle.remove()
+        del self._ddp, self._hook
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         times.inner_comm_s += self._buffer_sync_s

@@ -13,6 +13,10 @@ from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
 
 
+OVERLAP_MODES = ("on", "off")
+WHEN_BUSY = ("wait", "local")
+
+
 @dataclass(frozen=True)
 class PragueOptions(Options):
     generator: str = option("ready", "group generator", choices=tuple(GENERATORS))
@@ -24,6 +28,11 @@ class PragueOptions(Options):
     gg_timeout_s: float = option(300.0, "timeout of one group generator call")
     comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
     gg_seed: int = option(0, "seed of the group generator (0: the run's --seed)", run_seed=True)
+    overlap: str = option("on", "on: average a snapshot on a background thread while the next iteration computes, "
+                          "then correct (delayed averaging); off: block on every P-Reduce", choices=OVERLAP_MODES)
+    max_in_flight: int = option(1, "overlap: averages a worker may have in flight at once")
+    when_busy: str = option("wait", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
+                            "local step without averaging", choices=WHEN_BUSY)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +48,8 @@ class PragueOptions(Options):
             raise ConfigError(f"--gg-timeout-s must be > 0, got {self.gg_timeout_s}")
         if self.comm_cache < 1:
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
 
     def topology(self, nproc: int) -> Topology:
         if nproc % self.nodes:
@@ -61,7 +72,10 @@ METHOD = Method(
              "alternating intra-/inter-node, through per-worker FIFOs in one global order, with the threshold rule "
              "`--delta-c`), `random` (one random group per request: the naive generator), `ready` (ours: groups "
              "formed only from workers already waiting, within `--window-ms`, preferring partners not met "
-             "recently)."),
+             "recently). By default (`--overlap on`) the Group Generator call and P-Reduce run on a background thread on a "
+             "snapshot of the parameters while the next iteration computes, and the worker adds the group's correction "
+             "(average minus snapshot) when it arrives: delayed averaging (CoCoD-SGD, IJCAI 2019; Overlap-SGP, ICML "
+             "2019), at most `--max-in-flight` averages out at once."),
     paper="Luo, Lin, Zhuo, Qian, Prague: High-Performance Heterogeneity-Aware Asynchronous Decentralized Training, "
           "ASPLOS 2020 (arXiv 1909.08029)",
     options=PragueOptions,
@@ -74,6 +88,16 @@ METHOD = Method(
         "groups_run": "groups this worker executed (including groups of one)",
         "local_steps": "groups of one: iterations without communication",
         "mean_group_size": "mean size of the groups executed",
+        "overlap": "whether averaging ran in the background (on) or blocked the worker (off)",
+        "max_in_flight": "overlap: averages a worker could have out at once",
+        "when_busy": "overlap: what a worker did with max-in-flight averages out (wait, local)",
+        "busy_local_steps": "overlap: steps that took no average because max-in-flight averages were out "
+                            "(--when-busy local)",
+        "average_waits": "overlap: steps that waited for an earlier average before submitting (--when-busy wait)",
+        "local_step_share": "share of steps without averaging: groups of one plus busy local steps",
+        "averaging_s": "seconds the averaging spent asking the generator and in P-Reduce",
+        "exposed_averaging_s": "seconds the worker waited on averaging (all of it when overlap is off)",
+        "hidden_comm_share": "share of the averaging time hidden behind compute (0 when overlap is off)",
         **COMM_REPORTS,
         "generator_stats": "the service's own counters (rank 0 only)",
     },

@@ -6,6 +6,13 @@ step (its optimizer state stays local), asks the Group Generator which group it 
 averages its parameters with that group's members only (:func:`prague.comm.preduce.preduce`). Slow
 workers hold back only the few workers they meet, not the whole job.
 
+With ``--overlap on`` (the default) the generator call and P-Reduce leave the worker's thread: after its
+local step the worker hands a snapshot of its parameters to a :class:`.overlap.BackgroundAverager` and
+computes the next iteration while the snapshot is averaged; the correction (average minus snapshot)
+is added when it comes back. At most ``--max-in-flight`` averages are out at once; with that many out,
+the worker waits for the oldest (``--when-busy wait``) or takes a local step (``local``). With
+``--overlap off`` every iteration blocks on its group, as in the paper.
+
 Generators (``--generator``): ``static`` (a conflict-free schedule computed locally, no round trip),
 ``smart`` (the paper's: random divisions under a threshold rule, through a group buffer), ``random``
 (one random group per request: the naive baseline) and ``ready`` (groups formed only from workers
@@ -25,6 +32,7 @@ from torch import nn
 
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.prague import PragueOptions
+from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
     MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
 )
@@ -73,36 +81,92 @@ class Prague(Algorithm):
         self.resources.callback(self.comms.close)
         self.tally = GroupTally()
         self.steps_done = 0
+        self.busy_local_steps = 0
+        self.average_waits = 0
+        self.blocking_s = 0.0  # overlap off: asking plus P-Reduce, all of it on the worker's thread
+        self.exposed_s = 0.0  # overlap on: waiting for an earlier average
         self.source: GroupSource
         if self.options.generator == "static":
             self.source = StaticSource(topology)
         else:
             trace = None if self.decisions is None else gg_trace_path(self.decisions.folder)
             self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace)
+        self.averager: BackgroundAverager | None = None
+        if self.options.overlap == "on":
+            rank = self.ctx.rank
+            self.averager = BackgroundAverager(lambda index: self._checked(self.source.next_group(rank, index)),
+                                               self._reduce, name=f"prague-averager-{rank}")
+            self.resources.callback(self._stop_averager)
         return model
 
-    def _run(self, group: Group, step: int) -> None:
+    def _checked(self, group: Group) -> Group:
         if self.ctx.rank not in group.members:
             raise CommError(f"group generator sent rank {self.ctx.rank} a group it is not in: {group}")
+        return group
+
+    def _reduce(self, group: Group, buffer: torch.Tensor) -> None:
+        if not group.is_local:
+            preduce(buffer, group.members, self.comms)
+
+    def _record(self, group: Group, step: int) -> None:
         self.tally.add(group)
         if self.decisions is not None:
             self.decisions.write(Decision.of_group(step, group.members, group.seq))
-        if not group.is_local:
-            preduce(self.flat, group.members, self.comms)
+
+    def _run(self, group: Group, step: int) -> None:
+        """Execute ``group`` on the live parameters, on this thread (overlap off, and the committed
+        groups after the last step)."""
+        self._record(self._checked(group), step)
+        self._reduce(group, self.flat)
+
+    def _apply(self, done: Averaged) -> None:
+        """Add a finished average's correction to the live parameters (delayed averaging)."""
+        self.flat.add_(done.correction)
+        self._record(done.group, done.index)
 
     def after_step(self, step: int, times: StepTimes) -> None:
-        t0 = time.perf_counter()
-        group = self.source.next_group(self.ctx.rank, step)
-        times.wait_s += time.perf_counter() - t0  # the generator's answer: RPC plus waiting for partners
         self.steps_done = step + 1
-        self._run(group, step)
+        if self.averager is None:
+            t0 = time.perf_counter()
+            group = self.source.next_group(self.ctx.rank, step)
+            times.wait_s += time.perf_counter() - t0  # the generator's answer: RPC plus waiting for partners
+            self._run(group, step)
+            self.blocking_s += time.perf_counter() - t0
+            return
+        averager = self.averager
+        for done in averager.take_ready():
+            self._apply(done)
+        if averager.in_flight >= self.options.max_in_flight:
+            if self.options.when_busy == "local":
+                self.busy_local_steps += 1
+                return
+            t0 = time.perf_counter()
+            done = averager.take_oldest()
+            waited = time.perf_counter() - t0
+            times.wait_s += waited
+            self.exposed_s += waited
+            self.average_waits += 1
+            self._apply(done)
+        averager.submit(self.flat.clone())
 
     def finish(self) -> None:
-        """Run the groups this worker is still committed to, then leave (see :class:`.source.ServiceSource`).
-        Logged with ``step`` = the number of steps run."""
+        """Take every average still in flight, run the groups this worker is still committed to, then
+        leave (see :class:`.source.ServiceSource`). Logged with ``step`` = the number of steps run."""
+        if self.averager is not None:
+            t0 = time.perf_counter()
+            for done in self.averager.drain():
+                self._apply(done)
+            self.exposed_s += time.perf_counter() - t0
         for group in self.source.finish(self.ctx.rank):
             self._run(group, self.steps_done)
         self.source.leave()
+
+    def _stop_averager(self) -> None:
+        """Stop the background thread: after the drain it is idle; after a failure it may still be inside
+        a P-Reduce with a dead peer, which ends at the communicators' timeout (the thread is a daemon)."""
+        assert self.averager is not None
+        self.averager.close()
+        self.averager.join(1.0 if self.failed else self.ctx.timeout_s)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -111,6 +175,25 @@ class Prague(Algorithm):
             "groups_run": self.tally.groups_run,
             "local_steps": self.tally.local_steps,
             "mean_group_size": self.tally.mean_group_size,
+            **self._overlap_stats(),
             **self.comms.stats.report(),
             "generator_stats": self.source.stats(),
+        }
+
+    def _overlap_stats(self) -> dict[str, Any]:
+        steps = max(1, self.steps_done)
+        if self.averager is None:
+            averaging_s, exposed_s = self.blocking_s, self.blocking_s
+        else:
+            averaging_s, exposed_s = self.averager.busy_s, self.exposed_s
+        return {
+            "overlap": self.options.overlap,
+            "max_in_flight": self.options.max_in_flight,
+            "when_busy": self.options.when_busy,
+            "busy_local_steps": self.busy_local_steps,
+            "average_waits": self.average_waits,
+            "local_step_share": (self.tally.local_steps + self.busy_local_steps) / steps,
+            "averaging_s": averaging_s,
+            "exposed_averaging_s": exposed_s,
+            "hidden_comm_share": max(0.0, 1.0 - exposed_s / averaging_s) if averaging_s > 0 else 0.0,
         }

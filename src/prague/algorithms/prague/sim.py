@@ -21,13 +21,21 @@ With a decision log each worker logs every group it executes, as the runtime doe
 ``static``, which has no service) the Group Generator's calls go to ``gg.jsonl`` in the service's format
 (:class:`~prague.groups.trace.PolicyCall`, simulated time as ``now_s``).
 
+* ``--overlap on`` (the default): the runtime's background averaging thread is one chain of processes per
+  worker: each submitted snapshot's request starts when the one before it has finished, asks, meets
+  its group and stores the correction (average of the members' snapshots minus this member's, computed
+  from the snapshots in real-arithmetic mode); the worker applies finished corrections after its next
+  local step, and with ``--max-in-flight`` requests out waits for the oldest or takes a local step.
+
 Accounting as in the runtime: ``wait_s`` is the time from asking to the answer, ``comm_s`` the P-Reduce
-including waiting for partners.
+including waiting for partners; overlapped, ``wait_s`` is the time a worker waited for an earlier
+average and ``comm_s`` is 0 (the averaging ran beside compute).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
@@ -68,6 +76,20 @@ class SimPrague(SimMethod):
         self._sampled = 0
         self.policy_calls = 0
         self.local_steps = 0
+        # Overlapped averaging, per worker: requests submitted, not yet applied, finished and waiting to
+        # be applied, the last one's completion (the next runs after it), a wake-up for a waiting worker.
+        self._submitted = [0] * world.n
+        self._in_flight = [0] * world.n
+        self._finished: list[deque[tuple[int, Group, Any]]] = [deque() for _ in range(world.n)]
+        self._tail: list[Signal | None] = [None] * world.n
+        self._wake: list[Signal | None] = [None] * world.n
+        self._snapshots: dict[int, dict[int, Any]] = {}
+        self._corrections: dict[tuple[int, int], Any] = {}
+        self._math_on = world.math.enabled
+        self.busy_local_steps = 0
+        self.average_waits = 0
+        self.averaging_s = 0.0  # asking plus P-Reduce, summed over workers
+        self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
         self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
                           if world.decision_dir is not None and self.remote else None)
 
@@ -160,10 +182,16 @@ class SimPrague(SimMethod):
             return None
         return self.world.meet(group.seq, group.members, on_done=self.world.math.average)
 
+    def _log(self, w: int, step: int, group: Group) -> None:
+        if self.world.decisions is not None:
+            self.world.decisions[w].write(Decision.of_group(step, group.members, group.seq))
+
     def worker(self, w: int) -> Process:
+        return self._overlapped(w) if self.options.overlap == "on" else self._blocking(w)
+
+    def _blocking(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
-        log = None if world.decisions is None else world.decisions[w]
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
@@ -171,19 +199,106 @@ class SimPrague(SimMethod):
             asked = engine.now
             group = yield self._ask(w, "request")
             answered = engine.now
-            if log is not None:
-                log.write(Decision.of_group(k, group.members, group.seq))
+            self._log(w, k, group)
             sig = self._run(w, group)
             if sig is not None:
                 yield sig
+            self.averaging_s += engine.now - asked
             world.record(w, compute, engine.now - answered, answered - asked)
+        yield from self._finish(w)
+
+    def _finish(self, w: int) -> Process:
+        """After the last step: the groups ``w`` is still committed to, blocking, as the runtime does."""
         remaining = yield self._ask(w, "finish")
         for group in remaining:
-            if log is not None:
-                log.write(Decision.of_group(world.steps, group.members, group.seq))
+            self._log(w, self.world.steps, group)
             sig = self._run(w, group)
             if sig is not None:
                 yield sig
+
+    # -- overlapped: the runtime's BackgroundAverager in simulated time ------------------------------
+    def _overlapped(self, w: int) -> Process:
+        """Compute, local step, take the averages that came back, submit a snapshot; with
+        ``max_in_flight`` out, wait for the oldest or take a local step (``when_busy``), as
+        :meth:`prague.algorithms.prague.runtime.Prague.after_step` does."""
+        world, o = self.world, self.options
+        engine, math = world.engine, world.math
+        for k in range(world.steps):
+            compute = world.compute_s(w, k)
+            yield compute
+            math.local_step(w, k)
+            t0 = engine.now
+            self._take_ready(w)
+            if self._in_flight[w] >= o.max_in_flight:
+                if o.when_busy == "local":
+                    self.busy_local_steps += 1
+                    world.record(w, compute, 0.0, 0.0)
+                    continue
+                yield from self._take_oldest(w)
+                self.average_waits += 1
+            waited = engine.now - t0
+            self.exposed_s += waited
+            self._submit(w, math.values(w))
+            world.record(w, compute, 0.0, waited)
+        t0 = engine.now
+        while self._in_flight[w]:
+            yield from self._take_oldest(w)
+        self.exposed_s += engine.now - t0
+        yield from self._finish(w)
+
+    def _submit(self, w: int, snapshot: Any) -> None:
+        """Hand ``snapshot`` to ``w``'s averaging thread: it runs after the requests before it."""
+        index = self._submitted[w]
+        self._submitted[w] += 1
+        self._in_flight[w] += 1
+        done = Signal(self.world.engine)
+        previous, self._tail[w] = self._tail[w], done
+        self.world.engine.process(self._average(w, index, snapshot, previous, done))
+
+    def _average(self, w: int, index: int, snapshot: Any, previous: Signal | None, done: Signal) -> Process:
+        engine = self.world.engine
+        if previous is not None:
+            yield previous
+        t0 = engine.now
+        group = yield self._ask(w, "request")
+        correction = None
+        if group.is_local:
+            self.local_steps += 1
+        else:
+            seq = group.seq
+            if self._math_on:
+                self._snapshots.setdefault(seq, {})[w] = snapshot
+            yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq))
+            correction = self._corrections.pop((seq, w), None)
+        self.averaging_s += engine.now - t0
+        self._finished[w].append((index, group, correction))
+        wake, self._wake[w] = self._wake[w], None
+        if wake is not None:
+            wake.fire()
+        done.fire()
+
+    def _correct(self, seq: int) -> None:
+        """A group's P-Reduce completed: each member's correction, from the snapshots they sent."""
+        snapshots = self._snapshots.pop(seq, None)
+        if snapshots:
+            for member, delta in self.world.math.corrections(snapshots).items():
+                self._corrections[(seq, member)] = delta
+
+    def _apply(self, w: int) -> None:
+        index, group, correction = self._finished[w].popleft()
+        self._in_flight[w] -= 1
+        self.world.math.add(w, correction)
+        self._log(w, index, group)
+
+    def _take_ready(self, w: int) -> None:
+        while self._finished[w]:
+            self._apply(w)
+
+    def _take_oldest(self, w: int) -> Process:
+        while not self._finished[w]:
+            wake = self._wake[w] = Signal(self.world.engine)
+            yield wake
+        self._apply(w)
 
     def stats(self) -> dict[str, Any]:
         wall = self.world.engine.now
@@ -196,6 +311,7 @@ class SimPrague(SimMethod):
             "groups_run": executed,
             "local_steps": self.local_steps,
             "mean_group_size": executed / (world.groups_run + self.local_steps) if executed else 0.0,
+            **self._overlap_stats(),
             **world.comm_stats(),
             "generator_stats": dict(self.policy.stats()),
             # The simulated GG thread: share of time busy and mean wait in its queue.
@@ -207,3 +323,18 @@ class SimPrague(SimMethod):
             "policy_core_share": per_call_s * self.policy_calls / wall if wall > 0 else 0.0,
         }
         return out
+
+    def _overlap_stats(self) -> dict[str, Any]:
+        steps = max(1, self.world.n * self.world.steps)
+        exposed = self.exposed_s if self.options.overlap == "on" else self.averaging_s
+        return {
+            "overlap": self.options.overlap,
+            "max_in_flight": self.options.max_in_flight,
+            "when_busy": self.options.when_busy,
+            "busy_local_steps": self.busy_local_steps,
+            "average_waits": self.average_waits,
+            "local_step_share": (self.local_steps + self.busy_local_steps) / steps,
+            "averaging_s": self.averaging_s,
+            "exposed_averaging_s": exposed,
+            "hidden_comm_share": max(0.0, 1.0 - exposed / self.averaging_s) if self.averaging_s > 0 else 0.0,
+        }

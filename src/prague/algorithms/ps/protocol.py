@@ -46,6 +46,8 @@ HEADER_LEN = 4
 OP_INIT, OP_PULL, OP_PUSH, OP_BYE, OP_CLOSED = 1, 2, 3, 4, 5
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_STATE = 10, 11, 12, 13
 SHARD_SIDE, WORKER_SIDE = 0, 1
+#: The backend of every worker-shard communicator (:func:`pair_group`), whatever the job's backend.
+PAIR_BACKEND = "gloo"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,12 @@ shard; a shard that exits early fails the job with its name and output). Without
 publishes the layout and the SGD hyperparameters in the job's store and sends its initial values; every
 worker then pulls them, so all start from rank 0's model (as DDP does).
 
+Devices: the worker-shard communicators are gloo (:data:`~prague.algorithms.ps.protocol.PAIR_BACKEND`),
+whatever the job's backend, so with a model on CUDA every transfer goes through host buffers
+(:func:`prague.comm.flat.staging_device`, :class:`prague.comm.flat.StagingBuffer`): the values are
+received into a host copy and then copied to the model, the gradients are gathered on the device and
+copied to the host once per push. On the CPU those buffers are the model's own (no copies).
+
 Failure: an operation on a dead shard raises :class:`prague.errors.CommError` naming it (gloo reports the
 closed connection at once; a silent shard is caught by ``--ps-timeout-s``). :meth:`close` during a
 failure skips the goodbye handshake, so a failing worker exits at once.
@@ -62,10 +68,10 @@ from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.client import PendingReplies, ShardClients
 from prague.algorithms.ps.protocol import (
-    DECISIONS_KEY, LAYOUT_KEY, MANAGED_ENV, Layout, Reply, shard_argv, shard_bounds,
+    DECISIONS_KEY, LAYOUT_KEY, MANAGED_ENV, PAIR_BACKEND, Layout, Reply, shard_argv, shard_bounds,
 )
 from prague.algorithms.ps.rules import update_scale
-from prague.comm.flat import bind_flat
+from prague.comm.flat import StagingBuffer, bind_flat, staging_device
 from prague.errors import CommError, ConfigError
 from prague.metrics.decisions import Decision
 from prague.runtime.context import LAUNCHER_PID_ENV
@@ -175,10 +181,15 @@ class ParameterServerBase(Algorithm):
         clients = self.clients = self._guard(
             lambda: ShardClients(ctx.store, ctx.rank, bounds, timedelta(seconds=opts.ps_timeout_s)))
         self.resources.callback(clients.close)
+        # Where the shards' values are received and the pushes sent from (the model's own buffers on the CPU).
+        self.stage_on = staging_device(PAIR_BACKEND, self.flat.device)
+        self.state_wire = StagingBuffer(self.flat, self.stage_on)
         if ctx.is_main:
-            self._guard(lambda: clients.init(self.flat))
-        self.versions = [r.version for r in self._guard(lambda: clients.pull(self.flat))]
-        self.push_buf = torch.zeros(total)
+            self._guard(lambda: clients.init(self.state_wire.outgoing()))
+        self.versions = [r.version for r in self._guard(lambda: clients.pull(self.state_wire.wire))]
+        self.state_wire.land()
+        self.push_buf = torch.zeros(total, device=self.flat.device)
+        self.push_wire = StagingBuffer(self.push_buf, self.stage_on)
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
         offset = 0
         for p in model.parameters():
@@ -205,10 +216,14 @@ class ParameterServerBase(Algorithm):
                 view.copy_(p.grad.reshape(-1))
         self.push_buf[self.n_params:].copy_(self.flat[self.n_params:])
 
-    def _push(self, step: int, bases: list[int], into: torch.Tensor) -> PendingReplies:
+    def _push(self, step: int, bases: list[int], into: torch.Tensor, background: bool = False) -> PendingReplies:
+        """Fill the push buffer and push it (from its host copy if staged); the answer lands in ``into``,
+        which must be on the wire's device (:attr:`stage_on`, else the model's); ``background``: see
+        :meth:`ShardClients.push`."""
         self._fill_push()
         self.pushes += 1
-        return self._guard(lambda: self.clients.push(self.push_buf, bases, step, into))
+        payload = self.push_wire.outgoing()
+        return self._guard(lambda: self.clients.push(payload, bases, step, into, background))
 
     def _log_push(self, step: int, replies: list[Reply]) -> None:
         """Log the shards' answers to the push of ``step`` (one decision per shard), if logging."""
@@ -236,7 +251,8 @@ class ParameterServerBase(Algorithm):
         """Say goodbye to every shard and take the final server values (all workers end equal). Returns
         once every worker has."""
         self._drain()
-        self.final_versions = [r.version for r in self._guard(lambda: self.clients.finish(self.flat))]
+        self.final_versions = [r.version for r in self._guard(lambda: self.clients.finish(self.state_wire.wire))]
+        self.state_wire.land()
         self.shard_records = self.clients.shard_stats()
 
     def close(self, failed: bool = False) -> None:
@@ -274,7 +290,8 @@ class ParameterServer(ParameterServerBase):
         return str(options.ps_mode)
 
     def after_backward(self, step: int, times: StepTimes) -> None:
-        pending = self._push(step, list(self.versions), self.flat)
+        pending = self._push(step, list(self.versions), self.state_wire.wire)
         replies = self._guard(pending.wait)
+        self.state_wire.land()
         self._log_push(step, replies)
         times.wait_s += self._took(replies)

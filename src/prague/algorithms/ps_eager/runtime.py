@@ -5,12 +5,18 @@ The "eager pull" variant of the parameter server, on the shards and protocol of
 push and, at once, posts the pull of the values that follow it; it does not wait for either. The
 answer arrives in a second buffer while the worker computes its next gradient, and is installed
 
-* before the next forward pass if it has already arrived (checked without blocking), else
+* before the next forward pass if it has already arrived (checked without blocking: a background thread,
+  :class:`prague.algorithms.ps.client.ReplyCompleter`, completes the receive as soon as the data is in,
+  since a gloo receive is only marked complete by ``wait()``), else
 * right after the next backward, before that gradient is pushed (it then waits only if the shard has
   not answered within a whole iteration).
 
-So a worker never waits on the server in the steady state; the price is staleness: a gradient may be
-computed on values one pull older than in plain ``async`` (tau about 2n - 1 instead of n - 1). Each push
+So a worker never waits on the server in the steady state; the price is staleness. A pull installed
+before the forward pass gives tau about n - 1, as plain ``async``; one installed after the next backward
+gives tau about 2n - 1 (the gradient was computed on values one pull older). Which one happens depends on
+the time between a push and the next forward pass (the loop's own work, data loading, a straggler's
+slowdown, which precedes the forward pass) against the shard's round trip: with nothing in between
+(emulated compute, homogeneous) it is rarely long enough. Each push
 carries the versions its gradient was computed on; a shard measures the staleness tau (versions it
 advanced since) and scales the update's learning rate by ``--staleness-lr``: ``inverse`` (default),
 lr/max(n - 1, tau): the 1/tau rule of Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for
@@ -68,7 +74,11 @@ class EagerParameterServer(ParameterServerBase):
         self._own_rule = sgd_rule(self.layout, self.options.ps_momentum)
         self._own_momentum: torch.Tensor | None = None
         self._last_tau = 0
-        self.incoming = torch.empty_like(self.flat)
+        # The second buffer the pull lands in: on the host when the model is on CUDA (gloo), so that
+        # installing it is the one copy to the device.
+        self.incoming = torch.empty(self.flat.shape, dtype=self.flat.dtype,
+                                    device=self.stage_on or self.flat.device,
+                                    pin_memory=self.stage_on is not None and self.flat.is_cuda)
         self.pending: PendingReplies | None = None
         self._pending_step = 0  # the step whose push self.pending answers
         self.installs_before_forward = 0
@@ -100,7 +110,8 @@ class EagerParameterServer(ParameterServerBase):
             self._install()
             self.installs_after_backward += 1
             times.wait_s += time.perf_counter() - t0
-        self.pending = self._push(step, bases, self.incoming)
+        # Completed in the background, so that the next forward pass can install it if it has arrived.
+        self.pending = self._push(step, bases, self.incoming, background=True)
         self._pending_step = step
         # Read-my-writes: take this push's step locally too, as the shard will (see the module docstring).
         scale = staleness_scale(self.options.staleness_lr, self._last_tau, self.ctx.world_size)

@@ -1,0 +1,37 @@
+"""The one asyncio event loop of this process that runs its ``grpc.aio`` objects (the Group Generator's
+server and the clients' streams), in a daemon thread.
+
+gRPC's asyncio layer polls one completion queue per process and hands each event to the loop its call
+was made on, so a loop that closes while gRPC still knows about it breaks later events ("Event loop is
+closed"). One loop per process, started on first use and never closed, avoids that and costs one thread
+however many servers and clients a process holds (a test, a benchmark). A forked child starts afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def shared_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for gRPC, running in the daemon thread ``gg-aio`` (started on first call)."""
+    global _loop
+    with _lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="gg-aio", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def _forget_after_fork() -> None:
+    global _lock, _loop
+    _lock = threading.Lock()
+    _loop = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
