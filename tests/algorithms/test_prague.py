@@ -36,6 +36,7 @@ def test_eight_workers_smart_200_iterations_finish(tmp_path: Path) -> None:
     out = tmp_path / "smart8"
     res = run_cli("run", "--algorithm", "prague:smart", "--nproc", "8", "--steps", "200", "--model", "mlp",
                   "--data", "synthetic", "--slowdown", "paper:5", "--compute", "emulated", "--compute-ms", "2",
+                  "--when-busy", "wait",
                   "--out", str(out), "--quiet", timeout_s=240)
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
@@ -50,8 +51,10 @@ def test_eight_workers_smart_200_iterations_finish(tmp_path: Path) -> None:
 @pytest.mark.parametrize("variant", ["static", "random", "ready"])
 def test_each_generator_trains_digits(tmp_path: Path, variant: str) -> None:
     out = tmp_path / variant
+    # Averaging every step (--when-busy wait): with digits' 1 ms steps the default (local steps while an
+    # average is out) would average only every few steps, and the replicas would drift further apart.
     res = run_cli("run", "--algorithm", f"prague:{variant}", "--nproc", "4", "--steps", "120", "--model", "mlp",
-                  "--out", str(out), "--quiet")
+                  "--when-busy", "wait", "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
     assert s["variant"] == variant
@@ -85,7 +88,7 @@ def test_prague_under_torchrun_starts_its_own_service(tmp_path: Path) -> None:
         pytest.skip("torchrun not installed beside this Python")
     out = tmp_path / "tr"
     cmd = [torchrun, "--standalone", "--nproc-per-node", "3", "-m", "prague", "worker", "--algorithm",
-           "prague:smart", "--steps", "30", "--data", "synthetic", "--out", str(out)]
+           "prague:smart", "--steps", "30", "--data", "synthetic", "--when-busy", "wait", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -106,7 +109,7 @@ def test_external_group_generator_via_gg_serve(tmp_path: Path) -> None:
             time.sleep(0.1)
         out, address = tmp_path / "ext", ready.read_text().strip()
         # The service is the subject here, not learning: synthetic data and emulated compute start fastest.
-        quick = ["--data", "synthetic", "--compute", "emulated", "--compute-ms", "1", "--quiet"]
+        quick = ["--data", "synthetic", "--compute", "emulated", "--compute-ms", "1", "--when-busy", "wait", "--quiet"]
         res = run_cli("run", "--algorithm", "prague", "--gg-address", address, "--nproc", "3",
                       "--steps", "25", "--out", str(out), *quick, env={"PRAGUE_GG_TOKEN": "s3cret"})
         assert res.returncode == 0, res.stderr[-3000:]

@@ -387,6 +387,47 @@ def test_ready_forms_at_once_and_window() -> None:
         ready.request(3, 4.1)
 
 
+@settings(max_examples=40, deadline=None)
+@given(period=st.floats(0.004, 4.0), n=st.integers(2, 8), seed=st.integers(0, 1000))
+def test_ready_adaptive_window_follows_the_time_between_requests(period: float, n: int, seed: int) -> None:
+    """With window 0, workers asking every ``period`` seconds (each at its own phase) settle to a
+    window of ADAPTIVE_SHARE x period, within the bounds; before anyone has asked twice it is the
+    first window; and a request never waits longer than the window in force (which a later request's
+    measurement may have moved while it waited)."""
+    from prague.groups.ready import ADAPTIVE_SHARE, FIRST_WINDOW_S, MAX_WINDOW_S, MIN_WINDOW_S
+
+    ready = make_generator("ready", GeneratorConfig(nproc=n, group_size=n + 1 if n < 8 else 8, seed=seed, window_s=0.0))
+    assert ready.window_s == FIRST_WINDOW_S
+    rng = random.Random(seed)
+    phase = [rng.uniform(0, period) for _ in range(n)]
+    events = sorted((phase[w] + k * period, w) for w in range(n) for k in range(12))
+    waiting: dict[int, tuple[float, float]] = {}  # worker -> (asked at, window then)
+
+    def settle(answers: list, now: float) -> None:
+        for w, _ in answers:
+            asked, window = waiting.pop(w)
+            assert now - asked <= max(window, ready.window_s) + 1e-9
+
+    for t, w in events:
+        while (deadline := ready.next_deadline()) is not None and deadline <= t:
+            settle(ready.poll(deadline), deadline)
+        if w in waiting:  # still waiting (a long window): this iteration's request comes later
+            continue
+        waiting[w] = (t, ready.window_s)
+        settle(ready.request(w, t), t)
+    expected = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * period))
+    assert ready.window_s == pytest.approx(expected, rel=0.35)
+    assert ready.stats()["window_s"] == ready.window_s
+
+
+def test_a_fixed_window_stays_fixed() -> None:
+    ready = make_generator("ready", GeneratorConfig(nproc=2, group_size=2, window_s=0.2))
+    for k in range(5):
+        ready.request(0, k * 10.0)
+        ready.poll(k * 10.0 + 0.2)
+    assert ready.window_s == 0.2 and ready.next_deadline() is None
+
+
 def test_ready_group_size_one_is_an_immediate_local_step() -> None:
     ready = make_generator("ready", GeneratorConfig(nproc=3, group_size=1, window_s=10.0))
     for it in range(3):
@@ -468,8 +509,8 @@ def test_registry_and_config_validation() -> None:
         ({"nproc": 8, "topology": Topology(3, 2)}, "holds 6 ranks but nproc is 8"),
         ({"nproc": 4, "group_size": 0}, "group_size must be an integer >= 1, got 0"),
         ({"nproc": 4, "delta_c": 0}, "delta_c must be an integer >= 1, got 0"),
-        ({"nproc": 4, "window_s": math.inf}, "window_s must be a finite number of seconds > 0, got inf"),
-        ({"nproc": 4, "window_s": 0}, "got 0"),
+        ({"nproc": 4, "window_s": math.inf}, r"window_s must be a finite number of seconds >= 0 \(0: adaptive\), got inf"),
+        ({"nproc": 4, "window_s": -0.1}, "got -0.1"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ConfigError, match=message):

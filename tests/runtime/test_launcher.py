@@ -39,10 +39,15 @@ def test_run_writes_summary_and_metrics(allreduce_run: Path) -> None:
         assert {"compute_s", "comm_s", "wait_s", "loss", "step"} <= records[-1][-1].keys()
         assert [r["step"] for r in records[-1]] == list(range(steps))
     # The summary's rates are those of the per-step records, after the default warm-up of min(5, steps // 5)
-    # steps: samples over the time the rest took, and batch over the mean compute time (the no-wait limit).
+    # steps: the steps that ended in the common window (every worker warm, none finished) over its length,
+    # and batch over the median step compute time for every worker (the no-wait limit; no slowdowns here).
     warmup = min(5, steps // 5)
-    rate = sum((steps - warmup) * batch / (r[-1]["t_end_s"] - r[warmup - 1]["t_end_s"]) for r in records)
-    limit = sum(batch / statistics.fmean(x["compute_s"] for x in r[warmup:]) for r in records)
+    start = max(r[warmup - 1]["t_end_s"] for r in records)
+    end = min(r[-1]["t_end_s"] for r in records)
+    inside = sum(1 for r in records for x in r if start < x["t_end_s"] <= end)
+    rate = inside * batch / (end - start)
+    base = statistics.median(x["compute_s"] for r in records for x in r[warmup:])
+    limit = nproc * batch / base
     assert summary["throughput_samples_per_s"] == pytest.approx(rate, rel=1e-9) and rate > 0
     assert summary["no_wait_limit_samples_per_s"] == pytest.approx(limit, rel=1e-9)
     assert summary["fraction_of_limit"] == pytest.approx(rate / limit, rel=1e-9) and summary["warmup_steps"] == warmup

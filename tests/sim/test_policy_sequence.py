@@ -25,7 +25,8 @@ from prague.simulate.run import SimConfig, build, simulate
 def _run(generator: str, seed: int, scenario: str = "paper:5", nproc: int = 16, nodes: int = 4) -> list[Any]:
     record = simulate(SimConfig(algorithm=f"prague:{generator}", scenario=scenario, nproc=nproc, nodes=nodes,
                                 steps=40, model="mlp", cluster=PAPER, seed=seed, trace=True,
-                                options={"gg_seed": 0, "group_size": 3, "delta_c": 4, "window_ms": 20.0})).to_dict()
+                                options={"gg_seed": 0, "group_size": 3, "delta_c": 4, "window_ms": 20.0,
+                                         "when_busy": "wait"})).to_dict()  # a request every step
     return record["sim"]["trace"]
 
 

@@ -135,7 +135,8 @@ class GeneratorConfig:
     ``nproc`` is capped at ``nproc`` (a group cannot hold more workers than the job). ``delta_c`` is the
     smart policy's threshold: worker w may join a division triggered by i only if
     ``c_w > c_i - delta_c`` (c = requests made so far). ``window_s`` is how long the ready policy lets
-    its oldest waiting request wait for partners before it forms a smaller group. ``avoid_repeats``
+    its oldest waiting request wait for partners before it forms a smaller group; 0 makes it adaptive
+    (:data:`prague.groups.ready.ADAPTIVE_SHARE` of the median time between a worker's requests). ``avoid_repeats``
     (ready only): when every pair among the S waiting workers met within the last round of groups,
     hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
     can prefer partners that have not met recently (see :mod:`prague.groups.ready`).
@@ -172,9 +173,9 @@ class GeneratorConfig:
             isinstance(self.window_s, bool)
             or not isinstance(self.window_s, (int, float))
             or not math.isfinite(self.window_s)
-            or self.window_s <= 0
+            or self.window_s < 0
         ):
-            raise ConfigError(f"window_s must be a finite number of seconds > 0, got {self.window_s!r}")
+            raise ConfigError(f"window_s must be a finite number of seconds >= 0 (0: adaptive), got {self.window_s!r}")
         if not isinstance(self.avoid_repeats, bool):
             raise ConfigError(f"avoid_repeats must be True or False, got {self.avoid_repeats!r}")
 

@@ -24,6 +24,15 @@ member. Here no group is fixed before all its members are waiting at the GG:
   re-pairing recent partners fall from about 8% to 3%, throughput from 0.84 to 0.83 of the no-wait
   limit.
 
+The window. A fixed ``window_s``, or with ``window_s = 0`` one that follows the job: the policy keeps, for
+every worker, a moving average of the time between its requests (its iteration as the generator sees
+it) and sets the window to :data:`ADAPTIVE_SHARE` of the median of those, within
+[:data:`MIN_WINDOW_S`, :data:`MAX_WINDOW_S`] (:data:`FIRST_WINDOW_S` until some worker has asked twice).
+This is meant for overlapped workers (``prague --overlap on``): their request waits on a background
+thread while the next iteration computes, so waiting up to half an iteration costs nothing and gives
+slower workers time to arrive; a blocking worker would pay the window itself, so ``prague`` passes a
+fixed window when overlap is off.
+
 Groups still get one global ``seq``; a worker is in at most one unexecuted group at a time, so the
 order is trivially consistent and nothing can deadlock. ``finish`` never hands out groups to the
 finishing worker (it is not waiting), but may complete a group for the others.
@@ -32,10 +41,21 @@ finishing worker (it is not waiting), but may complete a group for the others.
 from __future__ import annotations
 
 from itertools import combinations
+from statistics import median
 
 from prague.errors import ConfigError
 from prague.groups.api import Answer, GeneratorConfig, Observer
 from prague.groups.base import PolicyBase
+
+
+#: The adaptive window's share of the median time between a worker's requests.
+ADAPTIVE_SHARE = 0.5
+#: The adaptive window before any worker has asked twice, and its bounds.
+FIRST_WINDOW_S = 0.05
+MIN_WINDOW_S = 0.001
+MAX_WINDOW_S = 5.0
+#: Weight of the newest interval in a worker's moving average.
+_EWMA = 0.3
 
 
 class ReadyGenerator(PolicyBase):
@@ -47,8 +67,12 @@ class ReadyGenerator(PolicyBase):
         self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
         self._last_group: list[tuple[int, ...] | None] = [None] * config.nproc
         self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
+        self._last_request: list[float | None] = [None] * config.nproc
+        self._interval: list[float | None] = [None] * config.nproc  # moving average, per worker
+        self._window_s = config.window_s if config.window_s > 0 else FIRST_WINDOW_S
         self.counters.extra.update(
-            full_groups=0, window_groups=0, all_here_groups=0, window_expiries=0, holds=0, total_wait_s=0.0
+            full_groups=0, window_groups=0, all_here_groups=0, window_expiries=0, holds=0, total_wait_s=0.0,
+            window_s=self._window_s,
         )
 
     # -- protocol -----------------------------------------------------------------------------------
@@ -62,6 +86,8 @@ class ReadyGenerator(PolicyBase):
         self.counts[worker] += 1
         self.counters.requests += 1
         self._waiting[worker] = now_s
+        if self.config.window_s == 0:
+            self._measure(worker, now_s)
         return self._settle(worker, now_s)
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
@@ -74,7 +100,7 @@ class ReadyGenerator(PolicyBase):
     def next_deadline(self) -> float | None:
         if not self._waiting:
             return None
-        return min(self._waiting.values()) + self.config.window_s
+        return min(self._waiting.values()) + self._window_s
 
     def poll(self, now_s: float) -> list[Answer]:
         deadline = self.next_deadline()
@@ -86,6 +112,22 @@ class ReadyGenerator(PolicyBase):
         while self._waiting:
             answers += self._take(min(self.config.group_size, len(self._waiting)), None, "window", now_s)
         return answers
+
+    @property
+    def window_s(self) -> float:
+        """The window now: ``config.window_s``, or the adaptive one (see the module docstring)."""
+        return self._window_s
+
+    def _measure(self, worker: int, now_s: float) -> None:
+        last, self._last_request[worker] = self._last_request[worker], now_s
+        if last is None:
+            return
+        gap = max(0.0, now_s - last)
+        mean = self._interval[worker]
+        self._interval[worker] = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
+        known = [i for i in self._interval if i is not None]
+        self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * median(known)))
+        self.counters.extra["window_s"] = self._window_s
 
     def waiting(self) -> list[int]:
         """Workers waiting for a group, oldest first."""

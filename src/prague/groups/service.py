@@ -501,7 +501,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     defaults = {f.name: f.default for f in dataclasses.fields(GeneratorConfig)}
     parser.add_argument("--group-size", type=int, default=defaults["group_size"])
     parser.add_argument("--delta-c", type=int, default=defaults["delta_c"])
-    parser.add_argument("--window-s", type=float, default=defaults["window_s"])
+    parser.add_argument("--window-s", type=float, default=defaults["window_s"],
+                        help="ready: how long a request waits for partners (0: adaptive, half the median time "
+                             "between a worker's requests)")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None,

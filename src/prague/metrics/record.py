@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prague.errors import ConfigError
-from prague.metrics.summary import WorkerTiming, mean_after, no_wait_limit, throughput
+from prague.metrics.summary import (
+    WorkerTiming, base_compute_s, mean_after, mean_slowdowns, no_wait_limit, throughput,
+)
 
 SCHEMA_VERSION = 2
 
@@ -55,6 +57,8 @@ class RunRecord:
     backend: str | None = _doc("`gloo`, `nccl`, or `sim`")
     no_wait_limit_samples_per_s: float | None = _doc("throughput if communication were free and nobody waited")
     fraction_of_limit: float | None = _doc("throughput / no-wait limit")
+    base_compute_s: float | None = _doc("compute of one step without injected slowdown (median; the no-wait limit's step)")
+    mean_slowdown: list[float] = _doc_list("per worker: mean injected slowdown factor after warm-up")
     wall_s: float | None = _doc("training time of the slowest worker (simulated time when simulated), s")
     test_accuracy: float | None = _doc("test accuracy of the average of all replicas (null without real compute)")
     target_accuracy: float | None = _doc("the `--target-accuracy`, or null")
@@ -114,10 +118,13 @@ class RunRecord:
         """A record whose throughput, no-wait limit and per-worker means come from ``timings``
         (every worker's log); ``fields`` gives the rest."""
         thr = throughput(timings, batch_size, warmup)
-        limit = no_wait_limit(timings, batch_size, warmup)
+        compute_ms = fields.get("compute_ms")
+        nominal = compute_ms / 1e3 if fields.get("compute_mode") == "emulated" and compute_ms else None
+        limit = no_wait_limit(timings, batch_size, warmup, nominal)
         return cls(
             throughput_samples_per_s=thr, no_wait_limit_samples_per_s=limit,
             fraction_of_limit=thr / limit if limit > 0 else None, batch_size=batch_size, warmup_steps=warmup,
+            base_compute_s=base_compute_s(timings, warmup, nominal), mean_slowdown=mean_slowdowns(timings, warmup),
             mean_compute_s=[mean_after(t.compute_s, warmup) for t in timings],
             mean_comm_s=[mean_after(t.comm_s, warmup) for t in timings],
             mean_wait_s=[mean_after(t.wait_s, warmup) for t in timings],

@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
 from prague.metrics.record import RunRecord
+from prague.metrics.summary import scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [
@@ -197,6 +198,36 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def harmonize_limits(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One no-wait limit per scenario, the same for every method of a benchmark.
+
+    A run's own limit (:func:`prague.metrics.summary.no_wait_limit`) uses its own measured compute, which
+    a method's background threads inflate, so its fraction of the limit would flatter it. Here the step
+    without slowdown is the least base compute any run of the benchmark measured (the least
+    non-communication work a method needs), and each scenario's slowdown draws (the same seed and steps
+    for every method) come from that scenario's runs; records without these fields (older files) keep
+    their own limit. Returns new dicts; the inputs are not modified."""
+    bases = [r["base_compute_s"] for r in records if r.get("base_compute_s")]
+    if not bases:
+        return [dict(r) for r in records]
+    base = min(bases)
+    draws: dict[Any, list[float]] = {}
+    for r in records:
+        if r.get("mean_slowdown"):
+            draws.setdefault((r.get("scenario"), r.get("nproc")), r["mean_slowdown"])
+    out = []
+    for r in records:
+        r = dict(r)
+        slowdowns = draws.get((r.get("scenario"), r.get("nproc")))
+        if slowdowns and r.get("batch_size"):
+            nominal = r["compute_ms"] / 1e3 if r.get("compute_mode") == "emulated" and r.get("compute_ms") else None
+            limit = scenario_limit(slowdowns, base, nominal, int(r["batch_size"]))
+            r["no_wait_limit_samples_per_s"] = limit
+            r["fraction_of_limit"] = r["throughput_samples_per_s"] / limit if limit > 0 else None
+        out.append(r)
+    return out
+
+
 def bench_table(records: Sequence[RecordLike]) -> str:
     """Render runs as a GitHub markdown table, preceded by a one-line header of the shared settings.
 
@@ -205,7 +236,7 @@ def bench_table(records: Sequence[RecordLike]) -> str:
     ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required
     key.
     """
-    checked = _check_records(list(records), "bench_table records", _RECORDS_FIX)
+    checked = harmonize_limits(_check_records(list(records), "bench_table records", _RECORDS_FIX))
     baselines = _baseline_throughputs(checked)
     homogeneous = baselines.get(_HOMOGENEOUS_SCENARIO)
     lines = [
@@ -378,7 +409,7 @@ def write_bench(
     leave an earlier report in ``out_dir`` untouched. Returns the paths keyed ``"json"``, ``"md"``,
     ``"throughput"``, ``"accuracy"``.
     """
-    checked = _check_records(list(records), "write_bench records", _RECORDS_FIX)
+    checked = harmonize_limits(_check_records(list(records), "write_bench records", _RECORDS_FIX))
     try:
         # allow_nan=False: NaN would make bench.json unreadable by strict JSON parsers.
         json.dumps(checked, allow_nan=False)

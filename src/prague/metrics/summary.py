@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import fmean
+from statistics import fmean, median
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class WorkerTiming:
     comm_s: Sequence[float]
     wait_s: Sequence[float]
     start_s: float = 0.0
+    slowdown: Sequence[float] = ()  # the injected slowdown factor of each step (1.0: none)
 
 
 def warmup_steps(total_steps: int, requested: int | None) -> int:
@@ -39,20 +40,66 @@ def worker_rate(t: WorkerTiming, batch_size: int, warmup: int) -> float:
     return (n - warmup) * batch_size / span if span > 0 else 0.0
 
 
+def common_window(timings: Sequence[WorkerTiming], warmup: int) -> tuple[float, float] | None:
+    """The time every worker is past warm-up and none has finished: from the latest end of a warm-up
+    to the earliest last step. None when there is no such time (a worker finished before another was
+    warm), or a worker has no steps."""
+    if not timings or any(len(t.end_s) == 0 for t in timings):
+        return None
+    start = max(t.start_s if warmup == 0 else t.end_s[min(warmup, len(t.end_s)) - 1] for t in timings)
+    end = min(t.end_s[-1] for t in timings)
+    return (start, end) if end > start else None
+
+
 def throughput(timings: Sequence[WorkerTiming], batch_size: int, warmup: int) -> float:
-    """Samples per second summed over workers, after warm-up."""
-    return sum(worker_rate(t, batch_size, warmup) for t in timings)
+    """Samples per second of all workers together, over one common time window (:func:`common_window`):
+    the steps that ended inside it, over its length. Every method is measured over the time all its
+    workers were training at full speed, never over per-worker windows that a fast worker's early
+    finish or a slow worker's late start would stretch. Without a common window (extreme stragglers)
+    it falls back to the sum of per-worker rates, each after its own warm-up."""
+    window = common_window(timings, warmup)
+    if window is None:
+        return sum(worker_rate(t, batch_size, warmup) for t in timings)
+    start, end = window
+    steps = sum(sum(1 for e in t.end_s if start < e <= end) for t in timings)
+    return steps * batch_size / (end - start)
 
 
-def no_wait_limit(timings: Sequence[WorkerTiming], batch_size: int, warmup: int) -> float:
-    """Throughput if communication cost nothing and nobody waited: sum over workers of
-    batch / (mean per-iteration compute time, slowdowns included), over the same window."""
-    total = 0.0
+def base_compute_s(timings: Sequence[WorkerTiming], warmup: int, nominal_s: float | None) -> float:
+    """The compute of one step without its injected slowdown, median over workers and steps after
+    warm-up: ``compute - (factor - 1) * nominal_s`` with emulated compute (the slowdown is a sleep of
+    that many nominal computes), ``compute / factor`` with real compute (``nominal_s`` None)."""
+    values = []
     for t in timings:
-        window = list(t.compute_s[warmup:]) or list(t.compute_s)
-        mean = fmean(window) if window else 0.0
-        total += batch_size / mean if mean > 0 else 0.0
+        factors = list(t.slowdown) or [1.0] * len(t.compute_s)
+        for c, f in list(zip(t.compute_s, factors))[warmup:]:
+            values.append(c - (f - 1.0) * nominal_s if nominal_s is not None else c / f)
+    return median(values) if values else 0.0
+
+
+def mean_slowdowns(timings: Sequence[WorkerTiming], warmup: int) -> list[float]:
+    """Per worker: the mean injected slowdown factor over the steps after warm-up."""
+    return [mean_after(list(t.slowdown) or [1.0], warmup) for t in timings]
+
+
+def scenario_limit(slowdowns: Sequence[float], base_s: float, nominal_s: float | None, batch_size: int) -> float:
+    """Throughput if communication cost nothing and nobody waited: every worker computes back to back,
+    a step taking ``base_s + (factor - 1) * nominal_s`` (emulated) or ``base_s * factor`` (real), with
+    each worker's mean factor ``slowdowns``. The steps' times are linear in the factor, so the mean
+    factor gives the mean step."""
+    total = 0.0
+    for f in slowdowns:
+        step = base_s + (f - 1.0) * nominal_s if nominal_s is not None else base_s * f
+        total += batch_size / step if step > 0 else 0.0
     return total
+
+
+def no_wait_limit(timings: Sequence[WorkerTiming], batch_size: int, warmup: int,
+                  nominal_s: float | None = None) -> float:
+    """One run's no-wait limit (:func:`scenario_limit` with this run's own base compute). A benchmark
+    replaces it by one limit per scenario for all its methods (:func:`prague.metrics.report.harmonize_limits`)."""
+    return scenario_limit(mean_slowdowns(timings, warmup), base_compute_s(timings, warmup, nominal_s),
+                          nominal_s, batch_size)
 
 
 def mean_after(values: Sequence[float], warmup: int) -> float:

@@ -79,6 +79,7 @@ class World:
         self.fabric = Fabric(topology, cluster)
         self.end_s: list[list[float]] = [[] for _ in range(self.n)]
         self.compute_log: list[list[float]] = [[] for _ in range(self.n)]
+        self.slowdown_log: list[list[float]] = [[] for _ in range(self.n)]
         self.comm_log: list[list[float]] = [[] for _ in range(self.n)]
         self.wait_log: list[list[float]] = [[] for _ in range(self.n)]
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived]
@@ -120,8 +121,10 @@ class World:
 
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
+        step = len(self.end_s[rank])
         self.end_s[rank].append(self.engine.now)
         self.compute_log[rank].append(compute_s)
+        self.slowdown_log[rank].append(self.scenario.slowdown(rank, step, self.n) if self._slow else 1.0)
         self.comm_log[rank].append(comm_s)
         self.wait_log[rank].append(wait_s)
         if self._math_on:
@@ -129,6 +132,7 @@ class World:
 
     def timings(self) -> list[WorkerTiming]:
         return [WorkerTiming(end_s=self.end_s[w], compute_s=self.compute_log[w], comm_s=self.comm_log[w],
+                             slowdown=self.slowdown_log[w],
                              wait_s=self.wait_log[w]) for w in range(self.n)]
 
     # -- groups -------------------------------------------------------------------------------------

@@ -219,6 +219,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     mine = WorkerTiming(
         end_s=[r.t_end_s for r in training.records], compute_s=[r.compute_s for r in training.records],
         comm_s=[r.comm_s for r in training.records], wait_s=[r.wait_s for r in training.records],
+        slowdown=[r.slowdown for r in training.records],
     )
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, {"timing": asdict(mine), "stats": trainer.stats(), "wall_s": training.wall_s})

@@ -6,6 +6,7 @@ The group policies are pure code in :mod:`prague.groups` (shared with the simula
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prague.algorithms.spec import COMM_REPORTS, Method, Options, option
@@ -14,6 +15,8 @@ from prague.groups import GENERATORS, Topology
 
 
 OVERLAP_MODES = ("on", "off")
+#: The ready window of a blocking worker (``--overlap off``) when ``--window-ms`` is left at 0.
+BLOCKING_WINDOW_S = 0.05
 WHEN_BUSY = ("wait", "local")
 
 
@@ -23,7 +26,8 @@ class PragueOptions(Options):
     group_size: int = option(3, "workers per group (prague: smart, random, ready; dssync: k)")
     delta_c: int = option(4, "smart's threshold: join only if c_w > c_i - delta_c")
     nodes: int = option(1, "topology: nodes (nproc must be a multiple)")
-    window_ms: float = option(50.0, "ready: how long a request waits for partners")
+    window_ms: float = option(0.0, "ready: how long a request waits for partners, ms; 0: adaptive with --overlap on "
+                              "(half the median time between a worker's requests), 50 with --overlap off")
     gg_address: str = option("", "host:port of a running `prague gg serve` (token from $PRAGUE_GG_TOKEN)")
     gg_timeout_s: float = option(300.0, "timeout of one group generator call")
     comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
@@ -31,8 +35,9 @@ class PragueOptions(Options):
     overlap: str = option("on", "on: average a snapshot on a background thread while the next iteration computes, "
                           "then correct (delayed averaging); off: block on every P-Reduce", choices=OVERLAP_MODES)
     max_in_flight: int = option(1, "overlap: averages a worker may have in flight at once")
-    when_busy: str = option("wait", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
-                            "local step without averaging", choices=WHEN_BUSY)
+    when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
+                            "local step without averaging (static always waits: its fixed schedule needs every "
+                            "worker's every request)", choices=WHEN_BUSY)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,8 +47,8 @@ class PragueOptions(Options):
             raise ConfigError(f"--delta-c must be >= 1, got {self.delta_c}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
-        if not self.window_ms > 0:
-            raise ConfigError(f"--window-ms must be > 0, got {self.window_ms}")
+        if not (math.isfinite(self.window_ms) and self.window_ms >= 0):
+            raise ConfigError(f"--window-ms must be a number >= 0 (0: adaptive), got {self.window_ms}")
         if not self.gg_timeout_s > 0:
             raise ConfigError(f"--gg-timeout-s must be > 0, got {self.gg_timeout_s}")
         if self.comm_cache < 1:
@@ -55,6 +60,21 @@ class PragueOptions(Options):
         if nproc % self.nodes:
             raise ConfigError(f"--nproc {nproc} is not a multiple of --nodes {self.nodes}; use a divisor of {nproc}")
         return Topology(self.nodes, nproc // self.nodes)
+
+    @property
+    def busy_policy(self) -> str:
+        """What a worker does with ``max_in_flight`` averages out: ``when_busy``, except that the static
+        schedule pairs every worker's k-th request with its partners' k-th, so skipping one would leave
+        a partner waiting for ever; static always waits."""
+        return "wait" if self.generator == "static" else self.when_busy
+
+    @property
+    def window_s(self) -> float:
+        """The ready window the generator gets: the one given, else 0 (adaptive) for overlapped workers,
+        whose waiting requests do not stall compute, and :data:`BLOCKING_WINDOW_S` for blocking ones."""
+        if self.window_ms > 0:
+            return self.window_ms / 1000.0
+        return 0.0 if self.overlap == "on" else BLOCKING_WINDOW_S
 
     @property
     def uses_service(self) -> bool:
@@ -71,7 +91,7 @@ METHOD = Method(
              "itself, no round trip), `smart` (the paper's: random divisions into groups of `--group-size`, "
              "alternating intra-/inter-node, through per-worker FIFOs in one global order, with the threshold rule "
              "`--delta-c`), `random` (one random group per request: the naive generator), `ready` (ours: groups "
-             "formed only from workers already waiting, within `--window-ms`, preferring partners not met "
+             "formed only from workers already waiting, within a window (adaptive by default), preferring partners not met "
              "recently). By default (`--overlap on`) the Group Generator call and P-Reduce run on a background thread on a "
              "snapshot of the parameters while the next iteration computes, and the worker adds the group's correction "
              "(average minus snapshot) when it arrives: delayed averaging (CoCoD-SGD, IJCAI 2019; Overlap-SGP, ICML "

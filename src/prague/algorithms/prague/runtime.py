@@ -122,6 +122,8 @@ class Prague(Algorithm):
     def _apply(self, done: Averaged) -> None:
         """Add a finished average's correction to the live parameters (delayed averaging)."""
         self.flat.add_(done.correction)
+        assert self.averager is not None
+        self.averager.recycle(done)
         self._record(done.group, done.index)
 
     def after_step(self, step: int, times: StepTimes) -> None:
@@ -137,7 +139,7 @@ class Prague(Algorithm):
         for done in averager.take_ready():
             self._apply(done)
         if averager.in_flight >= self.options.max_in_flight:
-            if self.options.when_busy == "local":
+            if self.options.busy_policy == "local":
                 self.busy_local_steps += 1
                 return
             t0 = time.perf_counter()
@@ -147,7 +149,7 @@ class Prague(Algorithm):
             self.exposed_s += waited
             self.average_waits += 1
             self._apply(done)
-        averager.submit(self.flat.clone())
+        averager.submit(self.flat)
 
     def finish(self) -> None:
         """Take every average still in flight, run the groups this worker is still committed to, then
@@ -189,7 +191,7 @@ class Prague(Algorithm):
         return {
             "overlap": self.options.overlap,
             "max_in_flight": self.options.max_in_flight,
-            "when_busy": self.options.when_busy,
+            "when_busy": self.options.busy_policy,
             "busy_local_steps": self.busy_local_steps,
             "average_waits": self.average_waits,
             "local_step_share": (self.tally.local_steps + self.busy_local_steps) / steps,

@@ -59,7 +59,7 @@ class SimPrague(SimMethod):
         o = options
         self.config = GeneratorConfig(
             nproc=world.n, topology=world.topology, group_size=o.group_size, delta_c=o.delta_c,
-            seed=o.gg_seed, window_s=o.window_ms / 1000.0,
+            seed=o.gg_seed, window_s=o.window_s,
         )
         self.policy = make_generator(o.generator, self.config)
         self.remote = o.generator != "static"
@@ -230,7 +230,7 @@ class SimPrague(SimMethod):
             t0 = engine.now
             self._take_ready(w)
             if self._in_flight[w] >= o.max_in_flight:
-                if o.when_busy == "local":
+                if o.busy_policy == "local":
                     self.busy_local_steps += 1
                     world.record(w, compute, 0.0, 0.0)
                     continue
@@ -330,7 +330,7 @@ class SimPrague(SimMethod):
         return {
             "overlap": self.options.overlap,
             "max_in_flight": self.options.max_in_flight,
-            "when_busy": self.options.when_busy,
+            "when_busy": self.options.busy_policy,
             "busy_local_steps": self.busy_local_steps,
             "average_waits": self.average_waits,
             "local_step_share": (self.local_steps + self.busy_local_steps) / steps,

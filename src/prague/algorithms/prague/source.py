@@ -39,7 +39,7 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path) -> 
         sys.executable, "-m", "prague.groups.service", "--host", "127.0.0.1", "--port", "0",
         "--nproc", str(nproc), "--generator", options.generator, "--nodes", str(options.nodes),
         "--group-size", str(options.group_size), "--delta-c", str(options.delta_c),
-        "--window-s", str(options.window_ms / 1000.0), "--seed", str(seed), "--ready-file", str(ready_file),
+        "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
     ]
 
 

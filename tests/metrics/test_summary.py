@@ -1,0 +1,74 @@
+"""Throughput over one common window and one no-wait limit per scenario (the bench's accounting)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prague.metrics.report import harmonize_limits
+from prague.metrics.summary import WorkerTiming, base_compute_s, common_window, scenario_limit, throughput
+
+
+def _timing(ends: list[float], compute: float = 0.1, slowdown: list[float] | None = None) -> WorkerTiming:
+    n = len(ends)
+    return WorkerTiming(end_s=ends, compute_s=[compute] * n, comm_s=[0.0] * n, wait_s=[0.0] * n,
+                        slowdown=slowdown or [1.0] * n)
+
+
+def test_throughput_counts_the_steps_inside_the_common_window() -> None:
+    fast = _timing([float(k) for k in range(1, 11)])  # one step a second, done at 10
+    late = _timing([5.0 + k for k in range(1, 11)])  # starts 5 s later, done at 15
+    assert common_window([fast, late], warmup=2) == (7.0, 10.0)  # late's 2nd step .. fast's last
+    # Inside (7, 10]: fast ends steps at 8, 9, 10 and late at 8, 9, 10: six steps of 32 samples in 3 s.
+    assert throughput([fast, late], batch_size=32, warmup=2) == pytest.approx(6 * 32 / 3)
+    # Per-worker windows would have credited each worker with its own full rate (2 x 32 samples/s).
+    assert throughput([fast, late], batch_size=32, warmup=2) == pytest.approx(64.0)
+
+
+def test_a_worker_finishing_early_does_not_stretch_anyone_else() -> None:
+    fast = _timing([0.5 * k for k in range(1, 21)])  # 2 steps/s, done at 10
+    slow = _timing([2.0 * k for k in range(1, 11)])  # 0.5 steps/s, done at 20
+    start, end = common_window([fast, slow], warmup=1)  # type: ignore[misc]
+    assert (start, end) == (2.0, 10.0)
+    # (2, 10]: fast 16 steps, slow 4 steps.
+    assert throughput([fast, slow], batch_size=1, warmup=1) == pytest.approx(20 / 8)
+
+
+def test_without_a_common_window_the_per_worker_rates_are_summed() -> None:
+    early = _timing([1.0, 2.0, 3.0])
+    late = _timing([10.0, 11.0, 12.0])  # warm only after early finished
+    assert common_window([early, late], warmup=1) is None
+    assert throughput([early, late], batch_size=1, warmup=1) == pytest.approx(1.0 + 1.0)
+
+
+def test_base_compute_removes_the_injected_slowdown() -> None:
+    # Emulated: a slowdown f sleeps (f - 1) nominal computes on top of the step.
+    t = _timing([1.0, 2.0, 3.0], slowdown=[1.0, 5.0, 1.0])
+    t = WorkerTiming(end_s=t.end_s, compute_s=[0.12, 0.52, 0.12], comm_s=t.comm_s, wait_s=t.wait_s, slowdown=t.slowdown)
+    assert base_compute_s([t], warmup=0, nominal_s=0.1) == pytest.approx(0.12)
+    # Real: the slowdown scales the measured compute.
+    r = WorkerTiming(end_s=t.end_s, compute_s=[0.2, 1.0, 0.2], comm_s=t.comm_s, wait_s=t.wait_s, slowdown=t.slowdown)
+    assert base_compute_s([r], warmup=0, nominal_s=None) == pytest.approx(0.2)
+
+
+def test_scenario_limit_is_linear_in_the_mean_factor() -> None:
+    # Emulated: a worker with mean factor 2 takes base + nominal per step on average.
+    assert scenario_limit([1.0, 2.0], base_s=0.12, nominal_s=0.1, batch_size=32) == pytest.approx(32 / 0.12 + 32 / 0.22)
+    assert scenario_limit([1.0, 2.0], base_s=0.1, nominal_s=None, batch_size=32) == pytest.approx(32 / 0.1 + 32 / 0.2)
+
+
+def test_every_method_of_a_bench_gets_the_same_limit_per_scenario() -> None:
+    common = {"nproc": 2, "batch_size": 32, "compute_mode": "emulated", "compute_ms": 100.0}
+    records = [
+        {**common, "algorithm": "allreduce", "scenario": "paper:5", "throughput_samples_per_s": 300.0,
+         "base_compute_s": 0.125, "mean_slowdown": [1.5, 1.0], "no_wait_limit_samples_per_s": 1.0},
+        {**common, "algorithm": "prague", "scenario": "paper:5", "throughput_samples_per_s": 400.0,
+         "base_compute_s": 0.160, "mean_slowdown": [1.5, 1.0], "no_wait_limit_samples_per_s": 2.0},
+        {**common, "algorithm": "prague", "scenario": "homogeneous", "throughput_samples_per_s": 500.0,
+         "base_compute_s": 0.130, "mean_slowdown": [1.0, 1.0]},
+    ]
+    out = harmonize_limits(records)
+    paper = 32 / (0.125 + 0.05) + 32 / 0.125  # the least base compute of the bench, the scenario's draws
+    assert [r["no_wait_limit_samples_per_s"] for r in out[:2]] == pytest.approx([paper, paper])
+    assert out[1]["fraction_of_limit"] == pytest.approx(400.0 / paper)
+    assert out[2]["no_wait_limit_samples_per_s"] == pytest.approx(2 * 32 / 0.125)
+    assert records[0]["no_wait_limit_samples_per_s"] == 1.0  # inputs untouched
