@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -330,3 +331,31 @@ def test_failed_group_raises_comm_error_and_later_groups_work() -> None:
     assert torch.equal(outs[2]["again"], full(2.5)) and torch.equal(outs[3]["again"], full(2.5))
     for r in (0, 2, 3):
         assert torch.equal(outs[r]["last"], full(5 / 3)), r
+
+
+def _blocked_handshake_rank(ctx: DistContext) -> str:
+    """Rank 0 enters a group's handshake on a background thread, which blocks until rank 1 arrives;
+    rank 1 arrives only after it has read a key that rank 0's main thread writes meanwhile through
+    the job's store. If the handshake waited on the same store client, that write would queue behind
+    the wait and the two ranks would wait for each other until the timeout."""
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20)
+    try:
+        if ctx.rank == 0:
+            box: dict[str, Any] = {}
+            worker = threading.Thread(target=lambda: box.setdefault("pg", comms.get((0, 1))), daemon=True)
+            worker.start()
+            time.sleep(0.5)  # the thread is inside the handshake's wait by now (rank 1 is not there yet)
+            ctx.store.set("test/main-thread", "free")
+            worker.join(30)
+            assert "pg" in box, "the handshake never completed"
+        else:
+            ctx.store.wait(["test/main-thread"], timedelta(seconds=20))
+            comms.get((0, 1))
+        return ctx.store.get("test/main-thread").decode()
+    finally:
+        comms.close()
+
+
+def test_a_handshake_waiting_for_a_peer_does_not_hold_up_the_job_store() -> None:
+    outs = run_ranks(_blocked_handshake_rank, 2, deadline_s=60)
+    assert outs == {0: "free", 1: "free"}

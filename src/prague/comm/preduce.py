@@ -87,6 +87,7 @@ class GroupCommunicators:
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"communicator timeout_s must be > 0, got {timeout_s!r}")
         self.ctx = ctx
+        self.store = ctx.private_store()  # handshakes wait for slow members: never on the shared client
         self.timeout = timedelta(seconds=timeout_s if timeout_s is not None else ctx.timeout_s)
         self._cache: CommunicatorCache[tuple[str, dist.ProcessGroup]] = CommunicatorCache(capacity)
         self._uses: dict[tuple[int, ...], int] = {}
@@ -106,7 +107,7 @@ class GroupCommunicators:
 
     def _agree(self, members: tuple[int, ...], use: int, held: str | None) -> bool:
         """Handshake of the ``use``-th occurrence of ``members``: True if every member holds ``held``."""
-        store, rank = self.ctx.store, self.ctx.rank
+        store, rank = self.store, self.ctx.rank
         base = f"{self._prefix}/{_set_name(members)}/use"
         keys = [f"{base}{use}/{r}" for r in members]
         store.set(keys[members.index(rank)], held or NONE_HELD)
@@ -133,7 +134,7 @@ class GroupCommunicators:
         t0 = time.perf_counter()
         name = f"{self._prefix}/{_set_name(members)}/pg{use}"
         try:
-            pg = _backend_group(self.ctx, dist.PrefixStore(name, self.ctx.store), members.index(self.ctx.rank),
+            pg = _backend_group(self.ctx, dist.PrefixStore(name, self.store), members.index(self.ctx.rank),
                                 len(members), self.timeout)
         except RuntimeError as exc:
             raise self._fail(members, "communicator creation", exc) from exc

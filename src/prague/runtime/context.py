@@ -94,6 +94,15 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def private_store(self) -> dist.Store:
+        """A connection of its own to the job's store, for a background thread that may block in
+        ``wait``: one store client sends its requests one at a time over one socket, so a thread
+        waiting there for slow peers would hold up every other request of the process (the training
+        loop's progress updates included). Falls back to the shared client where the store cannot be
+        cloned."""
+        clone = getattr(self.store, "clone", None)
+        return clone() if clone is not None else self.store
+
 
 _CONTEXT: DistContext | None = None
 

@@ -95,7 +95,8 @@ METHOD = Method(
              "recently). By default (`--overlap on`) the Group Generator call and P-Reduce run on a background thread on a "
              "snapshot of the parameters while the next iteration computes, and the worker adds the group's correction "
              "(average minus snapshot) when it arrives: delayed averaging (CoCoD-SGD, IJCAI 2019; Overlap-SGP, ICML "
-             "2019), at most `--max-in-flight` averages out at once."),
+             "2019); with `--max-in-flight` averages already out a worker takes a local step (`--when-busy local`, default; "
+             "static always waits) or waits for the oldest (`wait`)."),
     paper="Luo, Lin, Zhuo, Qian, Prague: High-Performance Heterogeneity-Aware Asynchronous Decentralized Training, "
           "ASPLOS 2020 (arXiv 1909.08029)",
     options=PragueOptions,
