@@ -40,8 +40,8 @@ finishing worker (it is not waiting), but may complete a group for the others.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from itertools import combinations
-from statistics import median
 
 from prague.errors import ConfigError
 from prague.groups.api import Answer, GeneratorConfig, Observer
@@ -65,10 +65,10 @@ class ReadyGenerator(PolicyBase):
         super().__init__(config, observer=observer)
         self._waiting: dict[int, float] = {}  # worker -> time of its request, in arrival order
         self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
-        self._last_group: list[tuple[int, ...] | None] = [None] * config.nproc
         self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
         self._last_request: list[float | None] = [None] * config.nproc
         self._interval: list[float | None] = [None] * config.nproc  # moving average, per worker
+        self._sorted: list[float] = []  # the known averages, kept sorted: a median per request costs no sort
         self._window_s = config.window_s if config.window_s > 0 else FIRST_WINDOW_S
         self.counters.extra.update(
             full_groups=0, window_groups=0, all_here_groups=0, window_expiries=0, holds=0, total_wait_s=0.0,
@@ -124,9 +124,14 @@ class ReadyGenerator(PolicyBase):
             return
         gap = max(0.0, now_s - last)
         mean = self._interval[worker]
-        self._interval[worker] = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
-        known = [i for i in self._interval if i is not None]
-        self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * median(known)))
+        if mean is not None:
+            del self._sorted[bisect_left(self._sorted, mean)]
+        mean = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
+        self._interval[worker] = mean
+        insort(self._sorted, mean)
+        known, mid = self._sorted, len(self._sorted) // 2
+        middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2  # as statistics.median
+        self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s
 
     def waiting(self) -> list[int]:
@@ -192,7 +197,6 @@ class ReadyGenerator(PolicyBase):
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
             extra["total_wait_s"] += now_s - self._waiting.pop(m)
-            self._last_group[m] = group.members
         for a, b in combinations(group.members, 2):
             self._last_met[(a, b)] = group.seq
         return [(m, group) for m in group.members]

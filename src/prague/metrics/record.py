@@ -21,7 +21,7 @@ from typing import Any
 
 from prague.errors import ConfigError
 from prague.metrics.summary import (
-    WorkerTiming, base_compute_s, mean_after, mean_slowdowns, no_wait_limit, throughput,
+    WorkerTiming, base_compute_s, mean_after, mean_slowdowns, no_wait_limit, nominal_compute_s, throughput,
 )
 
 SCHEMA_VERSION = 2
@@ -118,8 +118,7 @@ class RunRecord:
         """A record whose throughput, no-wait limit and per-worker means come from ``timings``
         (every worker's log); ``fields`` gives the rest."""
         thr = throughput(timings, batch_size, warmup)
-        compute_ms = fields.get("compute_ms")
-        nominal = compute_ms / 1e3 if fields.get("compute_mode") == "emulated" and compute_ms else None
+        nominal = nominal_compute_s(fields.get("compute_mode"), fields.get("compute_ms"))
         limit = no_wait_limit(timings, batch_size, warmup, nominal)
         return cls(
             throughput_samples_per_s=thr, no_wait_limit_samples_per_s=limit,

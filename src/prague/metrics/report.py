@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
 from prague.metrics.record import RunRecord
-from prague.metrics.summary import scenario_limit
+from prague.metrics.summary import nominal_compute_s, scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [
@@ -220,7 +220,7 @@ def harmonize_limits(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         r = dict(r)
         slowdowns = draws.get((r.get("scenario"), r.get("nproc")))
         if slowdowns and r.get("batch_size"):
-            nominal = r["compute_ms"] / 1e3 if r.get("compute_mode") == "emulated" and r.get("compute_ms") else None
+            nominal = nominal_compute_s(r.get("compute_mode"), r.get("compute_ms"))
             limit = scenario_limit(slowdowns, base, nominal, int(r["batch_size"]))
             r["no_wait_limit_samples_per_s"] = limit
             r["fraction_of_limit"] = r["throughput_samples_per_s"] / limit if limit > 0 else None

@@ -65,6 +65,12 @@ def throughput(timings: Sequence[WorkerTiming], batch_size: int, warmup: int) ->
     return steps * batch_size / (end - start)
 
 
+def nominal_compute_s(compute_mode: str | None, compute_ms: float | None) -> float | None:
+    """The commanded compute per step, s, that an injected slowdown multiplies: ``compute_ms`` with
+    emulated compute; None with real compute (the slowdown then scales what was measured)."""
+    return compute_ms / 1e3 if compute_mode == "emulated" and compute_ms else None
+
+
 def base_compute_s(timings: Sequence[WorkerTiming], warmup: int, nominal_s: float | None) -> float:
     """The compute of one step without its injected slowdown, median over workers and steps after
     warm-up: ``compute - (factor - 1) * nominal_s`` with emulated compute (the slowdown is a sleep of

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from prague.algorithms.spec import COMM_REPORTS, Method, Options, option
 from prague.errors import ConfigError
@@ -81,6 +82,24 @@ class PragueOptions(Options):
         """Whether this job needs a Group Generator service of its own (``static`` needs none; with
         ``--gg-address`` the user runs it)."""
         return self.generator != "static" and not self.gg_address
+
+
+def overlap_report(options: PragueOptions, *, steps: int, local_steps: int, busy_local_steps: int,
+                   average_waits: int, averaging_s: float, exposed_s: float) -> dict[str, Any]:
+    """The overlap fields of ``prague``'s stats, from counts the runtime keeps per worker and the
+    simulator sums over workers: ``steps`` run, groups of one, steps taken locally while busy, waits for
+    an earlier average, seconds of averaging (asking plus P-Reduce) and of it the worker waited on."""
+    return {
+        "overlap": options.overlap,
+        "max_in_flight": options.max_in_flight,
+        "when_busy": options.busy_policy,
+        "busy_local_steps": busy_local_steps,
+        "average_waits": average_waits,
+        "local_step_share": (local_steps + busy_local_steps) / max(1, steps),
+        "averaging_s": averaging_s,
+        "exposed_averaging_s": exposed_s,
+        "hidden_comm_share": max(0.0, 1.0 - exposed_s / averaging_s) if averaging_s > 0 else 0.0,
+    }
 
 
 METHOD = Method(

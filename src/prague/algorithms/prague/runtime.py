@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
-from prague.algorithms.prague import PragueOptions
+from prague.algorithms.prague import PragueOptions, overlap_report
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
     MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
@@ -183,19 +183,10 @@ class Prague(Algorithm):
         }
 
     def _overlap_stats(self) -> dict[str, Any]:
-        steps = max(1, self.steps_done)
         if self.averager is None:
             averaging_s, exposed_s = self.blocking_s, self.blocking_s
         else:
             averaging_s, exposed_s = self.averager.busy_s, self.exposed_s
-        return {
-            "overlap": self.options.overlap,
-            "max_in_flight": self.options.max_in_flight,
-            "when_busy": self.options.busy_policy,
-            "busy_local_steps": self.busy_local_steps,
-            "average_waits": self.average_waits,
-            "local_step_share": (self.tally.local_steps + self.busy_local_steps) / steps,
-            "averaging_s": averaging_s,
-            "exposed_averaging_s": exposed_s,
-            "hidden_comm_share": max(0.0, 1.0 - exposed_s / averaging_s) if averaging_s > 0 else 0.0,
-        }
+        return overlap_report(self.options, steps=self.steps_done, local_steps=self.tally.local_steps,
+                              busy_local_steps=self.busy_local_steps, average_waits=self.average_waits,
+                              averaging_s=averaging_s, exposed_s=exposed_s)

@@ -38,6 +38,7 @@ import time
 from collections import deque
 from typing import Any
 
+from prague.algorithms.prague import overlap_report
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
 from prague.groups.trace import PolicyCall, call_policy
@@ -325,16 +326,7 @@ class SimPrague(SimMethod):
         return out
 
     def _overlap_stats(self) -> dict[str, Any]:
-        steps = max(1, self.world.n * self.world.steps)
         exposed = self.exposed_s if self.options.overlap == "on" else self.averaging_s
-        return {
-            "overlap": self.options.overlap,
-            "max_in_flight": self.options.max_in_flight,
-            "when_busy": self.options.busy_policy,
-            "busy_local_steps": self.busy_local_steps,
-            "average_waits": self.average_waits,
-            "local_step_share": (self.local_steps + self.busy_local_steps) / steps,
-            "averaging_s": self.averaging_s,
-            "exposed_averaging_s": exposed,
-            "hidden_comm_share": max(0.0, 1.0 - exposed / self.averaging_s) if self.averaging_s > 0 else 0.0,
-        }
+        return overlap_report(self.options, steps=self.world.n * self.world.steps, local_steps=self.local_steps,
+                              busy_local_steps=self.busy_local_steps, average_waits=self.average_waits,
+                              averaging_s=self.averaging_s, exposed_s=exposed)
