@@ -33,11 +33,13 @@ from prague.simulate.run import SimConfig, simulate
 
 GENERATORS = ("static", "smart", "random", "ready")
 PAPER_METHODS = ("allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "dssync", "prague:static",
-                 "prague:smart", "prague:random", "prague:ready")
-# Relative to homogeneous All-Reduce, DESIGN.md section 5 (the paper's 16-worker ResNet-18 figures).
+                 "prague:smart", "prague:random", "prague:ready", "prague:smart/off", "prague:ready/off")
+# "/off": the same method with --overlap off (every worker blocks on its group, as the paper's Prague did).
+# Relative to homogeneous All-Reduce, DESIGN.md section 5 (the paper's 16-worker ResNet-18 figures; the
+# paper's Prague blocked on its groups, so its figures stand beside the "/off" rows).
 PAPER_FIGURES = {
-    ("prague:smart", "homogeneous"): 1.1, ("adpsgd", "homogeneous"): 0.6, ("ps:sync", "homogeneous"): 0.2,
-    ("allreduce", "paper:5"): 0.24, ("adpsgd", "paper:5"): 0.28, ("prague:smart", "paper:5"): 0.45,
+    ("prague:smart/off", "homogeneous"): 1.1, ("adpsgd", "homogeneous"): 0.6, ("ps:sync", "homogeneous"): 0.2,
+    ("allreduce", "paper:5"): 0.24, ("adpsgd", "paper:5"): 0.28, ("prague:smart/off", "paper:5"): 0.45,
 }
 
 
@@ -116,8 +118,10 @@ def bench_engine(n: int = 1024, k: int = 300, repeats: int = 3) -> list[dict[str
 
 # -- the paper's setting ------------------------------------------------------------------------------
 def _paper_config(algorithm: str, scenario: str, steps: int, **cluster: Any) -> SimConfig:
+    algorithm, _, overlap = algorithm.partition("/")
     return SimConfig(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=steps, batch_size=128,
-                     model="resnet18", data="synthetic", cluster=PAPER.replace_fields(**cluster))
+                     model="resnet18", data="synthetic", cluster=PAPER.replace_fields(**cluster),
+                     options={"overlap": overlap} if overlap else {})
 
 
 def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
@@ -131,7 +135,7 @@ def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
         thr: dict[tuple[str, str], float] = {}
         for scenario in ("homogeneous", "paper:5"):
             methods = PAPER_METHODS if variant == "paper preset" else ("allreduce", "prague:smart", "prague:ready",
-                                                                       "prague:static", "adpsgd")
+                                                                       "prague:smart/off", "prague:static", "adpsgd")
             for algorithm in methods:
                 thr[(algorithm, scenario)] = simulate(_paper_config(algorithm, scenario, steps, **changes)).to_dict()[
                     "throughput_samples_per_s"]
@@ -154,32 +158,37 @@ def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
 def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) -> list[dict[str, Any]]:
     rows = []
     for n in sizes:
-        for generator in GENERATORS:
+        for generator, overlap in ((g, o) for g in GENERATORS for o in ("on", "off")):
             t, c = time.perf_counter(), time.process_time()
             r = simulate(SimConfig(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
-                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)).to_dict()
+                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
+                                   options={"overlap": overlap})).to_dict()
             stats = r["algorithm_stats"][0]
             rows.append({
-                "workers": n, "generator": generator, "fraction_of_limit": r["fraction_of_limit"],
+                "workers": n, "generator": generator, "overlap": overlap,
+                "fraction_of_limit": r["fraction_of_limit"],
                 "mean_wait_ms": 1e3 * sum(r["mean_wait_s"]) / n,
                 "gg_utilization": stats["gg_utilization"], "gg_mean_queue_ms": 1e3 * stats["gg_mean_queue_s"],
                 "policy_us_per_call": stats["policy_us_per_call"], "policy_core_share": stats["policy_core_share"],
                 "requests_per_s": stats["generator_stats"].get("requests", 0) / r["wall_s"] if r["wall_s"] else 0.0,
-                "mean_group_size": stats["mean_group_size"], "sim_wall_s": time.perf_counter() - t,
+                "mean_group_size": stats["mean_group_size"], "local_step_share": stats.get("local_step_share", 0.0),
+                "sim_wall_s": time.perf_counter() - t,
                 "sim_cpu_s": time.process_time() - c,
             })
-            print(f"  {n} workers, {generator}: {rows[-1]['fraction_of_limit']:.2f} of the no-wait limit "
+            print(f"  {n} workers, {generator}, overlap {overlap}: {rows[-1]['fraction_of_limit']:.2f} of the no-wait limit "
                   f"({rows[-1]['sim_cpu_s']:.1f} s CPU)", flush=True)
-    print("\n| workers | generator | of no-wait limit | GG requests/s | GG thread busy | GG queue (ms) | "
-          "policy CPU per request (us) | policy share of one core |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| workers | generator | overlap | of no-wait limit | local steps | GG requests/s | GG thread busy | "
+          "GG queue (ms) | policy CPU per request (us) | policy share of one core |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         remote = r["generator"] != "static"
-        print(f"| {r['workers']} | {r['generator']} | {100 * r['fraction_of_limit']:.0f}% | "
+        print(f"| {r['workers']} | {r['generator']} | {r['overlap']} | {100 * r['fraction_of_limit']:.0f}% | "
+              f"{100 * r['local_step_share']:.0f}% | "
               f"{r['requests_per_s']:.0f} | {100 * r['gg_utilization']:.0f}% | "
               f"{r['gg_mean_queue_ms']:.2f} | {r['policy_us_per_call']:.1f} | "
               f"{100 * r['policy_core_share']:.1f}% |" if remote else
-              f"| {r['workers']} | static | {100 * r['fraction_of_limit']:.0f}% | (no GG) | - | - | "
+              f"| {r['workers']} | static | {r['overlap']} | {100 * r['fraction_of_limit']:.0f}% | "
+              f"{100 * r['local_step_share']:.0f}% | (no GG) | - | - | "
               f"{r['policy_us_per_call']:.1f} | - |")
     return rows
 
