@@ -63,7 +63,8 @@ class CommStats:
                 "communicator_create_s": self.create_s, "communicators_evicted": self.evicted}
 
 
-def _backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+def backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A communicator of `size` ranks on the job's backend, rendezvousing through `store`; this rank is `rank`."""
     # torch's stubs declare these backends as ``Backend``, which (in the stubs) has no collectives.
     if ctx.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -134,7 +135,7 @@ class GroupCommunicators:
         t0 = time.perf_counter()
         name = f"{self._prefix}/{_set_name(members)}/pg{use}"
         try:
-            pg = _backend_group(self.ctx, dist.PrefixStore(name, self.store), members.index(self.ctx.rank),
+            pg = backend_group(self.ctx, dist.PrefixStore(name, self.store), members.index(self.ctx.rank),
                                 len(members), self.timeout)
         except RuntimeError as exc:
             raise self._fail(members, "communicator creation", exc) from exc

@@ -1,0 +1,58 @@
+"""``eager-sgd``: gradient all-reduce in rounds that start without waiting for every worker.
+
+Decisions: :mod:`.decisions` (who starts a round, which rounds are synchronous, what a worker
+contributes; pure); runtime: :mod:`.runtime`; simulator model: :mod:`.sim`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prague.algorithms.spec import Method, Options, option
+from prague.errors import ConfigError
+
+QUORUMS = ("solo", "majority")
+
+
+@dataclass(frozen=True)
+class EagerSGDOptions(Options):
+    quorum: str = option("majority", "eager-sgd: who starts a round: solo (the first worker to finish its gradient) or "
+                         "majority (a rank drawn per round from --eager-seed, so about half have arrived)",
+                         choices=QUORUMS)
+    renormalize: str = option("off", "eager-sgd: divide a round's gradient sum by the number of workers (off, the "
+                              "paper's choice) or by the number of gradients in it (on)", choices=("off", "on"))
+    sync_every: int = option(10, "eager-sgd: every L-th round is a synchronous all-reduce of every worker's fresh "
+                             "gradient, which bounds staleness (0: never)")
+    eager_seed: int = option(0, "eager-sgd: seed of majority's per-round initiators (0: the run's --seed)", run_seed=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sync_every < 0:
+            raise ConfigError(f"--sync-every must be >= 0 (0: no synchronous rounds), got {self.sync_every}")
+
+
+METHOD = Method(
+    name="eager-sgd",
+    summary=("eager-SGD: one gradient all-reduce per round over all workers, run by a background thread on each; "
+             "a round starts when its first worker (`solo`) or a seeded initiator (`majority`) has a gradient, and "
+             "late workers' gradients go into the next round, so every replica applies the same sums without "
+             "waiting for the slowest. Every `--sync-every`-th round is synchronous."),
+    paper=("Li, Ben-Nun, Di Girolamo, Alistarh, Hoefler, Taming Unbalanced Training Workloads in Deep Learning with "
+           "Partial Collective Operations, PPoPP 2020"),
+    options=EagerSGDOptions,
+    runtime="prague.algorithms.eager_sgd.runtime:EagerSGD",
+    sim="prague.algorithms.eager_sgd.sim:SimEagerSGD",
+    variant_option="quorum",
+    reports={
+        "quorum": "solo or majority",
+        "rounds": "rounds this worker took part in (synchronous and final ones included)",
+        "sync_rounds": "synchronous rounds among them",
+        "mean_gradients_per_round": "gradients summed in a round, mean over rounds (all workers' contributions)",
+        "mean_fresh_per_round": "of those, gradients computed on the latest values (staleness 0), mean over rounds",
+        "contributed": "gradients this worker contributed",
+        "staleness": "this worker's contributed gradients by staleness (rounds between the values a gradient was "
+                     "computed on and the round that carried it), as {staleness: count}",
+        "mean_staleness": "mean of that histogram",
+        "waits": "iterations in which this worker waited for its round",
+    },
+)

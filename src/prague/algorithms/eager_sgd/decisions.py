@@ -1,0 +1,98 @@
+"""eager-SGD's decisions, pure: which rounds are synchronous, who starts a round, and what a worker contributes.
+
+Run by every real worker (:mod:`.runtime`) and by the simulator (:mod:`.sim`), so both start the same
+rounds for the same reasons. Rounds are numbered 0, 1, ...; round ``t`` carries the gradients of
+iteration ``t`` that are ready when it starts (Li et al., "Taming Unbalanced Training Workloads in Deep
+Learning with Partial Collective Operations", PPoPP 2020):
+
+* ``solo``: the first worker to finish its gradient of iteration ``t`` starts round ``t``;
+* ``majority``: round ``t``'s initiator, a rank drawn from a seed every worker shares
+  (:func:`initiator`), starts it when it finishes that gradient, so on average half the workers have;
+* every ``sync_every``-th round (:func:`is_sync_round`) waits for every worker's gradient of its
+  iteration, as a plain all-reduce would; so does the final round after the last iteration, which
+  carries whatever is left.
+
+A worker contributes everything it has accumulated since its last contribution (:class:`Ledger`); a
+gradient that misses its round is carried by the next one the worker takes part in, so none is lost or
+counted twice.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from prague.errors import ConfigError
+
+
+def is_sync_round(round_id: int, sync_every: int) -> bool:
+    """Whether round ``round_id`` is synchronous (every ``sync_every``-th: rounds L-1, 2L-1, ...)."""
+    return sync_every > 0 and (round_id + 1) % sync_every == 0
+
+
+#: Results a worker may hold unapplied when there are no synchronous rounds.
+MAX_PENDING = 16
+
+
+def result_capacity(sync_every: int) -> int:
+    """How many finished rounds a worker may hold before applying them: its round thread waits for room
+    before taking another round, which bounds how far the others get ahead of it (``sync_every`` rounds,
+    which synchronous rounds bound anyway, else :data:`MAX_PENDING`)."""
+    return sync_every if sync_every > 0 else MAX_PENDING
+
+
+def initiator(round_id: int, nproc: int, seed: int) -> int:
+    """``majority``: the rank whose arrival starts round ``round_id``; the same on every worker."""
+    if nproc < 1:
+        raise ConfigError(f"nproc must be >= 1, got {nproc}")
+    return random.Random(f"eager-sgd/{seed}/{round_id}").randrange(nproc)
+
+
+def starts_round(quorum: str, rank: int, round_id: int, nproc: int, seed: int) -> bool:
+    """Whether ``rank``, having just finished its gradient of iteration ``round_id``, starts that round
+    (when no one has yet); never for a synchronous round, which starts on every worker by itself."""
+    if quorum == "solo":
+        return True
+    if quorum == "majority":
+        return rank == initiator(round_id, nproc, seed)
+    raise ConfigError(f"unknown eager-sgd quorum {quorum!r}; valid: solo, majority")
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What one worker put into one round: how many gradients, and how stale each was."""
+
+    count: int
+    staleness: tuple[int, ...]
+
+    @property
+    def fresh(self) -> int:
+        return sum(1 for s in self.staleness if s == 0)
+
+
+@dataclass
+class Ledger:
+    """The gradients one worker has computed and not yet contributed (their count and the model version,
+    rounds applied, each was computed on). The gradient sum itself lives beside it (a tensor in the
+    runtime, nothing in the simulator); whoever holds the ledger keeps the two in step under one lock."""
+
+    versions: list[int] = field(default_factory=list)
+    deposited: int = 0
+    taken: int = 0
+
+    def deposit(self, version: int) -> None:
+        """A gradient computed on the values after ``version`` applied rounds joins the next contribution."""
+        self.versions.append(version)
+        self.deposited += 1
+
+    def take(self, round_id: int) -> Contribution:
+        """Everything deposited since the last take, as round ``round_id``'s contribution; empties the ledger.
+        A gradient computed after applying rounds 0..v-1 (version v) and carried by round r is r - v stale."""
+        staleness = tuple(max(0, round_id - v) for v in self.versions)
+        self.taken += len(self.versions)
+        self.versions = []
+        return Contribution(len(staleness), staleness)
+
+    @property
+    def pending(self) -> int:
+        return len(self.versions)

@@ -1,0 +1,400 @@
+"""``eager-sgd``: partial gradient all-reduce in numbered rounds, run by a background thread on every worker.
+
+eager-SGD (Li, Ben-Nun, Di Girolamo, Alistarh, Hoefler, "Taming Unbalanced Training Workloads in Deep
+Learning with Partial Collective Operations", PPoPP 2020). Every worker keeps one global sequence of
+gradient sums, so every replica stays identical, yet no round waits for the slowest worker:
+
+* after backward the worker adds its gradient to its **accumulator** (a buffer beside a
+  :class:`~.decisions.Ledger`; the sum of everything it computed and has not contributed yet);
+* a background **round thread** on every worker takes part in every round, in order. Round ``t``
+  starts when it is activated (:mod:`.decisions`): under ``solo`` by the first worker to finish its
+  gradient of iteration ``t``, under ``majority`` by that round's seeded initiator; every
+  ``--sync-every``-th round, and the final one, start on each worker once its own gradient is in. The
+  thread then takes the accumulator (possibly empty: a count of 0) and all-reduces it with the others:
+  gradient sum, the latest BatchNorm statistics, the number of gradients and how many were fresh;
+* the worker waits until round ``t`` is done (usually only for the all-reduce: someone faster started
+  it) and applies, in order, every round result it has not applied yet: ``sum / n`` (``--renormalize
+  off``, the paper's choice: a missing gradient counts as zero) or ``sum / count`` (``on``), through
+  its own optimizer, whose state therefore stays the same on every worker.
+
+Activation travels through the job's store, not through the training loop: the activating worker's
+main thread sets the round's key once (one store request, no polling), and every round thread waits
+for that key on a store connection of its own (:meth:`prague.runtime.context.DistContext.private_store`),
+so a worker that is still computing still joins the round at once and contributes what it has. A
+gradient that misses its round (its worker was late) is carried by the next round its thread takes,
+so none is lost or counted twice. A worker that falls behind applies the results it missed one by
+one; it holds at most ``--sync-every`` of them (16 without synchronous rounds), and its thread waits
+for room before taking another round, which bounds how far ahead the others can get.
+
+After its last step every worker's thread runs one final synchronous round with whatever is left, so
+the sum of all applied contributions is the sum of all computed gradients. Every rank must run the
+same number of steps (as with DDP); a mismatch is detected in the rounds and raised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prague.algorithms.api import Algorithm, StepTimes
+from prague.algorithms.eager_sgd import EagerSGDOptions
+from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
+from prague.comm.flat import bind_flat
+from prague.comm.owned import shutdown_group
+from prague.comm.preduce import backend_group
+from prague.errors import CommError
+
+#: Extra elements after the state in a round buffer: gradient count, fresh gradients, finished flag.
+EXTRAS = 3
+_COUNT, _FRESH, _FINISHED = -3, -2, -1
+#: How long one wait of a round thread for an activation lasts before it checks that it should go on.
+#: Long: a store wait that times out costs the store a reconnection (50 ms slices tripled a round's time).
+_WAKE_S = 5.0
+_FINAL = b"final"
+_instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
+
+
+class RoundThread:
+    """One worker's side of every round: the accumulator, the thread, the finished results.
+
+    The main thread calls :meth:`deposit`, :meth:`activate`, :meth:`wait_for`, :meth:`take_results`,
+    :meth:`recycle` and :meth:`finish`; the thread runs :meth:`_loop`. One lock guards the
+    accumulator, its ledger and the result queue.
+    """
+
+    def __init__(self, *, pg: dist.ProcessGroup, store: dist.Store, main_store: dist.Store, prefix: str,
+                 rank: int, nproc: int, n_grads: int, buffers: torch.Tensor, options: EagerSGDOptions,
+                 timeout_s: float) -> None:
+        self.pg: dist.ProcessGroup | None = pg
+        self.store = store  # the thread's own connection: it blocks in wait() there
+        self.main_store = main_store  # the worker's: activations
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self.rank, self.nproc = rank, nproc
+        self.n_grads, self.state_size = n_grads, n_grads + buffers.numel()
+        self.options = options
+        self.device, self.dtype = buffers.device, buffers.dtype
+        self.capacity = result_capacity(options.sync_every)
+        self._cond = threading.Condition()
+        self.acc = self._new_buffer()
+        self.acc[n_grads:self.state_size].copy_(buffers)  # a worker without a gradient yet sends these
+        self.ledger = Ledger()
+        self._free: list[torch.Tensor] = []
+        self._allocated = 1
+        self._results: deque[tuple[int, torch.Tensor]] = deque()
+        self.started = 0  # rounds the thread has taken
+        self.completed = 0  # rounds whose result is in
+        self.finished_at: int | None = None  # this worker's step count, once it has finished
+        self._error: BaseException | None = None
+        self._stop = False
+        # What the rounds carried (global figures, from the reduced extras) and this worker's share.
+        self.sync_rounds = 0
+        self.gradients = 0
+        self.fresh = 0
+        self.staleness: Counter[int] = Counter()
+        self._thread = threading.Thread(target=self._loop, name="eager-sgd-rounds", daemon=True)
+        self._thread.start()
+
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.zeros(self.state_size + EXTRAS, dtype=self.dtype, device=self.device)
+
+    def _key(self, round_id: int) -> str:
+        return f"{self.prefix}/act/{round_id}"
+
+    # -- the worker's side ---------------------------------------------------------------------------
+    def deposit(self, grads: list[torch.Tensor], buffers: torch.Tensor, version: int) -> None:
+        """Add a gradient (one tensor per parameter) computed on ``version`` applied rounds, and the
+        current floating buffers, to what this worker contributes next."""
+        with self._cond:
+            self._raise_if_failed()
+            acc = self.acc
+            views = _views(acc, grads)
+            torch._foreach_add_(views, grads)
+            acc[self.n_grads:self.state_size].copy_(buffers)
+            if acc.is_cuda:  # the round thread's collective must see the finished copy
+                torch.cuda.current_stream(acc.device).synchronize()
+            self.ledger.deposit(version)
+            self._cond.notify_all()
+
+    def activate(self, round_id: int) -> bool:
+        """Start round ``round_id`` if this worker's quorum rule says so and it has not started; returns
+        whether this call set the activation. The round before it is done everywhere (this worker
+        waited for it), so its key is dropped."""
+        opts = self.options
+        if is_sync_round(round_id, opts.sync_every):
+            return False
+        if not starts_round(opts.quorum, self.rank, round_id, self.nproc, opts.eager_seed):
+            return False
+        with self._cond:
+            if self.started > round_id:
+                return False
+        self.main_store.set(self._key(round_id), "go")
+        if round_id > 0:
+            self.main_store.delete_key(self._key(round_id - 1))
+        return True
+
+    def wait_for(self, round_id: int, timeout_s: float) -> bool:
+        """Block until round ``round_id`` is done; returns whether it had to wait."""
+        with self._cond:
+            if self.completed > round_id:
+                self._raise_if_failed()
+                return False
+            ok = self._cond.wait_for(lambda: self.completed > round_id or self._error is not None, timeout_s)
+            self._raise_if_failed()
+            if not ok:
+                raise CommError(f"rank {self.rank}: eager-sgd round {round_id} did not finish within {timeout_s:g} s")
+            return True
+
+    def take_results(self) -> list[tuple[int, torch.Tensor]]:
+        """The finished rounds not handed out yet, oldest first (hand each buffer back with :meth:`recycle`)."""
+        with self._cond:
+            self._raise_if_failed()
+            out = list(self._results)
+            self._results.clear()
+            return out
+
+    def recycle(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify_all()
+
+    def finish(self, steps: int, timeout_s: float) -> None:
+        """This worker ran ``steps`` steps: start the final round here and wait for it."""
+        with self._cond:
+            self.finished_at = steps
+            self._cond.notify_all()
+        self.main_store.set(self._key(steps), _FINAL.decode())
+        if steps > 0:
+            self.main_store.delete_key(self._key(steps - 1))
+        self.wait_for(steps, timeout_s)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def release_group(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            shutdown_group(pg)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            round_id = 0
+            while self._start(round_id):
+                self._run(round_id)
+                round_id += 1
+        except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
+            with self._cond:
+                self._error = exc if isinstance(exc, CommError) else CommError(
+                    f"rank {self.rank}: eager-sgd round thread failed: {exc}")
+                self._cond.notify_all()
+
+    def _start(self, round_id: int) -> bool:
+        """Wait until round ``round_id`` may start here; False when the worker is done (or stopping)."""
+        with self._cond:  # room for one more result: the worker holds at most `capacity` unapplied
+            self._cond.wait_for(lambda: self._stop or self._allocated - 1 - len(self._free) < self.capacity)
+            if self._stop:
+                return False
+            if self.finished_at is not None and round_id > self.finished_at:
+                return False
+        if is_sync_round(round_id, self.options.sync_every):
+            return self._wait_own_gradient(round_id)
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # an activation through the store (slices, to notice a stop)
+            try:
+                self.store.wait([self._key(round_id)], timedelta(seconds=_WAKE_S))
+                break
+            except RuntimeError as exc:  # a timeout slice (DistStoreError); look again
+                with self._cond:
+                    if self._stop:
+                        return False
+                if time.monotonic() > deadline:
+                    raise CommError(f"rank {self.rank}: eager-sgd round {round_id} was not started within "
+                                    f"{self.timeout_s:g} s; no worker reached it ({exc})") from exc
+        if self.store.get(self._key(round_id)) == _FINAL:
+            return self._wait_own_gradient(round_id)
+        return True
+
+    def _wait_own_gradient(self, round_id: int) -> bool:
+        """A synchronous or final round starts here once this worker's gradient of that iteration is in,
+        or once it has finished (the final round)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stop or self.ledger.deposited > round_id or self.finished_at is not None)
+            return not self._stop
+
+    def _run(self, round_id: int) -> None:
+        with self._cond:
+            if self._free:
+                spare = self._free.pop().zero_()
+            else:
+                spare = self._new_buffer()
+                self._allocated += 1
+            send, self.acc = self.acc, spare
+            spare[self.n_grads:self.state_size].copy_(send[self.n_grads:self.state_size])
+            mine = self.ledger.take(round_id)
+            finished = self.finished_at is not None and self.ledger.deposited <= round_id
+            self.started = round_id + 1
+        send[_COUNT] = mine.count
+        send[_FRESH] = mine.fresh
+        send[_FINISHED] = 1.0 if finished else 0.0
+        pg = self.pg
+        if pg is None:
+            raise CommError(f"rank {self.rank}: eager-sgd's communicator was released")
+        try:
+            pg.allreduce([send]).wait()
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.rank}: eager-sgd round {round_id}'s all-reduce failed: {exc}") from exc
+        if send.is_cuda:
+            torch.cuda.synchronize(send.device)
+        n_finished = int(round(float(send[_FINISHED])))
+        if n_finished not in (0, self.nproc):
+            raise CommError(
+                f"eager-sgd round {round_id}: {n_finished} of {self.nproc} ranks had finished and the others had "
+                "not; every rank must run the same number of steps")
+        with self._cond:
+            self.sync_rounds += is_sync_round(round_id, self.options.sync_every) or n_finished > 0
+            self.gradients += int(round(float(send[_COUNT])))
+            self.fresh += int(round(float(send[_FRESH])))
+            self.staleness.update(mine.staleness)
+            self._results.append((round_id, send))
+            self.completed = round_id + 1
+            self._cond.notify_all()
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset:offset + n].view_as(t))
+        offset += n
+    return out
+
+
+class EagerSGD(Algorithm):
+    """See the module docstring."""
+
+    options: EagerSGDOptions
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        ctx = self.ctx
+        self.optimizer = optimizer
+        self.params = list(model.parameters())
+        self.flat = bind_flat(model)
+        self.n_grads = sum(p.numel() for p in self.params)
+        self.applied = 0  # round results applied, in order
+        self.waits = 0
+        self.steps = 0
+        self.rounds: RoundThread | None = None
+        if ctx.world_size == 1:
+            return model
+        instance = next(_instances)
+        prefix = f"eager-sgd/{instance}"
+        pg = backend_group(ctx, dist.PrefixStore(f"{prefix}/pg", ctx.store), ctx.rank, ctx.world_size, ctx.timeout)
+        self.rounds = RoundThread(pg=pg, store=ctx.private_store(), main_store=ctx.private_store(), prefix=prefix,
+                                  rank=ctx.rank, nproc=ctx.world_size, n_grads=self.n_grads,
+                                  buffers=self.flat[self.n_grads:], options=self.options, timeout_s=ctx.timeout_s)
+        self.resources.callback(self._release)
+        return model
+
+    def _release(self) -> None:
+        rounds = self.rounds
+        if rounds is None:
+            return
+        rounds.stop()
+        if rounds.join(0.0 if self.failed else 5.0):
+            rounds.release_group()  # after a failure a thread stuck in a collective keeps the group
+
+    # -- hooks
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        rounds = self.rounds
+        if rounds is None:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        rounds.deposit(grads, self.flat[self.n_grads:], self.applied)
+        rounds.activate(step)
+        t0 = time.perf_counter()
+        if rounds.wait_for(step, self.ctx.timeout_s):
+            self.waits += 1
+            times.wait_s += time.perf_counter() - t0
+        self.steps = step + 1
+
+    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+        if self.rounds is None:
+            super().apply_update(optimizer, step)
+            return
+        self._apply_ready()
+
+    def _apply_ready(self) -> None:
+        rounds = self.rounds
+        assert rounds is not None
+        for round_id, result in rounds.take_results():
+            if round_id != self.applied:
+                raise CommError(f"rank {self.ctx.rank}: eager-sgd got round {round_id} while expecting {self.applied}")
+            self._apply(result)
+            self.applied += 1
+            rounds.recycle(result)
+
+    def _apply(self, result: torch.Tensor) -> None:
+        """One round's result: its floating buffers (the mean over workers), then its gradient step."""
+        p, n = self.n_grads, self.ctx.world_size
+        self.flat[p:].copy_(result[p:self.flat.numel()]).div_(n)
+        count = int(round(float(result[_COUNT])))
+        if count == 0 or self.optimizer is None:  # no optimizer (emulated compute): nothing to train
+            return
+        divisor = count if self.options.renormalize == "on" else n
+        grads = result[:p].div_(divisor)
+        for param, g in zip(self.params, _views(grads, self.params)):
+            if param.grad is None:
+                param.grad = g.clone()
+            else:
+                param.grad.copy_(g)
+        self.optimizer.step()
+
+    def finish(self) -> None:
+        rounds = self.rounds
+        if rounds is None:
+            return
+        rounds.finish(self.steps, self.ctx.timeout_s)
+        self._apply_ready()
+        rounds.stop()
+        rounds.join(self.ctx.timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        rounds = self.rounds
+        base: dict[str, Any] = {"quorum": self.options.quorum, "waits": self.waits}
+        if rounds is None:
+            return {**base, "rounds": 0, "sync_rounds": 0, "mean_gradients_per_round": 0.0,
+                    "mean_fresh_per_round": 0.0, "contributed": 0, "staleness": {}, "mean_staleness": 0.0}
+        done = rounds.completed
+        contributed = sum(rounds.staleness.values())
+        return {
+            **base,
+            "rounds": done,
+            "sync_rounds": rounds.sync_rounds,
+            "mean_gradients_per_round": rounds.gradients / done if done else 0.0,
+            "mean_fresh_per_round": rounds.fresh / done if done else 0.0,
+            "contributed": contributed,
+            "staleness": {str(k): v for k, v in sorted(rounds.staleness.items())},
+            "mean_staleness": (sum(k * v for k, v in rounds.staleness.items()) / contributed) if contributed else 0.0,
+        }

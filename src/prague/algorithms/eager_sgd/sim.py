@@ -1,0 +1,168 @@
+"""``eager-sgd`` in simulated time: rounds of gradient all-reduce that start without the slowest worker.
+
+Mirrors :mod:`prague.algorithms.eager_sgd.runtime` with the same decision code
+(:mod:`prague.algorithms.eager_sgd.decisions`: who starts a round, which rounds are synchronous, the
+per-worker :class:`~prague.algorithms.eager_sgd.decisions.Ledger`). One driver process plays every
+worker's round thread (they move in lock step: each round is one all-reduce over everyone):
+
+* round ``t`` starts when activated (``solo``: the first worker to finish gradient ``t``; ``majority``:
+  round ``t``'s initiator) or, for a synchronous round, when every worker has finished gradient ``t``;
+  never before round ``t - 1`` is done, nor while a worker holds as many unapplied results as the
+  runtime allows;
+* it takes every worker's ledger (and, with ``--math real``, the gradient sum beside it) and lasts the
+  ring all-reduce of the model over all workers, charged like ``allreduce``'s
+  (``cluster.allreduce_exposed`` times the alpha-beta ring time, the collective the runtime runs);
+* a worker, after computing gradient ``t``, waits until round ``t`` is done, then applies every result
+  it has not applied yet, in order; the time it waits is its wait time, as the runtime counts it;
+* after the last step a final synchronous round carries what is left.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
+from prague.sim.engine import Process, Signal
+from prague.sim.method import SimMethod
+
+
+class SimEagerSGD(SimMethod):
+    """``eager-sgd`` in simulated time; see the module docstring."""
+
+    def __init__(self, world: Any, options: Any) -> None:
+        super().__init__(world, options)
+        n = world.n
+        self.ledgers = [Ledger() for _ in range(n)]
+        self.sums: list[Any] = [None] * n  # --math real: each worker's gradient sum not contributed yet
+        self.applied = [0] * n
+        self.finished = 0
+        self.completed = 0
+        self.capacity = result_capacity(options.sync_every)
+        self._activated: dict[int, Signal] = {}  # round -> fired when it may start
+        self._done: dict[int, Signal] = {}  # round -> fired when its result is in
+        self._results: dict[int, Any] = {}  # round -> (sum, count) until every worker applied it
+        self._room: Signal | None = None  # fired when a worker applies results
+        self.sync_rounds = 0
+        self.gradients = 0
+        self.fresh = 0
+        self.staleness: Counter[int] = Counter()
+        self.waits = 0
+
+    def _signal(self, table: dict[int, Signal], round_id: int) -> Signal:
+        sig = table.get(round_id)
+        if sig is None:
+            sig = table[round_id] = self.world.engine.signal()
+        return sig
+
+    def start(self) -> None:
+        super().start()
+        self.world.engine.process(self._rounds())
+
+    # -- the round threads, in lock step --------------------------------------------------------------
+    def _rounds(self) -> Process:
+        world = self.world
+        everyone = tuple(range(world.n))
+        exposed = world.cluster.allreduce_exposed
+        round_id = 0
+        while True:
+            final = round_id == world.steps
+            while max(self.completed - a for a in self.applied) >= self.capacity:
+                self._room = world.engine.signal()
+                yield self._room
+            start = self._signal(self._activated, round_id)
+            if not start.fired:
+                yield start
+            taken = [ledger.take(round_id) for ledger in self.ledgers]
+            sums = self.sums
+            self.sums = [None] * world.n
+            count = sum(c.count for c in taken)
+            self.gradients += count
+            self.fresh += sum(c.fresh for c in taken)
+            for c in taken:
+                self.staleness.update(c.staleness)
+            self.sync_rounds += final or is_sync_round(round_id, self.options.sync_every)
+            total = None
+            for s in sums:
+                if s is not None:
+                    total = s if total is None else total + s
+            for _ in everyone:  # every worker's round thread joins; the driver stands for all of them
+                joined = world.meet(("eager-sgd", round_id), everyone, cost_s=lambda ring_s: exposed * ring_s,
+                                    setup=False)
+            yield joined
+            self._results[round_id] = (total, count)
+            self.completed = round_id + 1
+            self._signal(self._done, round_id).fire()
+            if final:
+                return
+            round_id += 1
+
+    # -- the workers --------------------------------------------------------------------------------
+    def worker(self, w: int) -> Process:
+        world = self.world
+        engine, math = world.engine, world.math
+        opts = self.options
+        n = world.n
+        for k in range(world.steps):
+            compute = world.compute_s(w, k)
+            yield compute
+            grad = math.gradient(w, k)
+            if grad is not None:
+                self.sums[w] = grad if self.sums[w] is None else self.sums[w] + grad
+            self.ledgers[w].deposit(self.applied[w])
+            if is_sync_round(k, opts.sync_every):
+                if all(ledger.deposited > k for ledger in self.ledgers):
+                    self._signal(self._activated, k).fire()
+            elif starts_round(opts.quorum, w, k, n, opts.eager_seed):
+                start = self._signal(self._activated, k)
+                if not start.fired:
+                    start.fire()
+            t0 = engine.now
+            done = self._signal(self._done, k)
+            if not done.fired:
+                self.waits += 1
+                yield done
+            self._apply(w)
+            world.record(w, compute, 0.0, engine.now - t0)
+        self.finished += 1
+        if self.finished == n:
+            self._signal(self._activated, world.steps).fire()
+        done = self._signal(self._done, world.steps)
+        if not done.fired:
+            yield done
+        self._apply(w)
+
+    def _apply(self, w: int) -> None:
+        """Worker ``w`` applies every finished round it has not applied yet, in order."""
+        math, n = self.world.math, self.world.n
+        while self.applied[w] < self.completed:
+            r = self.applied[w]
+            total, count = self._results[r]
+            if total is not None and count:
+                math.apply(w, total / (count if self.options.renormalize == "on" else n))
+            self.applied[w] += 1
+            if min(self.applied) > r:
+                del self._results[r]
+        if self._room is not None:
+            room, self._room = self._room, None
+            room.fire()
+
+    def check_done(self) -> None:
+        super().check_done()
+        if self.completed != self.world.steps + 1:
+            raise RuntimeError(f"simulated eager-sgd ran {self.completed} rounds, expected {self.world.steps + 1}")
+
+    def stats(self) -> dict[str, Any]:
+        rounds = self.completed
+        contributed = sum(self.staleness.values())
+        return {
+            "quorum": self.options.quorum,
+            "rounds": rounds,
+            "sync_rounds": self.sync_rounds,
+            "mean_gradients_per_round": self.gradients / rounds if rounds else 0.0,
+            "mean_fresh_per_round": self.fresh / rounds if rounds else 0.0,
+            "contributed": contributed,
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "mean_staleness": sum(k * v for k, v in self.staleness.items()) / contributed if contributed else 0.0,
+            "waits": self.waits,
+        }
