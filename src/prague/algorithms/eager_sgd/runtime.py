@@ -118,7 +118,10 @@ class RoundThread:
             self._raise_if_failed()
             acc = self.acc
             views = _views(acc, grads)
-            torch._foreach_add_(views, grads)
+            if self.ledger.pending:
+                torch._foreach_add_(views, grads)
+            else:  # the first gradient since the last round: the buffer holds an old round's values
+                torch._foreach_copy_(views, grads)
             acc[self.n_grads:self.state_size].copy_(buffers)
             if acc.is_cuda:  # the round thread's collective must see the finished copy
                 torch.cuda.current_stream(acc.device).synchronize()
@@ -244,7 +247,7 @@ class RoundThread:
     def _run(self, round_id: int) -> None:
         with self._cond:
             if self._free:
-                spare = self._free.pop().zero_()
+                spare = self._free.pop()  # stale values: the next deposit copies rather than adds
             else:
                 spare = self._new_buffer()
                 self._allocated += 1
@@ -253,6 +256,8 @@ class RoundThread:
             mine = self.ledger.take(round_id)
             finished = self.finished_at is not None and self.ledger.deposited <= round_id
             self.started = round_id + 1
+        if mine.count == 0:  # nothing deposited since the buffer was recycled
+            send[:self.n_grads].zero_()
         send[_COUNT] = mine.count
         send[_FRESH] = mine.fresh
         send[_FINISHED] = 1.0 if finished else 0.0
