@@ -25,6 +25,15 @@ CASES = [
     (["bench", "--scenarios", "homogeneous,weird:1"], ["'weird:1'"]),
     (["bench", "--algorithms", "allreduce,bogus"], ["'bogus'", "allreduce"]),
     (["launch", "--nproc", "2", "/no/such/script.py"], ["/no/such/script.py"]),
+    (["run", "--algorithm", "prague", "--nproc", "4", "--group-size", "9"], ["--group-size 9", "--nproc 4", "at most 4"]),
+    (["run", "--algorithm", "dssync", "--nproc", "4", "--group-size", "5"], ["--group-size 5", "at most 4"]),
+    (["bench", "--algorithms", "allreduce,dssync", "--nproc", "3", "--group-size", "4"], ["--group-size 4", "at most 3"]),
+    (["run", "--algorithm", "prague", "--nproc", "6", "--nodes", "4"], ["--nproc 6", "--nodes 4"]),
+    (["run", "--algorithm", "adpsgd", "--nproc", "4", "--adpsgd-active", "0,7"], ["[7]", "0..3"]),
+    (["run", "--algorithm", "adpsgd", "--nproc", "2", "--adpsgd-active", "0,1"], ["no passive"]),
+    (["simulate", "--algorithms", "prague:smart", "--nproc", "4", "--group-size", "9"], ["--group-size 9", "at most 4"]),
+    (["run", "--algorithm", "eager-sgd", "--sync-every", "-1"], ["--sync-every", "-1"]),
+    (["run", "--algorithm", "eager-sgd:all"], ["'all'", "solo", "majority"]),
 ]
 
 

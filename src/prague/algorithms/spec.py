@@ -53,6 +53,11 @@ class Options:
             if choices is not None and value not in choices:
                 raise unknown_choice(f"value of --{f.name.replace('_', '-')}", value, choices)
 
+    def check_job(self, nproc: int) -> None:
+        """Raise ConfigError unless these options make sense for a job of ``nproc`` workers (a group
+        larger than the job, ranks outside it...). Called before any process starts; a method whose
+        options depend on the job's size overrides it."""
+
 
 @dataclass(frozen=True)
 class OptionInfo:
@@ -164,6 +169,14 @@ class Method:
             return self.options(**kwargs)
         except TypeError as exc:  # a value of the wrong type given through the Python API
             raise ConfigError(f"invalid options for method {self.name!r}: {exc}") from None
+
+    def check_job(self, options: Any, nproc: int) -> None:
+        """Raise ConfigError unless ``options`` fit a job of ``nproc`` workers (:meth:`Options.check_job`)."""
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+        check = getattr(options, "check_job", None)
+        if check is not None:
+            check(nproc)
 
     def variant_of(self, options: Any) -> str | None:
         """The variant ``options`` select, or None for a method without variants."""

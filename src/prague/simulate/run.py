@@ -77,7 +77,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         method, variant = parse_method(self.algorithm)
-        method.make_options(self.options, variant)
+        method.check_job(method.make_options(self.options, variant), self.nproc)
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if self.nodes < 1 or self.nproc % self.nodes:

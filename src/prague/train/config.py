@@ -189,7 +189,8 @@ def config_from_args(args: argparse.Namespace, *, algorithm: str, scenario: str,
     from prague.algorithms.registry import resolve_options
     from prague.hetero.spec import parse_scenario
 
-    method, _ = resolve_options(algorithm, option_values(args))  # validates the name, the variant and the options
+    method, method_options = resolve_options(algorithm, option_values(args))  # the name, the variant, the options
+    method.check_job(method_options, nproc)  # and that they fit the job, before any process starts
     declared = {o.name for o in method.option_infos}
     options = {k: v for k, v in option_values(args).items() if k in declared}
     parse_scenario(scenario).check_world(nproc)

@@ -105,6 +105,7 @@ class DistributedTrainer:
             valid = ", ".join(o.name for o in self.method.option_infos) or "none"
             raise ConfigError(f"method {self.method.name!r} has no option(s) {unknown}; its options: {valid}")
         method_options = self.method.make_options(options, variant, seed)
+        self.method.check_job(method_options, self.ctx.world_size)
         self.variant = self.method.variant_of(method_options)
         self.algorithm: Algorithm = self.method.runtime_class()(self.ctx, method_options)
         self.algorithm.decisions = decisions

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prague.algorithms.adpsgd.decisions import parse_ranks
+from prague.algorithms.adpsgd.decisions import bipartite_split, parse_ranks
 from prague.algorithms.spec import Method, Options, option
 
 
@@ -20,6 +20,9 @@ class ADPSGDOptions(Options):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_ranks(self.adpsgd_active)
+
+    def check_job(self, nproc: int) -> None:
+        bipartite_split(nproc, self.adpsgd_active)  # ranks outside the job, or no passive left
 
 
 METHOD = Method(

@@ -24,6 +24,11 @@ class DSSyncOptions(Options):
         if self.comm_cache < 1:
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
 
+    def check_job(self, nproc: int) -> None:
+        if self.group_size > nproc and nproc > 1:
+            raise ConfigError(f"--group-size {self.group_size} is larger than the job (--nproc {nproc}); "
+                              f"use at most {nproc}")
+
 
 METHOD = Method(
     name="dssync",

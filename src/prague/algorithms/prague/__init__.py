@@ -57,6 +57,12 @@ class PragueOptions(Options):
         if self.max_in_flight < 1:
             raise ConfigError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
 
+    def check_job(self, nproc: int) -> None:
+        self.topology(nproc)
+        if self.group_size > nproc and nproc > 1:
+            raise ConfigError(f"--group-size {self.group_size} is larger than the job (--nproc {nproc}); "
+                              f"use at most {nproc}")
+
     def topology(self, nproc: int) -> Topology:
         if nproc % self.nodes:
             raise ConfigError(f"--nproc {nproc} is not a multiple of --nodes {self.nodes}; use a divisor of {nproc}")
