@@ -1,3 +1,35 @@
-"""Fixtures shared by every test package (helpers live in prague_testing.py)."""
+"""Fixtures shared by every test package (helpers live in prague_testing.py), and the check that the test
+run leaves no process of its own behind.
 
-from prague_testing import allreduce_run, mnist_dir  # noqa: F401  (re-exported fixtures)
+Every process a test starts inherits ``PRAGUE_TEST_SESSION`` (set here, unique per run), so at the end
+the run finds all of them through ``/proc/PID/environ``, also those whose parent died and that were
+re-parented. Any still alive after a grace period is killed and fails the run, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from prague_testing import allreduce_run, mnist_dir, processes_of_session  # noqa: F401  (re-exported fixtures)
+
+SESSION_ENV = "PRAGUE_TEST_SESSION"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = processes_of_session(os.environ[SESSION_ENV], within_s=15.0, kill=True)
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "processes started by the tests outlived them (killed now): " + "; ".join(
+            f"{pid} {cmd[:120]}" for pid, cmd in left)
+        if reporter is not None:
+            reporter.write_line(text, red=True)
+        else:
+            print(text)

@@ -35,6 +35,41 @@ def processes_mentioning(marker: str) -> list[int]:
     return pids
 
 
+def _session_processes(token: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process but ours whose environment carries ``token``."""
+    needle = token.encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes():
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours to read
+            continue
+        if cmdline:  # a zombie has none: it is already dead
+            out.append((int(entry.name), cmdline))
+    return out
+
+
+def processes_of_session(token: str, within_s: float = 15.0, kill: bool = False) -> list[tuple[int, str]]:
+    """Processes carrying ``token`` in their environment still alive after ``within_s`` (killed with
+    SIGKILL when ``kill``); empty when all ended in time."""
+    deadline = time.monotonic() + within_s
+    left = _session_processes(token)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _session_processes(token)
+    if kill:
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    return left
+
+
 def wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
     """Wait until no process mentions ``marker``; return those still there after ``within_s``."""
     deadline = time.monotonic() + within_s

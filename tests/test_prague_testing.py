@@ -60,3 +60,27 @@ def test_join_all_raises_the_error_raised_first() -> None:
 
     with pytest.raises(KeyError, match="first"):
         join_all([start_thread(fails_after), start_thread(fails_first)], 5)
+
+
+def test_the_session_check_finds_and_kills_a_process_left_behind() -> None:
+    """What the end-of-run check (conftest.py) relies on: a process carrying the token is found, also
+    after it was orphaned into a session of its own, and killed."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from prague_testing import processes_of_session
+
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "PRAGUE_TEST_SESSION": token}, start_new_session=True)
+    try:
+        left = processes_of_session(token, within_s=0.5, kill=True)
+        assert [pid for pid, _ in left] == [proc.pid]
+        assert proc.wait(timeout=10) != 0  # killed
+        assert processes_of_session(token, within_s=0.0) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
