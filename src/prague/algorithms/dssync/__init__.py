@@ -25,9 +25,7 @@ class DSSyncOptions(Options):
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
 
     def check_job(self, nproc: int) -> None:
-        if self.group_size > nproc and nproc > 1:
-            raise ConfigError(f"--group-size {self.group_size} is larger than the job (--nproc {nproc}); "
-                              f"use at most {nproc}")
+        self.check_group_size(nproc)
 
 
 METHOD = Method(

@@ -59,9 +59,7 @@ class PragueOptions(Options):
 
     def check_job(self, nproc: int) -> None:
         self.topology(nproc)
-        if self.group_size > nproc and nproc > 1:
-            raise ConfigError(f"--group-size {self.group_size} is larger than the job (--nproc {nproc}); "
-                              f"use at most {nproc}")
+        self.check_group_size(nproc)
 
     def topology(self, nproc: int) -> Topology:
         if nproc % self.nodes:
