@@ -3,7 +3,8 @@ run leaves no process of its own behind.
 
 Every process a test starts inherits ``PRAGUE_TEST_SESSION`` (set here, unique per run), so at the end
 the run finds all of them through ``/proc/PID/environ``, also those whose parent died and that were
-re-parented. Any still alive after a grace period is killed and fails the run, naming it.
+re-parented. Any still alive after a grace period is killed and fails the run, naming it (the pytest
+process's own multiprocessing helpers, which end with it, excepted).
 """
 
 from __future__ import annotations

@@ -48,9 +48,19 @@ def _session_processes(token: str) -> list[tuple[int, str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone, or not ours to read
             continue
-        if cmdline:  # a zombie has none: it is already dead
-            out.append((int(entry.name), cmdline))
+        if not cmdline:  # a zombie has none: it is already dead
+            continue
+        if "from multiprocessing." in cmdline and _parent(entry) == os.getpid():
+            continue  # this interpreter's own multiprocessing helpers (resource tracker, forkserver): they end with it
+        out.append((int(entry.name), cmdline))
     return out
+
+
+def _parent(proc_dir: Path) -> int:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def processes_of_session(token: str, within_s: float = 15.0, kill: bool = False) -> list[tuple[int, str]]:

@@ -138,3 +138,19 @@ def test_help_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True).stdout.strip()
     assert out == "", f"building the parser imported {out}"
+
+
+def test_options_are_checked_against_the_size_of_the_job() -> None:
+    from prague.algorithms.registry import get_method
+
+    prague_method, dssync = get_method("prague"), get_method("dssync")
+    prague_method.check_job(prague_method.make_options({}), 2)  # the default group size shrinks to the job
+    dssync.check_job(dssync.make_options({"group_size": 4}), 4)
+    with pytest.raises(ConfigError, match="--group-size 5 is larger than the job"):
+        dssync.check_job(dssync.make_options({"group_size": 5}), 4)
+    with pytest.raises(ConfigError, match="--nodes 4"):
+        prague_method.check_job(prague_method.make_options({"nodes": 4}), 6)
+    adpsgd = get_method("adpsgd")
+    with pytest.raises(ConfigError, match=r"\[5\]"):
+        adpsgd.check_job(adpsgd.make_options({"adpsgd_active": "0,5"}), 4)
+    get_method("eager-sgd").check_job(get_method("eager-sgd").make_options({}), 1)
