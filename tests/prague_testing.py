@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,39 +20,48 @@ REPO = Path(__file__).resolve().parents[1]
 MNIST_DIR = REPO.parent / "shared" / "datasets" / "mnist"
 
 
-def processes_mentioning(marker: str) -> list[int]:
-    """PIDs (other than ours) whose command line contains ``marker``."""
-    pids = []
+def _other_processes() -> Iterator[tuple[Path, str]]:
+    """(``/proc/PID``, command line) of every live process but ours that we may read."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+        except OSError:  # gone, or not ours to read
             continue
-        if marker in cmdline:
-            pids.append(int(entry.name))
-    return pids
+        yield entry, cmdline
+
+
+def _still_there(look: Callable[[], list[Any]], within_s: float) -> list[Any]:
+    """Call ``look`` until it returns nothing or ``within_s`` has passed; its last answer."""
+    deadline = time.monotonic() + within_s
+    left = look()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = look()
+    return left
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs (other than ours) whose command line contains ``marker``."""
+    return [int(entry.name) for entry, cmdline in _other_processes() if marker in cmdline]
 
 
 def _session_processes(token: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process but ours whose environment carries ``token``."""
     needle = token.encode()
     out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes():
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone, or not ours to read
-            continue
+    for entry, cmdline in _other_processes():
+        cmdline = cmdline.strip()
         if not cmdline:  # a zombie has none: it is already dead
             continue
         if "from multiprocessing." in cmdline and _parent(entry) == os.getpid():
             continue  # this interpreter's own multiprocessing helpers (resource tracker, forkserver): they end with it
-        out.append((int(entry.name), cmdline))
+        try:
+            if needle in (entry / "environ").read_bytes():
+                out.append((int(entry.name), cmdline))
+        except OSError:
+            continue
     return out
 
 
@@ -66,11 +75,7 @@ def _parent(proc_dir: Path) -> int:
 def processes_of_session(token: str, within_s: float = 15.0, kill: bool = False) -> list[tuple[int, str]]:
     """Processes carrying ``token`` in their environment still alive after ``within_s`` (killed with
     SIGKILL when ``kill``); empty when all ended in time."""
-    deadline = time.monotonic() + within_s
-    left = _session_processes(token)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = _session_processes(token)
+    left: list[tuple[int, str]] = _still_there(lambda: _session_processes(token), within_s)
     if kill:
         for pid, _ in left:
             try:
@@ -82,10 +87,8 @@ def processes_of_session(token: str, within_s: float = 15.0, kill: bool = False)
 
 def wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
     """Wait until no process mentions ``marker``; return those still there after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and processes_mentioning(marker):
-        time.sleep(0.2)
-    return processes_mentioning(marker)
+    pids: list[int] = _still_there(lambda: processes_mentioning(marker), within_s)
+    return pids
 
 
 def run_cli(*args: str, timeout_s: float = 180.0, cwd: Path | None = None,

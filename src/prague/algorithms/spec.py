@@ -58,13 +58,14 @@ class Options:
         larger than the job, ranks outside it...). Called before any process starts; a method whose
         options depend on the job's size overrides it."""
 
-    def check_group_size(self, nproc: int) -> None:
-        """A ``group_size`` larger than the job is an error, unless it is the default, which shrinks to
-        the job (a 2-worker job with the default of 3 averages in pairs)."""
-        size = getattr(self, "group_size")
-        default = next(f.default for f in dataclasses.fields(self) if f.name == "group_size")  # type: ignore[arg-type]
-        if size > nproc and size != default:
-            raise ConfigError(f"--group-size {size} is larger than the job (--nproc {nproc}); use at most {nproc}")
+
+def check_group_size(options: Any, nproc: int) -> None:
+    """For options with a ``group_size``: one larger than the job is an error, unless it is the default,
+    which shrinks to the job (a 2-worker job with the default of 3 averages in pairs)."""
+    size = options.group_size
+    default = next(f.default for f in dataclasses.fields(options) if f.name == "group_size")
+    if size > nproc and size != default:
+        raise ConfigError(f"--group-size {size} is larger than the job (--nproc {nproc}); use at most {nproc}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prague.algorithms.spec import COMM_REPORTS, Method, Options, option
+from prague.algorithms.spec import COMM_REPORTS, Method, Options, check_group_size, option
 from prague.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ class DSSyncOptions(Options):
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
 
     def check_job(self, nproc: int) -> None:
-        self.check_group_size(nproc)
+        check_group_size(self, nproc)
 
 
 METHOD = Method(

@@ -6,7 +6,9 @@ contributes; pure); runtime: :mod:`.runtime`; simulator model: :mod:`.sim`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prague.algorithms.spec import Method, Options, option
 from prague.errors import ConfigError
@@ -29,6 +31,25 @@ class EagerSGDOptions(Options):
         super().__post_init__()
         if self.sync_every < 0:
             raise ConfigError(f"--sync-every must be >= 0 (0: no synchronous rounds), got {self.sync_every}")
+
+
+def rounds_report(*, quorum: str, rounds: int, sync_rounds: int, gradients: int, fresh: int,
+                  staleness: Mapping[int, int], waits: int) -> dict[str, Any]:
+    """``eager-sgd``'s stats (the fields :data:`METHOD` reports) from the counts the runtime keeps per worker
+    and the simulator for the whole job: ``gradients`` and ``fresh`` summed over the rounds,
+    ``staleness`` as {rounds late: gradients}."""
+    contributed = sum(staleness.values())
+    return {
+        "quorum": quorum,
+        "rounds": rounds,
+        "sync_rounds": sync_rounds,
+        "mean_gradients_per_round": gradients / rounds if rounds else 0.0,
+        "mean_fresh_per_round": fresh / rounds if rounds else 0.0,
+        "contributed": contributed,
+        "staleness": {str(k): v for k, v in sorted(staleness.items())},
+        "mean_staleness": sum(k * v for k, v in staleness.items()) / contributed if contributed else 0.0,
+        "waits": waits,
+    }
 
 
 METHOD = Method(

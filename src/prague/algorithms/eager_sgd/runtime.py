@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
-from prague.algorithms.eager_sgd import EagerSGDOptions
+from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
 from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
 from prague.comm.flat import bind_flat
 from prague.comm.owned import shutdown_group
@@ -170,10 +170,11 @@ class RoundThread:
             self._free.append(buffer)
             self._cond.notify_all()
 
-    def finish(self, steps: int, timeout_s: float) -> None:
-        """This worker ran ``steps`` steps: start the final round here and wait for it."""
+    def finish(self, timeout_s: float) -> None:
+        """This worker has run its last step (one deposit per step): start the final round here and wait
+        for it."""
         with self._cond:
-            self.finished_at = steps
+            steps = self.finished_at = self.ledger.deposited
             self._cond.notify_all()
         self.main_store.set(self._key(steps), _FINAL.decode())
         if steps > 0:
@@ -308,7 +309,6 @@ class EagerSGD(Algorithm):
         self.n_grads = sum(p.numel() for p in self.params)
         self.applied = 0  # round results applied, in order
         self.waits = 0
-        self.steps = 0
         self.rounds: RoundThread | None = None
         if ctx.world_size == 1:
             return model
@@ -342,7 +342,6 @@ class EagerSGD(Algorithm):
         if rounds.wait_for(step, self.ctx.timeout_s):
             self.waits += 1
             times.wait_s += time.perf_counter() - t0
-        self.steps = step + 1
 
     def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         if self.rounds is None:
@@ -380,26 +379,16 @@ class EagerSGD(Algorithm):
         rounds = self.rounds
         if rounds is None:
             return
-        rounds.finish(self.steps, self.ctx.timeout_s)
+        rounds.finish(self.ctx.timeout_s)
         self._apply_ready()
         rounds.stop()
         rounds.join(self.ctx.timeout_s)
 
     def stats(self) -> dict[str, Any]:
         rounds = self.rounds
-        base: dict[str, Any] = {"quorum": self.options.quorum, "waits": self.waits}
-        if rounds is None:
-            return {**base, "rounds": 0, "sync_rounds": 0, "mean_gradients_per_round": 0.0,
-                    "mean_fresh_per_round": 0.0, "contributed": 0, "staleness": {}, "mean_staleness": 0.0}
-        done = rounds.completed
-        contributed = sum(rounds.staleness.values())
-        return {
-            **base,
-            "rounds": done,
-            "sync_rounds": rounds.sync_rounds,
-            "mean_gradients_per_round": rounds.gradients / done if done else 0.0,
-            "mean_fresh_per_round": rounds.fresh / done if done else 0.0,
-            "contributed": contributed,
-            "staleness": {str(k): v for k, v in sorted(rounds.staleness.items())},
-            "mean_staleness": (sum(k * v for k, v in rounds.staleness.items()) / contributed) if contributed else 0.0,
-        }
+        if rounds is None:  # alone: no rounds
+            return rounds_report(quorum=self.options.quorum, rounds=0, sync_rounds=0, gradients=0, fresh=0,
+                                 staleness={}, waits=self.waits)
+        return rounds_report(quorum=self.options.quorum, rounds=rounds.completed, sync_rounds=rounds.sync_rounds,
+                             gradients=rounds.gradients, fresh=rounds.fresh, staleness=rounds.staleness,
+                             waits=self.waits)

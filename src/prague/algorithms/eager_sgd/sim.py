@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from prague.algorithms.eager_sgd import rounds_report
 from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -153,16 +154,5 @@ class SimEagerSGD(SimMethod):
             raise RuntimeError(f"simulated eager-sgd ran {self.completed} rounds, expected {self.world.steps + 1}")
 
     def stats(self) -> dict[str, Any]:
-        rounds = self.completed
-        contributed = sum(self.staleness.values())
-        return {
-            "quorum": self.options.quorum,
-            "rounds": rounds,
-            "sync_rounds": self.sync_rounds,
-            "mean_gradients_per_round": self.gradients / rounds if rounds else 0.0,
-            "mean_fresh_per_round": self.fresh / rounds if rounds else 0.0,
-            "contributed": contributed,
-            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
-            "mean_staleness": sum(k * v for k, v in self.staleness.items()) / contributed if contributed else 0.0,
-            "waits": self.waits,
-        }
+        return rounds_report(quorum=self.options.quorum, rounds=self.completed, sync_rounds=self.sync_rounds,
+                             gradients=self.gradients, fresh=self.fresh, staleness=self.staleness, waits=self.waits)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from prague.algorithms.spec import COMM_REPORTS, Method, Options, option
+from prague.algorithms.spec import COMM_REPORTS, Method, Options, check_group_size, option
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
 
@@ -59,7 +59,7 @@ class PragueOptions(Options):
 
     def check_job(self, nproc: int) -> None:
         self.topology(nproc)
-        self.check_group_size(nproc)
+        check_group_size(self, nproc)
 
     def topology(self, nproc: int) -> Topology:
         if nproc % self.nodes:
