@@ -73,9 +73,11 @@ def test_the_session_check_finds_and_kills_a_process_left_behind() -> None:
     from prague_testing import processes_of_session
 
     token = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={**os.environ, "PRAGUE_TEST_SESSION": token}, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            env={**os.environ, "PRAGUE_TEST_SESSION": token}, start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"  # exec'd: its environment is its own
         left = processes_of_session(token, within_s=0.5, kill=True)
         assert [pid for pid, _ in left] == [proc.pid]
         assert proc.wait(timeout=10) != 0  # killed
@@ -84,3 +86,5 @@ def test_the_session_check_finds_and_kills_a_process_left_behind() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
