@@ -54,12 +54,13 @@ def check_data(cfg: Any) -> None:
     load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
 
 
-def method_resources(cfg: Any) -> Any:
-    """The services and environment the method of ``cfg`` needs; validates its options."""
+def method_resources(cfg: Any) -> tuple[Any, bool]:
+    """The services and environment the method of ``cfg`` needs, and whether it survives failed workers;
+    validates its options."""
     from prague.algorithms.registry import resolve_options
 
     method, options = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)
-    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out))
+    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out)), method.survives_failures
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
@@ -101,9 +102,11 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
-    resources = method_resources(cfg)
+    (out / "services.json").unlink(missing_ok=True)
+    resources, survivable = method_resources(cfg)
     spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=resources.services,
-                      env=resources.env)
+                      env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
+                      services_file=out / "services.json" if resources.services else None)
     bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
     try:
         launch(spec, on_tick=tick)

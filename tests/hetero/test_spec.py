@@ -49,8 +49,20 @@ def test_straggler_crash_and_combination() -> None:
         sc.check_world(1)
 
 
+def test_hang_terms_are_faults_with_ranks_checked() -> None:
+    sc = parse_scenario("paper:2+hang:3:7+crash:1:2")
+    assert sc.hangs_at(3, 7) and not sc.hangs_at(3, 6) and not sc.crashes_at(3, 7)
+    assert {(f.rank, f.step) for f in sc.faults} == {(3, 7), (1, 2)}
+    with pytest.raises(ConfigError, match="rank 3"):
+        sc.check_world(3)
+    with pytest.raises(ConfigError, match="hang:RANK:STEP"):
+        parse_scenario("hang:1")
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        parse_scenario("hang:-1:2")
+
+
 @pytest.mark.parametrize("bad", ["paper", "paper:x", "paper:0.5", "straggler:1", "straggler:-1:2",
-                                 "crash:a:1", "slow:2", "paper:2+"])
+                                 "crash:a:1", "slow:2", "paper:2+", "hang:x:1", "hang:1:2:3"])
 def test_malformed_scenarios_name_the_term(bad: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_scenario(bad)

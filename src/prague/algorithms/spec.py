@@ -108,7 +108,8 @@ class Method:
     class). ``reports`` maps each field the method adds to ``algorithm_stats`` to what it means; the
     runtime reports them per worker, the simulator for the whole job (counts summed over workers).
     ``sim_reports``: the fields only the simulator model reports (what it models and a run cannot
-    measure, such as a queue's utilisation).
+    measure, such as a queue's utilisation). ``survives_failures``: the survivors of a crashed or hung
+    worker train on without it (:mod:`prague.runtime.liveness`); otherwise the launcher stops the job.
     """
 
     name: str
@@ -120,6 +121,7 @@ class Method:
     variant_option: str | None = None
     reports: Mapping[str, str] = field(default_factory=dict)
     sim_reports: Mapping[str, str] = field(default_factory=dict)
+    survives_failures: bool = False
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):

@@ -95,8 +95,7 @@ def average_into(source: nn.Module, target: nn.Module, group: dist.ProcessGroup 
     buffers (e.g. ``num_batches_tracked``) are taken from ``source`` unchanged.
     """
     flat = flatten(state_tensors(source))
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    flat /= _all_sum(flat, group)
     target.load_state_dict(source.state_dict())
     unflatten_into(flat, state_tensors(target))
 
@@ -105,12 +104,21 @@ def consensus_distance(module: nn.Module, group: dist.ProcessGroup | None = None
     """Mean over ranks of ||x_i - mean_j x_j|| (parameters and float buffers). Collective."""
     flat = flatten(state_tensors(module))
     mean = flat.clone()
-    dist.all_reduce(mean, group=group)
-    n = dist.get_world_size(group)
+    n = _all_sum(mean, group)
     mean /= n
     dev = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], device=flat.device)
-    dist.all_reduce(dev, group=group)
+    _all_sum(dev, group)
     return float(dev.item()) / n
+
+
+def _all_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> int:
+    """Sum ``tensor`` in place over ``group`` (None: all ranks; else any process group, also one built
+    outside ``torch.distributed``'s registry, such as the survivors' after a failure); returns its size."""
+    if group is None:
+        dist.all_reduce(tensor)
+        return dist.get_world_size()
+    group.allreduce([tensor]).wait()
+    return group.size()
 
 
 def bind_flat(module: nn.Module) -> torch.Tensor:

@@ -41,6 +41,7 @@ from prague.comm.cache import CommunicatorCache
 from prague.comm.owned import shutdown_group
 from prague.errors import CommError, ConfigError
 from prague.runtime.context import DistContext
+from prague.runtime.liveness import Membership, PeerFailed
 
 GROUP_STORE_PREFIX = "prague/preduce"
 NONE_HELD = "-"  # handshake value of a member that holds no communicator for the set
@@ -81,10 +82,13 @@ class GroupCommunicators:
     point of their global order, and each member calls it once for every occurrence of the group (the
     handshake counts uses). The call blocks until every member has arrived; a member missing for
     ``timeout_s`` (default: the job's timeout) or a failed rendezvous raises :class:`CommError` and
-    counts as a failure.
+    counts as a failure. With a ``membership`` (:mod:`prague.runtime.liveness`), a member declared
+    failed while the others wait for it raises :class:`~prague.runtime.liveness.PeerFailed` within a
+    second instead.
     """
 
-    def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None) -> None:
+    def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None,
+                 membership: Membership | None = None) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"communicator timeout_s must be > 0, got {timeout_s!r}")
         self.ctx = ctx
@@ -94,6 +98,7 @@ class GroupCommunicators:
         self._uses: dict[tuple[int, ...], int] = {}
         self._prefix = f"{GROUP_STORE_PREFIX}/{next(_instances)}"
         self.stats = CommStats()
+        self.membership = membership  # when set, a member declared failed ends a handshake at once
 
     def _check(self, members: tuple[int, ...]) -> None:
         if self.ctx.rank not in members:
@@ -112,7 +117,11 @@ class GroupCommunicators:
         base = f"{self._prefix}/{_set_name(members)}/use"
         keys = [f"{base}{use}/{r}" for r in members]
         store.set(keys[members.index(rank)], held or NONE_HELD)
-        store.wait(keys, self.timeout)
+        if self.membership is None:
+            store.wait(keys, self.timeout)
+        else:
+            self.membership.wait_keys(store, keys, members, self.timeout.total_seconds(),
+                                      f"communicator handshake for ranks {list(members)}")
         if use >= 2:  # every member read use-2's keys before writing use-1's, which we have seen
             store.delete_key(f"{base}{use - 2}/{rank}")
         return held is not None and all(v.decode() == held for v in store.multi_get(keys))
@@ -125,6 +134,9 @@ class GroupCommunicators:
         cached = self._cache.get(members)
         try:
             agreed = self._agree(members, use, cached[0] if cached else None)
+        except PeerFailed:
+            self.discard(members)
+            raise
         except RuntimeError as exc:
             raise self._fail(members, "communicator handshake", exc) from exc
         if cached is not None and agreed:

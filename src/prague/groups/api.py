@@ -21,6 +21,8 @@ Contract shared by every policy (see :class:`GroupPolicy`):
   its partners would wait forever.
 * ``poll(now_s)`` must be called at ``next_deadline()`` (if not ``None``); it returns answers that became
   determined because time passed (the ``ready`` policy's window).
+* A worker that failed is ``exclude``-d (by anyone): as ``finish``, also while a request of its waits,
+  and the groups it was committed to are dropped for it; members handed one of those skip it.
 * An unknown or finished worker id raises :class:`~prague.errors.ConfigError`; the policy's state is
   unchanged by a call that raises.
 """
@@ -220,6 +222,11 @@ class GroupPolicy(Protocol):
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         """``worker`` requests no more; answers include the groups it must still execute, in order."""
+        ...
+
+    def exclude(self, worker: int, now_s: float) -> list[Answer]:
+        """``worker`` failed: as :meth:`finish`, also while it waits for an answer, and without answers
+        for it (it will execute nothing); returns the answers this settles for the others. Idempotent."""
         ...
 
     def poll(self, now_s: float) -> list[Answer]:

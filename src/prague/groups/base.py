@@ -78,6 +78,18 @@ class PolicyBase:
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         raise NotImplementedError
 
+    def exclude(self, worker: int, now_s: float) -> list[Answer]:
+        """``worker`` failed (see :class:`~prague.groups.api.GroupPolicy`); idempotent."""
+        check_worker_id(worker, self.config.nproc)
+        if self.finished[worker]:
+            return []
+        self._withdraw(worker)
+        return [(w, g) for w, g in self.finish(worker, now_s) if w != worker]
+
+    def _withdraw(self, worker: int) -> None:
+        """Forget a request of ``worker``'s that still waits for its answer (none by default: answers are
+        immediate)."""
+
     # -- defaults for policies without timers ------------------------------------------------------
     def poll(self, now_s: float) -> list[Answer]:
         return []

@@ -129,6 +129,11 @@ class GroupGeneratorClient:
         )
         return [Group(g.seq, tuple(g.members)) for g in reply.groups]
 
+    def exclude(self, worker: int) -> None:
+        """Tell the service that ``worker`` failed: it groups it no more (idempotent)."""
+        self._call(f"Exclude(worker={worker})", self._stub.Exclude,
+                   lambda: pb.ExcludeRequest(token=self._token, worker=worker))
+
     def stats(self) -> dict[str, float | int]:
         """The policy's counters and the server's (waiting RPCs, finished workers)."""
         reply = self._call("Stats()", self._stub.Stats, lambda: pb.StatsRequest(token=self._token))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prague/groups/gg.proto\x12\rprague.groups\"@\n\x0cGroupRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\x12\x11\n\titeration\x18\x03 \x01(\x03\"*\n\nGroupReply\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0f\n\x07members\x18\x02 \x03(\x05\".\n\rFinishRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\"8\n\x0b\x46inishReply\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.prague.groups.GroupReply\"\x1d\n\x0cStatsRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\" \n\x0fShutdownRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\x0f\n\rShutdownReply\"+\n\x0cTraceRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0c\n\nTraceReply2\xaf\x03\n\x0eGroupGenerator\x12\x42\n\x08GetGroup\x12\x1b.prague.groups.GroupRequest\x1a\x19.prague.groups.GroupReply\x12I\n\x0bGroupStream\x12\x1b.prague.groups.GroupRequest\x1a\x19.prague.groups.GroupReply(\x01\x30\x01\x12\x42\n\x06\x46inish\x12\x1c.prague.groups.FinishRequest\x1a\x1a.prague.groups.FinishReply\x12?\n\x05Stats\x12\x1b.prague.groups.StatsRequest\x1a\x19.prague.groups.StatsReply\x12H\n\x08Shutdown\x12\x1e.prague.groups.ShutdownRequest\x1a\x1c.prague.groups.ShutdownReply\x12?\n\x05Trace\x12\x1b.prague.groups.TraceRequest\x1a\x19.prague.groups.TraceReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prague/groups/gg.proto\x12\rprague.groups\"@\n\x0cGroupRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\x12\x11\n\titeration\x18\x03 \x01(\x03\"*\n\nGroupReply\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0f\n\x07members\x18\x02 \x03(\x05\".\n\rFinishRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\"8\n\x0b\x46inishReply\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.prague.groups.GroupReply\"/\n\x0e\x45xcludeRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\"\x0e\n\x0c\x45xcludeReply\"\x1d\n\x0cStatsRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\" \n\x0fShutdownRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\x0f\n\rShutdownReply\"+\n\x0cTraceRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0c\n\nTraceReply2\xf6\x03\n\x0eGroupGenerator\x12\x42\n\x08GetGroup\x12\x1b.prague.groups.GroupRequest\x1a\x19.prague.groups.GroupReply\x12I\n\x0bGroupStream\x12\x1b.prague.groups.GroupRequest\x1a\x19.prague.groups.GroupReply(\x01\x30\x01\x12\x42\n\x06\x46inish\x12\x1c.prague.groups.FinishRequest\x1a\x1a.prague.groups.FinishReply\x12\x45\n\x07\x45xclude\x12\x1d.prague.groups.ExcludeRequest\x1a\x1b.prague.groups.ExcludeReply\x12?\n\x05Stats\x12\x1b.prague.groups.StatsRequest\x1a\x19.prague.groups.StatsReply\x12H\n\x08Shutdown\x12\x1e.prague.groups.ShutdownRequest\x1a\x1c.prague.groups.ShutdownReply\x12?\n\x05Trace\x12\x1b.prague.groups.TraceRequest\x1a\x19.prague.groups.TraceReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,18 +39,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINISHREQUEST']._serialized_end=197
   _globals['_FINISHREPLY']._serialized_start=199
   _globals['_FINISHREPLY']._serialized_end=255
-  _globals['_STATSREQUEST']._serialized_start=257
-  _globals['_STATSREQUEST']._serialized_end=286
-  _globals['_STATSREPLY']._serialized_start=288
-  _globals['_STATSREPLY']._serialized_end=314
-  _globals['_SHUTDOWNREQUEST']._serialized_start=316
-  _globals['_SHUTDOWNREQUEST']._serialized_end=348
-  _globals['_SHUTDOWNREPLY']._serialized_start=350
-  _globals['_SHUTDOWNREPLY']._serialized_end=365
-  _globals['_TRACEREQUEST']._serialized_start=367
-  _globals['_TRACEREQUEST']._serialized_end=410
-  _globals['_TRACEREPLY']._serialized_start=412
-  _globals['_TRACEREPLY']._serialized_end=424
-  _globals['_GROUPGENERATOR']._serialized_start=427
-  _globals['_GROUPGENERATOR']._serialized_end=858
+  _globals['_EXCLUDEREQUEST']._serialized_start=257
+  _globals['_EXCLUDEREQUEST']._serialized_end=304
+  _globals['_EXCLUDEREPLY']._serialized_start=306
+  _globals['_EXCLUDEREPLY']._serialized_end=320
+  _globals['_STATSREQUEST']._serialized_start=322
+  _globals['_STATSREQUEST']._serialized_end=351
+  _globals['_STATSREPLY']._serialized_start=353
+  _globals['_STATSREPLY']._serialized_end=379
+  _globals['_SHUTDOWNREQUEST']._serialized_start=381
+  _globals['_SHUTDOWNREQUEST']._serialized_end=413
+  _globals['_SHUTDOWNREPLY']._serialized_start=415
+  _globals['_SHUTDOWNREPLY']._serialized_end=430
+  _globals['_TRACEREQUEST']._serialized_start=432
+  _globals['_TRACEREQUEST']._serialized_end=475
+  _globals['_TRACEREPLY']._serialized_start=477
+  _globals['_TRACEREPLY']._serialized_end=489
+  _globals['_GROUPGENERATOR']._serialized_start=492
+  _globals['_GROUPGENERATOR']._serialized_end=994
 # @@protoc_insertion_point(module_scope)

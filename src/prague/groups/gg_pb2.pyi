@@ -38,6 +38,18 @@ class FinishReply(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[GroupReply]
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupReply, _Mapping]]] = ...) -> None: ...
 
+class ExcludeRequest(_message.Message):
+    __slots__ = ("token", "worker")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    worker: int
+    def __init__(self, token: _Optional[str] = ..., worker: _Optional[int] = ...) -> None: ...
+
+class ExcludeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("token",)
     TOKEN_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class GroupGeneratorStub:
                 request_serializer=prague_dot_groups_dot_gg__pb2.FinishRequest.SerializeToString,
                 response_deserializer=prague_dot_groups_dot_gg__pb2.FinishReply.FromString,
                 _registered_method=True)
+        self.Exclude = channel.unary_unary(
+                '/prague.groups.GroupGenerator/Exclude',
+                request_serializer=prague_dot_groups_dot_gg__pb2.ExcludeRequest.SerializeToString,
+                response_deserializer=prague_dot_groups_dot_gg__pb2.ExcludeReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/prague.groups.GroupGenerator/Stats',
                 request_serializer=prague_dot_groups_dot_gg__pb2.StatsRequest.SerializeToString,
@@ -98,6 +103,15 @@ class GroupGeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exclude(self, request, context):
+        """`worker` failed (the job declared it crashed or hung): no new group names it, a request it left
+        waiting is dropped, and the groups it was committed to are forgotten for it (members that get one
+        of those skip it). Idempotent; any worker of the job may call it for any other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """The policy's counters, as a JSON object.
         """
@@ -138,6 +152,11 @@ def add_GroupGeneratorServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=prague_dot_groups_dot_gg__pb2.FinishRequest.FromString,
                     response_serializer=prague_dot_groups_dot_gg__pb2.FinishReply.SerializeToString,
+            ),
+            'Exclude': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exclude,
+                    request_deserializer=prague_dot_groups_dot_gg__pb2.ExcludeRequest.FromString,
+                    response_serializer=prague_dot_groups_dot_gg__pb2.ExcludeReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -236,6 +255,33 @@ class GroupGenerator:
             '/prague.groups.GroupGenerator/Finish',
             prague_dot_groups_dot_gg__pb2.FinishRequest.SerializeToString,
             prague_dot_groups_dot_gg__pb2.FinishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exclude(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prague.groups.GroupGenerator/Exclude',
+            prague_dot_groups_dot_gg__pb2.ExcludeRequest.SerializeToString,
+            prague_dot_groups_dot_gg__pb2.ExcludeReply.FromString,
             options,
             channel_credentials,
             insecure,

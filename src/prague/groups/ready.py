@@ -97,6 +97,9 @@ class ReadyGenerator(PolicyBase):
         self._mark_finished(worker)
         return self._settle(None, now_s)
 
+    def _withdraw(self, worker: int) -> None:
+        self._waiting.pop(worker, None)
+
     def next_deadline(self) -> float | None:
         if not self._waiting:
             return None

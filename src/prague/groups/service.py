@@ -91,6 +91,7 @@ class GroupGeneratorCore:
         self._pending: dict[int, int] = {}  # worker -> iteration it is waiting for
         self._last: dict[int, tuple[int, Group]] = {}  # worker -> (iteration, group) last answered
         self._finished: dict[int, list[Group]] = {}
+        self._excluded: set[int] = set()
         self._wakers: dict[int, list[Callable[[], None]]] = {}  # worker -> callbacks of waiting requests
         self._trace: JsonLines | None = None
         self._stopping = False
@@ -229,9 +230,25 @@ class GroupGeneratorCore:
             self._finished[worker] = own
             return own
 
+    def exclude(self, worker: int) -> None:
+        """``worker`` failed: drop it from the policy (see :meth:`GroupPolicy.exclude`), forget its waiting
+        request and deliver what that settles for the others. Idempotent."""
+        check_worker_id(worker, self.policy.config.nproc)
+        with self._lock:
+            if worker in self._finished:
+                return
+            answers = self._call("exclude", worker, self.now_s())
+            self._pending.pop(worker, None)
+            self._delivered.pop(worker, None)
+            self._wakers.pop(worker, None)
+            self._finished[worker] = []
+            self._excluded.add(worker)
+            self._deliver([(w, g) for w, g in answers if w != worker])
+
     def stats(self) -> dict[str, float | int]:
         with self._lock:
             out = dict(self.policy.stats())
+            out["excluded_workers"] = len(self._excluded)
             out["waiting_rpcs"] = len(self._pending)
             out["finished_workers"] = len(self._finished)
             return out
@@ -343,6 +360,14 @@ class _Servicer(pb_grpc.GroupGeneratorServicer):
         except ConfigError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.FinishReply(groups=[pb.GroupReply(seq=g.seq, members=g.members) for g in groups])
+
+    async def Exclude(self, request: pb.ExcludeRequest, context: grpc.aio.ServicerContext) -> pb.ExcludeReply:
+        await self._authorize(request.token, context)
+        try:
+            self._core.exclude(request.worker)
+        except ConfigError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.ExcludeReply()
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         await self._authorize(request.token, context)

@@ -17,7 +17,7 @@ from typing import Any
 from prague.errors import ConfigError
 from prague.groups.api import Answer, Group, GroupPolicy
 
-CALLS = ("request", "finish", "poll")
+CALLS = ("request", "finish", "exclude", "poll")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def call_policy(policy: GroupPolicy, call: str, worker: int | None, now_s: float
         return policy.request(worker, now_s)
     if call == "finish":
         return policy.finish(worker, now_s)
+    if call == "exclude":
+        return policy.exclude(worker, now_s)
     raise ConfigError(f"policy call must be one of {', '.join(CALLS)}, got {call!r}")
 
 

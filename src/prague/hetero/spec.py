@@ -10,6 +10,7 @@ Grammar (terms joined with ``+``)::
                             (the slowdown model of Prague, Luo et al., ASPLOS 2020)
     straggler:RANK:X        worker RANK is always X times slower
     crash:RANK:STEP         worker RANK dies (raises) when it reaches step STEP
+    hang:RANK:STEP          worker RANK freezes (stops making progress without exiting) at step STEP
 
 Draws are a pure function of (seed, rank, step), computed with a counter-based hash, so they do not
 depend on call order: a worker, a test and the simulator all see the same slow iterations.
@@ -18,10 +19,11 @@ depend on call order: a worker, a test and the simulator all see the same slow i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from prague.errors import ConfigError
 
-KINDS = ("homogeneous", "paper", "straggler", "crash")
+KINDS = ("homogeneous", "paper", "straggler", "crash", "hang")
 _MASK64 = (1 << 64) - 1
 
 
@@ -66,17 +68,32 @@ class Straggler:
 
 
 @dataclass(frozen=True)
-class Crash:
-    """Worker ``rank`` raises :class:`InjectedCrash` when it reaches step ``step``."""
+class Fault:
+    """Worker ``rank`` fails when it reaches step ``step`` (:class:`Crash` or :class:`Hang`)."""
 
     rank: int
     step: int
+    kind: ClassVar[str] = "fault"
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
-            raise ConfigError(
-                f"crash rank and step must be >= 0, got rank={self.rank!r} step={self.step!r}; e.g. crash:2:5"
-            )
+            raise ConfigError(f"{self.kind} rank and step must be >= 0, got rank={self.rank!r} step={self.step!r}; "
+                              f"e.g. {self.kind}:2:5")
+
+
+@dataclass(frozen=True)
+class Crash(Fault):
+    """Worker ``rank`` raises :class:`InjectedCrash` when it reaches step ``step``."""
+
+    kind: ClassVar[str] = "crash"
+
+
+@dataclass(frozen=True)
+class Hang(Fault):
+    """Worker ``rank`` freezes when it reaches step ``step``: the whole process stops (SIGSTOP), so it
+    neither exits nor beats its heartbeat, as a wedged machine would."""
+
+    kind: ClassVar[str] = "hang"
 
 
 class InjectedCrash(RuntimeError):
@@ -91,12 +108,13 @@ class Scenario:
     paper: tuple[PaperSlowdown, ...] = ()
     stragglers: tuple[Straggler, ...] = ()
     crashes: tuple[Crash, ...] = ()
+    hangs: tuple[Hang, ...] = ()
     seed: int = 0
     _paper_stream: int = field(default=1, repr=False)
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError if a term names a rank that does not exist in a job of ``world_size``."""
-        ranks = [s.rank for s in self.stragglers] + [c.rank for c in self.crashes]
+        ranks = [s.rank for s in self.stragglers] + [c.rank for c in self.faults]
         for rank in ranks:
             if rank >= world_size:
                 raise ConfigError(
@@ -129,9 +147,21 @@ class Scenario:
         """Whether ``rank`` must die at ``step``."""
         return any(c.rank == rank and c.step == step for c in self.crashes)
 
+    def hangs_at(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` must freeze at ``step``."""
+        return any(h.rank == rank and h.step == step for h in self.hangs)
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        """The crash and hang terms."""
+        return self.crashes + self.hangs
+
     @property
     def is_homogeneous(self) -> bool:
         return not (self.paper or self.stragglers)
+
+
+FORMS = "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP, hang:RANK:STEP (join with '+')"
 
 
 def _number(text: str, term: str, what: str, kind: type) -> float | int:
@@ -140,7 +170,7 @@ def _number(text: str, term: str, what: str, kind: type) -> float | int:
     except ValueError:
         raise ConfigError(
             f"malformed scenario term {term!r}: {what} {text!r} is not a{'n integer' if kind is int else ' number'}; "
-            "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP (join with '+')"
+            f"{FORMS}"
         ) from None
 
 
@@ -150,7 +180,8 @@ def parse_scenario(text: str, seed: int = 0) -> Scenario:
     paper: list[PaperSlowdown] = []
     stragglers: list[Straggler] = []
     crashes: list[Crash] = []
-    forms = "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP (join with '+')"
+    forms = FORMS
+    hangs: list[Hang] = []
     for term in text.split("+"):
         term = term.strip()
         kind, *args = term.split(":")
@@ -164,6 +195,9 @@ def parse_scenario(text: str, seed: int = 0) -> Scenario:
             )
         elif kind == "crash" and len(args) == 2:
             crashes.append(Crash(int(_number(args[0], term, "rank", int)), int(_number(args[1], term, "step", int))))
+        elif kind == "hang" and len(args) == 2:
+            hangs.append(Hang(int(_number(args[0], term, "rank", int)), int(_number(args[1], term, "step", int))))
         else:
             raise ConfigError(f"malformed scenario {text!r}: cannot read term {term!r}; {forms}")
-    return Scenario(text=text, paper=tuple(paper), stragglers=tuple(stragglers), crashes=tuple(crashes), seed=seed)
+    return Scenario(text=text, paper=tuple(paper), stragglers=tuple(stragglers), crashes=tuple(crashes),
+                    hangs=tuple(hangs), seed=seed)

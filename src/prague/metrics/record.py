@@ -70,6 +70,10 @@ class RunRecord:
     mean_wait_s: list[float] = _doc_list("per worker: mean time per iteration waiting for others, s")
     algorithm_stats: list[dict[str, Any]] = _doc_list(
         "per worker (one entry when simulated): the method's own counters, as `prague methods` lists them")
+    failures: list[dict[str, Any]] = _doc_list(
+        "workers the run lost and went on without: `{rank, step, kind}` (kind `crash` or `hang`; step: the steps it "
+        "had completed); the per-worker lists and the averaged model are then the survivors'")
+    completed_steps: list[int] = _doc_list("per rank: the steps it completed (a failed rank's steps before it failed)")
     simulated: bool = _doc("true for `prague simulate`", False)
     sim: dict[str, Any] | None = _doc("simulated runs: nodes, cluster, event count, simulator run time")
 

@@ -105,6 +105,7 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+_HEARTBEAT: Any = None  # this worker's prague.runtime.liveness.Heartbeat, from init() to shutdown()
 
 
 def set_parent_death_signal() -> None:
@@ -182,6 +183,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
             timeout=timeout,
         )
     _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
+    if "WORLD_SIZE" in os.environ:  # launched: the launcher (or rank 0) holds this worker's lease
+        from prague.runtime.liveness import Heartbeat
+
+        global _HEARTBEAT
+        _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)
     previous_hook = sys.excepthook
 
     def _report_then_print(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -241,7 +247,10 @@ def shutdown() -> None:
     A process group lives as long as something references it, and its gloo worker threads with it; one
     still running when the interpreter finalises can abort the process at exit. So this collects
     garbage after destroying the group, and warns when worker threads survive."""
-    global _CONTEXT
+    global _CONTEXT, _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _CONTEXT = None

@@ -5,9 +5,15 @@ rank with the same environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, MAS
 ``TORCHELASTIC_USE_AGENT_STORE=True``), starts any service processes the method needs, shows progress,
 and guarantees that no process outlives it:
 
-- returns 0 only if every worker exited 0;
-- when a worker fails, stops the others at once (SIGTERM, then SIGKILL after ``grace_s``) and raises
-  :class:`WorkerFailed` carrying that worker's rank and traceback;
+- returns 0 only if every worker exited 0, or, for a method that survives failures
+  (``LaunchSpec.survivable``), if every worker that did not fail exited 0;
+- holds every worker's lease (:mod:`prague.runtime.liveness`): a worker whose heartbeat stops for
+  ``lease_s`` while its process runs has hung;
+- when a worker fails (exits non-zero, or hangs) and the method cannot survive it, stops the others at
+  once (SIGTERM, then SIGKILL after ``grace_s``) and raises :class:`WorkerFailed` carrying that
+  worker's rank and traceback; when the method survives it, declares the failure in the store (the
+  survivors read it there), kills a hung worker (so its peers' connections to it fail at once), warns
+  on stderr naming the rank, and waits for the others (:attr:`Job.failures`);
 - Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
 
 Workers run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
@@ -36,11 +42,12 @@ from typing import IO
 import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
+from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
+from prague.runtime.liveness import PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters
 from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
 
-PROGRESS_KEY = "prague/progress/"
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,15 @@ class LaunchSpec:
     grace_s: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     services: Sequence[ServiceSpec] = ()
+    survivable: bool = False
+    lease_s: float = 10.0
+    services_file: Path | None = None  # where to list the services (pid, address, restarts) for an operator
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if not self.lease_s > 0:
+            raise ConfigError(f"--lease-s must be > 0, got {self.lease_s!r}")
         if not self.argv:
             raise ConfigError("nothing to launch: the command is empty")
 
@@ -122,6 +134,9 @@ class Job:
         self.port = self.store.port
         self.workers: list[_Proc] = []
         self.services: list[_Proc] = []
+        self.leases = LeaseWatch(spec.lease_s)
+        self.failures: dict[int, Failure] = {}  # workers lost by a method that survives them
+        self.service_records: list[dict[str, object]] = []
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -148,8 +163,9 @@ class Job:
                 svc.ready_file.unlink(missing_ok=True)
             proc = _Proc(svc.name, svc.argv, {**env, **svc.env}, self._log_path(svc.name), False)
             self.services.append(proc)
-            if svc.ready_file is not None:
-                self._await_ready(svc, proc)
+            address = self._await_ready(svc, proc) if svc.ready_file is not None else None
+            self.service_records.append({"name": svc.name, "pid": proc.popen.pid, "address": address, "restarts": 0})
+            self._write_services()
         for rank in range(self.spec.nproc):
             wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.workers.append(
@@ -157,7 +173,12 @@ class Job:
                       fork=True)
             )
 
-    def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> None:
+    def _write_services(self) -> None:
+        """``services.json``: each service's name, pid, address (its ready file's text) and restarts."""
+        if self.spec.services_file is not None:
+            atomic_write_json(self.spec.services_file, {"launcher_pid": os.getpid(), "services": self.service_records})
+
+    def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> str:
         assert svc.ready_file is not None  # only called for services with one
         try:
             text = wait_ready(svc.name, svc.ready_file, proc.poll, svc.ready_timeout_s)
@@ -166,6 +187,7 @@ class Job:
             raise WorkerFailed(-1, exc.exitcode, f"{exc}:\n{''.join(proc.tail) or '(no output)'}") from None
         if svc.publish_key:
             self.store.set(svc.publish_key, text)
+        return text
 
     def progress(self) -> dict[int, str]:
         """Latest progress string each worker published (``step,steps,loss``)."""
@@ -213,6 +235,34 @@ class Job:
             detail += f"\n(ranks {others} failed after it)"
         return WorkerFailed(rank, self.workers[rank].poll(), detail)
 
+    def steps_done(self, rank: int) -> int:
+        """The steps ``rank`` reported finished (its progress key), 0 before its first."""
+        text = self.progress().get(rank)
+        try:
+            return int(text.split(",")[0]) if text else 0
+        except ValueError:
+            return 0
+
+    def _hung(self, codes: list[int | None]) -> list[int]:
+        """Running workers whose lease ran out."""
+        try:
+            counters = read_counters(self.store, (r for r, c in enumerate(codes) if c is None))
+        except RuntimeError:
+            return []
+        return [r for r in self.leases.observe(counters, time.monotonic()) if codes[r] is None
+                and r not in self.failures]
+
+    def _lose(self, rank: int, kind: str, detail: str) -> None:
+        """A survivable failure: declare it, fence a hung worker, warn."""
+        failure = Failure(rank, self.steps_done(rank), kind, detail)
+        self.failures[rank] = failure
+        declare_failure(self.store, failure)
+        if kind == "hang":
+            self.workers[rank].signal_group(signal.SIGKILL)  # fencing: its peers' connections fail now
+        sys.stderr.write(f"prague: warning: rank {rank} {detail} after {failure.step} steps; "
+                         "the other workers go on without it\n")
+        sys.stderr.flush()
+
     def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL those still alive after the grace period."""
         procs = self.workers + self.services
@@ -232,10 +282,24 @@ class Job:
 
     def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = 0.2) -> None:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
+        survivable = self.spec.survivable
         while True:
             codes = [w.poll() for w in self.workers]
-            if any(code not in (None, 0) for code in codes):
+            for rank in self._hung(codes):
+                detail = f"stopped making progress (no heartbeat for {self.spec.lease_s:g} s; --lease-s)"
+                if not survivable:
+                    self.stop()
+                    raise WorkerFailed(rank, None, f"rank {rank} {detail}; this method cannot go on without it")
+                self._lose(rank, "hang", detail)
+            crashed = [r for r, code in enumerate(codes) if code not in (None, 0) and r not in self.failures]
+            if crashed and not survivable:
                 failure = self.first_failure()
+                self.stop()
+                raise failure
+            for rank in crashed:
+                self._lose(rank, "crash", f"crashed (exit code {codes[rank]})")
+            if len(self.failures) == len(self.workers):
+                failure = self.first_failure(settle_s=0.0)
                 self.stop()
                 raise failure
             for svc in self.services:
@@ -245,7 +309,7 @@ class Job:
                     detail = "".join(svc.tail) or "(no output)"
                     self.stop()
                     raise WorkerFailed(-1, code, f"service {svc.label!r} exited early:\n{detail}")
-            if all(c == 0 for c in codes):
+            if all(c == 0 or r in self.failures for r, c in enumerate(codes)):
                 self.stop()
                 return
             if on_tick is not None:

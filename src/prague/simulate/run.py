@@ -95,9 +95,9 @@ class SimConfig:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         scenario = parse_scenario(self.scenario)
         scenario.check_world(self.nproc)
-        if scenario.crashes:
-            raise ConfigError(f"scenario {self.scenario!r} crashes a worker; the simulator models slowdowns only "
-                              "(homogeneous, paper:X, straggler:RANK:X): drop the crash term")
+        if scenario.faults:
+            raise ConfigError(f"scenario {self.scenario!r} crashes or freezes a worker; the simulator models slowdowns "
+                              "only (homogeneous, paper:X, straggler:RANK:X): drop the crash and hang terms")
 
     @property
     def topology(self) -> Topology:

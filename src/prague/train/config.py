@@ -63,6 +63,8 @@ class RunConfig:
     eval_every: int | None = setting(None, "evaluate the averaged model every K steps")
     warmup_steps: int | None = setting(None, "steps left out of the throughput window")
     timeout_s: float = setting(300.0, "collective and rendezvous timeout, in s")
+    lease_s: float = setting(10.0, "a worker whose heartbeat stops this long has hung: methods that survive "
+                                   "failures go on without it, the others stop, naming it (s)")
     backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
     log_decisions: bool = setting(False, "write each worker's decisions (groups, partners, pushes) to "
@@ -72,6 +74,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if not self.lease_s > 0:
+            raise ConfigError(f"--lease-s must be > 0 seconds, got {self.lease_s!r}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs is not None and not self.epochs > 0:

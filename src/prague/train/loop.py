@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -28,6 +27,8 @@ from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.runtime.context import DistContext
+from prague.runtime.liveness import PROGRESS_KEY
+from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
 from prague.train.trainer import DistributedTrainer, StepRecord
 from prague.workload.catalog import dataset_info, steps_per_epoch
@@ -35,7 +36,6 @@ from prague.workload.data import Dataset, ShardLoader, load_dataset
 from prague.workload.emulate import EmulatedCompute
 from prague.workload.models import build_model, parameter_count
 
-PROGRESS_KEY = "prague/progress/"
 
 
 class TrainClock:
@@ -57,15 +57,6 @@ class TrainClock:
             self._paused += time.perf_counter() - t
 
 
-def all_gather_floats(value: float, device: torch.device) -> list[float]:
-    """Every rank's ``value``. Collective; ``device``: the job's (:attr:`DistContext.device`: a CUDA device
-    under NCCL, whose collectives take device tensors only)."""
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    out[dist.get_rank()] = value
-    dist.all_reduce(out)
-    return out.tolist()
-
-
 class SnapshotLog:
     """Copies of this rank's model state at evaluation points, evaluated after training.
 
@@ -83,35 +74,43 @@ class SnapshotLog:
         # Kept on the host: a CUDA model's snapshots would otherwise hold device memory until the end.
         self.entries.append((step, wall_s, flatten(state_tensors(model)).to("cpu", copy=True)))
 
-    def evaluate(self, model: nn.Module, data: Dataset, ctx: DistContext) -> list[dict[str, float]]:
-        """Score the rank-wise average of every snapshot. Collective: all ranks hold the same steps."""
+    def evaluate(self, model: nn.Module, data: Dataset, closing: Closing) -> list[dict[str, float]]:
+        """Score the rank-wise average of every snapshot (over the closing ranks) taken by every
+        closing rank. Collective."""
         history: list[dict[str, float]] = []
         probe = copy.deepcopy(model)
+        steps = {step for step, _, _ in self.entries}
+        for s in closing.all_gather_object(sorted(steps)):
+            steps &= set(s)  # a survivor may have taken one the others did not (it never happens without failures)
         for step, wall_s, snapshot in self.entries:
-            flat = snapshot.to(ctx.device)  # the backend's device (NCCL: the GPU)
-            dist.all_reduce(flat)
-            flat /= ctx.world_size
+            if step not in steps:
+                continue
+            flat = snapshot.to(closing.ctx.device)  # the backend's device (NCCL: the GPU)
+            closing.all_reduce(flat)
+            flat /= closing.size
             unflatten_into(flat, state_tensors(probe))
-            history.append({"wall_s": max(all_gather_floats(wall_s, ctx.device)), "step": step,
-                            "accuracy": evaluate(probe, data, ctx)})
+            history.append({"wall_s": max(closing.all_gather_floats(wall_s)), "step": step,
+                            "accuracy": evaluate(probe, data, closing)})
         self.entries.clear()
         return history
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch_size: int = 1000) -> float:
-    """Test accuracy of ``model`` (the same on every rank); each rank scores a slice, counts are summed.
+def evaluate(model: nn.Module, data: Dataset, closing: Closing, batch_size: int = 1000) -> float:
+    """Test accuracy of ``model`` (the same on every closing rank); each scores a slice, counts are summed.
     Collective."""
     model.eval()
+    ctx = closing.ctx
     n = len(data.test_y)
-    lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
+    index, size = closing.ranks.index(ctx.rank), closing.size
+    lo, hi = n * index // size, n * (index + 1) // size
     correct = 0
     for i in range(lo, hi, batch_size):
         x = data.test_x[i : min(i + batch_size, hi)].to(ctx.device)
         y = data.test_y[i : min(i + batch_size, hi)].to(ctx.device)
         correct += int((model(x).argmax(dim=1) == y).sum())
     counts = torch.tensor([correct], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts)
+    closing.all_reduce(counts)
     return float(counts.item()) / n
 
 
@@ -171,17 +170,17 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loa
     return training
 
 
-def evaluate_run(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset | None,
+def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,
                  training: Training, steps: int) -> tuple[float | None, list[dict[str, float]], float | None]:
-    """(final test accuracy, evaluation history, time to target) of the averaged model; all None/empty
-    under emulated compute (``data`` None). Collective."""
+    """(final test accuracy, evaluation history, time to target) of the model averaged over the closing
+    ranks; all None/empty under emulated compute (``data`` None). Collective."""
     if data is None:
         return None, [], None
-    history = training.snapshots.evaluate(trainer.model, data, ctx)
-    final = trainer.averaged_model()
-    accuracy = evaluate(final, data, ctx)
-    history.append({"wall_s": max(all_gather_floats(training.wall_s, ctx.device)), "step": steps, "accuracy": accuracy})
-    if cfg.save_model and ctx.is_main:
+    history = training.snapshots.evaluate(trainer.model, data, closing)
+    final = trainer.averaged_model(closing.group)
+    accuracy = evaluate(final, data, closing)
+    history.append({"wall_s": max(closing.all_gather_floats(training.wall_s)), "step": steps, "accuracy": accuracy})
+    if cfg.save_model and closing.is_main:
         torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
     time_to_target = next(
         (h["wall_s"] for h in history if cfg.target_accuracy is not None and h["accuracy"] >= cfg.target_accuracy),
@@ -213,27 +212,45 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     finally:
         if decisions is not None:
             decisions.close()
-    accuracy, history, time_to_target = evaluate_run(cfg, ctx, trainer, data, training, steps)
-    consensus = trainer.consensus_distance()
+    closing = closing_ranks(ctx)
+    try:
+        return close_run(cfg, closing, trainer, data, training, steps, scenario.text, n_params)
+    finally:
+        closing.close()
+
+
+def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,
+              training: Training, steps: int, scenario: str, n_params: int) -> RunRecord | None:
+    """Evaluate, gather and (on the closing ranks' first) write ``summary.json``. Collective over the
+    closing ranks."""
+    ctx = closing.ctx
+    accuracy, history, time_to_target = evaluate_run(cfg, closing, trainer, data, training, steps)
+    consensus = trainer.consensus_distance(closing.group)
 
     mine = WorkerTiming(
         end_s=[r.t_end_s for r in training.records], compute_s=[r.compute_s for r in training.records],
         comm_s=[r.comm_s for r in training.records], wait_s=[r.wait_s for r in training.records],
         slowdown=[r.slowdown for r in training.records],
     )
-    gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, {"timing": asdict(mine), "stats": trainer.stats(), "wall_s": training.wall_s})
-    if not ctx.is_main:
+    gathered = closing.all_gather_object({"timing": asdict(mine), "stats": trainer.stats(), "wall_s": training.wall_s,
+                                          "steps": len(training.records)})
+    if not closing.is_main:
         return None
+    completed = [0] * ctx.world_size
+    for rank, g in zip(closing.ranks, gathered):
+        completed[rank] = g["steps"]
+    for rank, failure in closing.failures.items():
+        completed[rank] = failure.step
     record = RunRecord.from_timings(
         [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
         warmup=warmup_steps(steps, cfg.warmup_steps),
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
-        compute_ms=cfg.compute_ms if cfg.emulated else None, scenario=scenario.text, model=cfg.model,
+        compute_ms=cfg.compute_ms if cfg.emulated else None, scenario=scenario, model=cfg.model,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
         wall_s=max(g["wall_s"] for g in gathered), test_accuracy=accuracy, target_accuracy=cfg.target_accuracy,
         time_to_target_s=time_to_target, eval_history=history, consensus_distance=consensus,
         algorithm_stats=[g["stats"] for g in gathered], simulated=False,
+        failures=[f.summary() for _, f in sorted(closing.failures.items())], completed_steps=completed,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     return record

@@ -19,6 +19,8 @@ Shaped like DDP and Horovod's ``DistributedOptimizer``::
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -133,7 +135,8 @@ class DistributedTrainer:
     def step(self, closure: Closure) -> StepRecord:
         """One iteration: forward/backward through ``closure(module)``, then the method's communication
         and update. Returns the iteration's record. A ``crash:RANK:STEP`` scenario raises
-        :class:`InjectedCrash` here on that rank and step."""
+        :class:`InjectedCrash` here on that rank and step; ``hang:RANK:STEP`` freezes the process here
+        (SIGSTOP: it neither exits nor beats its heartbeat until someone kills or continues it)."""
         try:
             return self._step(closure)
         except BaseException:
@@ -144,6 +147,8 @@ class DistributedTrainer:
         step, rank = self.steps_done, self.ctx.rank
         if self.scenario.crashes_at(rank, step):
             raise InjectedCrash(f"injected crash of rank {rank} at step {step} (scenario {self.scenario.text!r})")
+        if self.scenario.hangs_at(rank, step):
+            os.kill(os.getpid(), signal.SIGSTOP)
         factor = self.scenario.slowdown(rank, step, self.ctx.world_size)
         times = StepTimes()
 
@@ -172,15 +177,16 @@ class DistributedTrainer:
         loss_value = float(loss.detach()) if self._nominal_s is None else None
         return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value)
 
-    def averaged_model(self) -> nn.Module:
-        """A new copy of the model holding the mean of all ranks' parameters and buffers. Collective."""
+    def averaged_model(self, group: Any = None) -> nn.Module:
+        """A new copy of the model holding the mean of all ranks' parameters and buffers (of ``group``'s
+        ranks, e.g. the survivors'). Collective."""
         target = copy.deepcopy(self.model)
-        average_into(self.model, target)
+        average_into(self.model, target, group)
         return target
 
-    def consensus_distance(self) -> float:
-        """Mean distance of the replicas from their average (0 for all-reduce). Collective."""
-        return consensus_distance(self.model)
+    def consensus_distance(self, group: Any = None) -> float:
+        """Mean distance of the replicas (of ``group``'s ranks) from their average (0 for all-reduce). Collective."""
+        return consensus_distance(self.model, group)
 
     def stats(self) -> dict[str, Any]:
         return self.algorithm.stats()

@@ -37,5 +37,8 @@ METHOD = Method(
     options=DSSyncOptions,
     runtime="prague.algorithms.dssync.runtime:DSSync",
     sim="prague.algorithms.dssync.sim:SimDSSync",
-    reports={"group_size": "workers per group", **COMM_REPORTS},
+    reports={"group_size": "workers per group",
+             "shrunk_groups": "groups that averaged without members that had failed (crashed or hung; see `failures`)",
+             **COMM_REPORTS},
+    survives_failures=True,
 )

@@ -19,7 +19,7 @@ from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.dssync import DSSyncOptions
 from prague.algorithms.dssync.decisions import dssync_groups
 from prague.comm.flat import bind_flat
-from prague.comm.preduce import GroupCommunicators, preduce
+from prague.comm.surviving import LiveGroups
 from prague.metrics.decisions import Decision
 
 
@@ -30,8 +30,8 @@ class DSSync(Algorithm):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         self.flat = bind_flat(model)
-        self.comms = GroupCommunicators(self.ctx, capacity=self.options.comm_cache)
-        self.resources.callback(self.comms.close)
+        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache)  # survivors leave failed members out
+        self.resources.callback(self.groups.close)
         return model
 
     def after_step(self, step: int, times: StepTimes) -> None:
@@ -39,7 +39,8 @@ class DSSync(Algorithm):
         mine = next(g for g in groups if self.ctx.rank in g)
         if self.decisions is not None:
             self.decisions.write(Decision.of_group(step, mine))
-        preduce(self.flat, mine, self.comms)
+        self.groups.reduce(mine, self.flat)
 
     def stats(self) -> dict[str, Any]:
-        return {"group_size": self.options.group_size, **self.comms.stats.report()}
+        return {"group_size": self.options.group_size, "shrunk_groups": self.groups.shrunk,
+                **self.groups.comms.stats.report()}

@@ -132,6 +132,7 @@ METHOD = Method(
         "groups_run": "groups this worker executed (including groups of one)",
         "local_steps": "groups of one: iterations without communication",
         "mean_group_size": "mean size of the groups executed",
+        "shrunk_groups": "groups that averaged without members that had failed (crashed or hung; see `failures`)",
         "overlap": "whether averaging ran in the background (on) or blocked the worker (off)",
         "max_in_flight": "overlap: averages a worker could have out at once",
         "when_busy": "overlap: what a worker did with max-in-flight averages out (wait, local)",
@@ -151,4 +152,5 @@ METHOD = Method(
         "policy_us_per_call": "CPU microseconds of one decision of the real policy code, timed while simulating",
         "policy_core_share": "share of one core the policy would need at the simulated request rate",
     },
+    survives_failures=True,
 )

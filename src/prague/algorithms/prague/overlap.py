@@ -36,8 +36,9 @@ import torch
 
 from prague.groups import Group
 
-#: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one).
-RunGroup = Callable[[Group, torch.Tensor], None]
+#: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one);
+#: returns False when the group could not average (a member failed), which makes the correction zero.
+RunGroup = Callable[[Group, torch.Tensor], "bool | None"]
 #: Asks for the next group of this worker: ``(request index) -> Group``.
 NextGroup = Callable[[int], Group]
 
@@ -158,9 +159,9 @@ class BackgroundAverager:
                     t2 = t1
                 else:
                     work.copy_(snapshot)
-                    self._run_group(group, work)
+                    averaged = self._run_group(group, work)
                     t2 = time.perf_counter()
-                    correction = work.sub_(snapshot)
+                    correction = work.zero_() if averaged is False else work.sub_(snapshot)
             except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
                 with self._cond:
                     self._error = exc

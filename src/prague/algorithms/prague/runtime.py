@@ -37,7 +37,7 @@ from prague.algorithms.prague.source import (
     MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
 )
 from prague.comm.flat import bind_flat
-from prague.comm.preduce import GroupCommunicators, preduce
+from prague.comm.surviving import LiveGroups
 from prague.errors import CommError
 from prague.groups import Group
 from prague.metrics.decisions import Decision, gg_trace_path
@@ -77,8 +77,9 @@ class Prague(Algorithm):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)
         self.flat = bind_flat(model)
-        self.comms = GroupCommunicators(self.ctx, capacity=self.options.comm_cache)
-        self.resources.callback(self.comms.close)
+        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache)  # survivors leave failed members out
+        self.comms = self.groups.comms
+        self.resources.callback(self.groups.close)
         self.tally = GroupTally()
         self.steps_done = 0
         self.busy_local_steps = 0
@@ -90,7 +91,8 @@ class Prague(Algorithm):
             self.source = StaticSource(topology)
         else:
             trace = None if self.decisions is None else gg_trace_path(self.decisions.folder)
-            self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace)
+            self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace,
+                                        membership=self.groups.membership)
         self.averager: BackgroundAverager | None = None
         if self.options.overlap == "on":
             rank = self.ctx.rank
@@ -104,9 +106,12 @@ class Prague(Algorithm):
             raise CommError(f"group generator sent rank {self.ctx.rank} a group it is not in: {group}")
         return group
 
-    def _reduce(self, group: Group, buffer: torch.Tensor) -> None:
-        if not group.is_local:
-            preduce(buffer, group.members, self.comms)
+    def _reduce(self, group: Group, buffer: torch.Tensor) -> bool:
+        """Average ``buffer`` over ``group``'s live members (:class:`~prague.comm.surviving.LiveGroups`);
+        False when nobody was left to average with."""
+        if group.is_local:
+            return True
+        return len(self.groups.reduce(group.members, buffer)) > 1
 
     def _record(self, group: Group, step: int) -> None:
         self.tally.add(group)
@@ -177,6 +182,7 @@ class Prague(Algorithm):
             "groups_run": self.tally.groups_run,
             "local_steps": self.tally.local_steps,
             "mean_group_size": self.tally.mean_group_size,
+            "shrunk_groups": self.groups.shrunk,
             **self._overlap_stats(),
             **self.comms.stats.report(),
             "generator_stats": self.source.stats(),

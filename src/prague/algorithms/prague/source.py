@@ -25,6 +25,7 @@ import torch.distributed as dist
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext
+from prague.runtime.liveness import Membership
 from prague.runtime.services import ServiceSpec, start_service, stop_process
 
 GG_ADDRESS_KEY = "prague/gg/address"
@@ -62,6 +63,10 @@ class GroupSource(Protocol):
         """After the committed groups ran; collective where the source says so."""
         ...
 
+    def exclude_failed(self) -> None:
+        """Tell whoever forms the groups about workers declared failed since the last call."""
+        ...
+
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -80,6 +85,9 @@ class StaticSource:
     def leave(self) -> None:
         pass
 
+    def exclude_failed(self) -> None:
+        pass  # a fixed schedule: members skip the groups of a failed worker
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -95,7 +103,7 @@ class ServiceSource:
     """
 
     def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
-                 trace: Path | None = None) -> None:
+                 trace: Path | None = None, membership: Membership | None = None) -> None:
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
         self.ctx = ctx
@@ -119,6 +127,8 @@ class ServiceSource:
         if trace is not None:
             self.client.trace(str(Path(trace).resolve()))
         self._service_stats: dict[str, Any] = {}
+        self.membership = membership
+        self._excluded: set[int] = set()
 
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
@@ -130,9 +140,20 @@ class ServiceSource:
         return address
 
     def next_group(self, rank: int, step: int) -> Group:
+        self.exclude_failed()
         return self.client.get_group(rank, step)
 
+    def exclude_failed(self) -> None:
+        """The service groups a failed worker no more once any survivor says so (one store request per
+        call when nothing changed; every survivor says it, the service keeps the first)."""
+        if self.membership is None:
+            return
+        for rank in sorted(set(self.membership.failed()) - self._excluded):
+            self.client.exclude(rank)
+            self._excluded.add(rank)
+
     def finish(self, rank: int) -> list[Group]:
+        self.exclude_failed()
         if self.ctx.is_main:
             self._service_stats = dict(self.client.stats())
         return self.client.finish(rank)

@@ -1,0 +1,96 @@
+"""P-Reduce that survives failed workers: a group averages over its members that are still alive.
+
+Used by every method built on P-Reduce (``prague``, ``dssync``). The job's failed set comes from the
+launcher through the store (:mod:`prague.runtime.liveness`). For a group of members M:
+
+* the members declared failed are left out, and the rest average (a group left with one member is a
+  local step);
+* a handshake that waits for a member ends as soon as that member is declared failed
+  (:class:`~prague.runtime.liveness.PeerFailed`), and a collective that breaks (a crashed peer's
+  connections reset; a hung one is killed by the launcher, which resets them too) waits up to
+  :data:`DECLARE_WAIT_S` for the launcher to declare someone; either way the buffer is restored from
+  the values it had before, the broken communicator is thrown away, and the group is retried without
+  the failed members. A failure with nobody declared raises, as before.
+
+Members that learn of a failure at different moments still meet: one that already knew runs the
+group without the failed member; one that did not waits for it in the handshake, learns of the
+failure there, and retries the same smaller group. The failed set only grows, so every live member
+ends up running the same group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from prague.comm.preduce import GroupCommunicators, preduce
+from prague.errors import CommError
+from prague.runtime.context import DistContext
+from prague.runtime.liveness import Membership, PeerFailed
+
+#: After a P-Reduce breaks with no member declared failed, how long to wait for the launcher to declare
+#: one (it sees a crashed process within a fraction of a second; a hung one only after its lease, but it
+#: declares it before it kills it) before the failure is fatal.
+DECLARE_WAIT_S = 15.0
+
+
+class LiveGroups:
+    """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
+
+    def __init__(self, ctx: DistContext, capacity: int = 16) -> None:
+        self.ctx = ctx
+        # Alone, nobody can fail; otherwise the failed set, read through a store connection of its own.
+        self.membership = Membership(ctx.private_store(), ctx.world_size) if ctx.world_size > 1 else None
+        self.comms = GroupCommunicators(ctx, capacity=capacity, membership=self.membership)
+        self.shrunk = 0  # groups that averaged without some of their members (they had failed)
+        self._backup: torch.Tensor | None = None
+
+    def reduce(self, members: Sequence[int], buffer: torch.Tensor, before: torch.Tensor | None = None) -> tuple[int, ...]:
+        """Average ``buffer`` in place over the live ``members`` (this rank among them); returns the
+        members it averaged with (just this rank: nothing to do). ``before``: ``buffer``'s values before
+        the call, to restore a broken attempt (without it, a copy is kept here)."""
+        live = self._live(members)
+        if len(live) < len(members):
+            self.shrunk += 1
+        if len(live) > 1 and before is None:
+            if self._backup is None or self._backup.shape != buffer.shape:
+                self._backup = torch.empty_like(buffer)
+            before = self._backup.copy_(buffer)
+        while len(live) > 1:
+            try:
+                preduce(buffer, live, self.comms)
+                return live
+            except CommError as exc:
+                lost = self._lost(live, exc)
+                if not lost:
+                    raise
+                assert before is not None
+                buffer.copy_(before)
+                if len(live) == len(members):
+                    self.shrunk += 1
+                live = tuple(r for r in live if r not in lost)
+        return live
+
+    def _live(self, members: Sequence[int]) -> tuple[int, ...]:
+        if self.membership is None:
+            return tuple(members)
+        failed = set(self.membership.failed_among(members))
+        return tuple(r for r in members if r not in failed)
+
+    def _lost(self, live: tuple[int, ...], exc: CommError) -> list[int]:
+        """The members of ``live`` that failed, if ``exc`` came from one (waiting for the declaration)."""
+        if self.membership is None:
+            return []
+        if isinstance(exc, PeerFailed):
+            return [r for r in exc.ranks if r in live]
+        deadline = time.monotonic() + DECLARE_WAIT_S
+        while True:
+            lost = self.membership.failed_among(live)
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.comms.close()

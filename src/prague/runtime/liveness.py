@@ -1,0 +1,244 @@
+"""Who is still alive: heartbeats, leases, and the job's list of failed workers, all in the job's store.
+
+* Every worker's :class:`Heartbeat` thread adds 1 to its counter (``prague/live/hb/RANK``) every
+  :data:`HEARTBEAT_S` seconds from :func:`prague.runtime.context.init` on, on a store connection of its
+  own. A process that is frozen (stopped, swapped out, wedged in the kernel) or gone stops beating.
+* The launcher holds the leases (:class:`LeaseWatch`): a worker whose counter has not moved for
+  ``lease_s`` seconds while its process still runs has hung; one whose process exited non-zero has
+  crashed. Either way the launcher records a :class:`Failure` with :func:`declare_failure` (the first
+  declaration of a rank wins) and bumps the **epoch**, a counter that says the failed set changed.
+* Workers read the failed set through :class:`Membership`, which costs one store request per look
+  (the epoch) and reads the records only when the epoch moved. Everyone who reads the same epoch sees
+  the same set, which is how methods without a service agree on who is left; the group generator
+  learns it from the workers (:meth:`prague.groups.client.GroupGeneratorClient.exclude`).
+
+A worker that has finished its steps publishes ``prague/live/done/RANK`` (:func:`mark_done`); the
+survivors' closing collectives are over the ranks that are done once every rank is either done or
+failed (:func:`wait_settled`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from prague.errors import CommError
+
+HEARTBEAT_S = 0.5
+HB_KEY = "prague/live/hb/"
+FAILED_KEY = "prague/live/failed/"
+DONE_KEY = "prague/live/done/"
+EPOCH_KEY = "prague/live/epoch"
+#: Kinds of failure a run reports.
+KINDS = ("crash", "hang")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One worker the job lost: its rank, the steps it had completed, and how it failed."""
+
+    rank: int
+    step: int
+    kind: str
+    detail: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Failure:
+        data = json.loads(text)
+        return cls(int(data["rank"]), int(data["step"]), str(data["kind"]), str(data.get("detail", "")))
+
+    def summary(self) -> dict[str, int | str]:
+        """The record ``summary.json`` lists under ``failures``."""
+        return {"rank": self.rank, "step": self.step, "kind": self.kind}
+
+
+def declare_failure(store: dist.Store, failure: Failure) -> bool:
+    """Record ``failure`` unless its rank was already declared; returns whether this call recorded it."""
+    key = f"{FAILED_KEY}{failure.rank}"
+    text = failure.to_json()
+    if store.compare_set(key, "", text).decode() != text:
+        return False  # someone declared this rank first
+    store.add(EPOCH_KEY, 1)
+    return True
+
+
+def mark_done(store: dist.Store, rank: int) -> None:
+    """This worker has run all its steps (and is about to join the closing collectives)."""
+    store.set(f"{DONE_KEY}{rank}", "1")
+
+
+class Membership:
+    """One worker's view of the failed set; thread-safe (one lock, one store connection of its own)."""
+
+    def __init__(self, store: dist.Store, world_size: int) -> None:
+        self.store = store
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._failed: dict[int, Failure] = {}
+
+    def failed(self) -> dict[int, Failure]:
+        """The workers declared failed so far (rank -> failure); one store request when nothing changed."""
+        with self._lock:
+            epoch = self.store.add(EPOCH_KEY, 0)
+            if epoch != self._epoch:
+                unknown = [r for r in range(self.world_size) if r not in self._failed]
+                keys = [f"{FAILED_KEY}{r}" for r in unknown]
+                for rank, key in zip(unknown, keys):
+                    if self.store.check([key]):
+                        self._failed[rank] = Failure.from_json(self.store.get(key))
+                self._epoch = epoch
+            return dict(self._failed)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last :meth:`failed` (0: no failure seen)."""
+        return self._epoch
+
+    def failed_among(self, ranks: Iterable[int]) -> list[int]:
+        """The ranks of ``ranks`` declared failed, sorted."""
+        failed = self.failed()
+        return sorted(r for r in ranks if r in failed)
+
+    def wait_keys(self, store: dist.Store, keys: list[str], members: Iterable[int], timeout_s: float, what: str,
+                  slice_s: float = 1.0) -> None:
+        """Wait on ``store`` (the caller's connection) up to ``timeout_s`` for ``keys``, which ``members``
+        set, looking at the failed set between slices: raise :class:`PeerFailed` as soon as a member is
+        declared failed, :class:`CommError` on timeout. (A slice that runs out costs the store client a
+        reconnection, so slices are long.) The timeout counts inactivity: it starts again whenever a
+        member reports another training step."""
+        members = tuple(members)
+        deadline = time.monotonic() + timeout_s
+        progress = Progress(store)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, timedelta(seconds=max(0.001, min(slice_s, left))))
+                return
+            except RuntimeError as exc:  # a slice ran out
+                lost = self.failed_among(members)
+                if lost:
+                    raise PeerFailed(lost, f"{what}: rank(s) {lost} failed") from None
+                if progress.moved(members):  # the timeout counts inactivity: members still stepping
+                    deadline = time.monotonic() + timeout_s
+                if time.monotonic() >= deadline:
+                    raise CommError(f"{what}: not every member arrived within {timeout_s:g} s ({exc})") from exc
+
+
+class PeerFailed(CommError):
+    """An operation could not finish because a worker it needed was declared failed."""
+
+    def __init__(self, ranks: Iterable[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+def wait_settled(store: dist.Store, membership: Membership, timeout_s: float) -> tuple[int, ...]:
+    """After this worker's :func:`mark_done`: wait until every rank is done or failed; returns the done
+    ranks, sorted (the survivors that close the run together). The timeout counts inactivity: it
+    starts again whenever a rank still running reports another step (:data:`PROGRESS_KEY`), so a fast
+    worker waits for a slow one as long as the slow one makes progress."""
+    deadline = time.monotonic() + timeout_s
+    keys = {r: f"{DONE_KEY}{r}" for r in range(membership.world_size)}
+    progress = Progress(store)
+    while True:
+        failed = membership.failed()
+        done = [r for r, key in keys.items() if r not in failed and store.check([key])]
+        if len(done) + len(failed) >= membership.world_size:
+            return tuple(done)
+        missing = sorted(set(keys) - set(done) - set(failed))
+        if progress.moved(missing):
+            deadline = time.monotonic() + timeout_s
+        if time.monotonic() > deadline:
+            raise CommError(f"ranks {missing} neither finished nor failed, nor made progress, for {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+#: Each worker's ``step,steps,loss`` after every step (written by the training loop, read by the launcher).
+PROGRESS_KEY = "prague/progress/"
+
+
+class Progress:
+    """Whether some ranks reported a step since the last look (their :data:`PROGRESS_KEY`)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self._last: dict[int, bytes] = {}
+
+    def moved(self, ranks: Iterable[int]) -> bool:
+        moved = False
+        for rank in ranks:
+            key = f"{PROGRESS_KEY}{rank}"
+            if not self.store.check([key]):
+                continue
+            value = self.store.get(key)
+            if self._last.get(rank) != value:
+                moved = rank in self._last or moved
+                self._last[rank] = value
+        return moved
+
+
+class Heartbeat:
+    """A daemon thread that adds 1 to this worker's counter every :data:`HEARTBEAT_S` seconds."""
+
+    def __init__(self, store: dist.Store, rank: int, interval_s: float = HEARTBEAT_S) -> None:
+        self.store, self.key, self.interval_s = store, f"{HB_KEY}{rank}", interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="prague-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * self.interval_s + 1.0)
+
+
+class LeaseWatch:
+    """The launcher's side: which workers' leases ran out. Pure bookkeeping over counter readings, so it
+    is tested without processes; a worker gets a lease with its first beat (a script that never calls
+    :func:`prague.init` is never declared hung)."""
+
+    def __init__(self, lease_s: float) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
+        self.lease_s = lease_s
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+
+    def observe(self, counters: Mapping[int, int], now_s: float) -> list[int]:
+        """Record the counters read at ``now_s``; returns the ranks whose counter has not moved for
+        ``lease_s`` (each rank once per stall: it must beat again to be reported again)."""
+        expired = []
+        for rank, value in counters.items():
+            last = self._seen.get(rank)
+            if last is None or value != last[0]:
+                self._seen[rank] = (value, now_s)
+            elif now_s - last[1] >= self.lease_s:
+                expired.append(rank)
+                self._seen[rank] = (value, float("inf"))  # reported; silent until it moves again
+        return sorted(expired)
+
+
+def read_counters(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
+    """The heartbeat counters of ``ranks`` that have beaten at least once."""
+    out: dict[int, int] = {}
+    for rank in ranks:
+        key = f"{HB_KEY}{rank}"
+        if store.check([key]):
+            out[rank] = int(store.get(key))
+    return out

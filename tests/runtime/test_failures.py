@@ -1,0 +1,192 @@
+"""Surviving a dead or hung worker (issue: reliability): leases, the failed set, and whole runs.
+
+A ``crash:RANK:STEP`` worker raises; a ``hang:RANK:STEP`` worker freezes (SIGSTOP) without exiting.
+Methods that survive failures (``Method.survives_failures``) train to the end without it and report
+it; the others stop, naming the rank. Every run here has a hard timeout and must leave no process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from prague.algorithms.registry import METHODS
+from prague.groups import GeneratorConfig, Group, make_generator
+from prague.runtime.liveness import (
+    Failure, LeaseWatch, Membership, PeerFailed, declare_failure, mark_done, wait_settled,
+)
+from prague_testing import run_cli, wait_gone
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_lease_expires_once_per_stall_and_rearms_when_the_counter_moves() -> None:
+    watch = LeaseWatch(lease_s=2.0)
+    assert watch.observe({0: 1, 1: 1}, 0.0) == []
+    assert watch.observe({0: 2, 1: 1}, 1.9) == []
+    assert watch.observe({0: 3, 1: 1}, 2.0) == [1]  # rank 1 has not moved for 2 s
+    assert watch.observe({0: 4, 1: 1}, 9.0) == []  # reported once
+    assert watch.observe({0: 4, 1: 2}, 9.5) == []  # rank 1 beats again: a new lease
+    assert watch.observe({0: 4, 1: 2}, 11.5) == [0, 1]
+    with pytest.raises(ValueError, match="lease_s"):
+        LeaseWatch(0.0)
+
+
+def test_first_declaration_wins_and_moves_the_epoch() -> None:
+    store = _store()
+    view = Membership(store.clone(), 4)
+    assert view.failed() == {} and view.epoch == 0
+    assert declare_failure(store, Failure(2, 20, "crash", "exit code 1"))
+    assert not declare_failure(store, Failure(2, 25, "hang"))  # already declared: kept as it was
+    assert view.failed() == {2: Failure(2, 20, "crash", "exit code 1")} and view.epoch == 1
+    assert view.failed_among((0, 2, 3)) == [2] and view.failed_among((0, 1)) == []
+    assert Failure(2, 20, "crash").summary() == {"rank": 2, "step": 20, "kind": "crash"}
+
+
+def test_waiting_for_a_member_ends_when_it_is_declared_failed() -> None:
+    store = _store()
+    view = Membership(store.clone(), 3)
+    threading.Timer(0.3, declare_failure, (store.clone(), Failure(1, 4, "hang"))).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailed, match=r"rank\(s\) \[1\] failed") as info:
+        view.wait_keys(store.clone(), ["never/0", "never/1"], (0, 1), timeout_s=30.0, what="handshake",
+                       slice_s=0.2)
+    assert info.value.ranks == (1,) and time.monotonic() - t0 < 10.0
+    # Nobody failed: the wait ends at its timeout with CommError (PeerFailed's base), not PeerFailed.
+    with pytest.raises(Exception, match="not every member arrived") as info2:
+        view.wait_keys(store.clone(), ["never/2"], (0, 2), timeout_s=0.5, what="handshake", slice_s=0.2)
+    assert not isinstance(info2.value, PeerFailed)
+
+
+def test_survivors_are_the_done_ranks_once_every_rank_is_done_or_failed() -> None:
+    store = _store()
+    view = Membership(store.clone(), 3)
+    mark_done(store, 0)
+    result: list[tuple[int, ...]] = []
+    waiter = threading.Thread(target=lambda: result.append(wait_settled(store.clone(), view, 20.0)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not result  # rank 1 and 2 are neither
+    declare_failure(store, Failure(1, 3, "crash"))
+    mark_done(store, 2)
+    waiter.join(20.0)
+    assert result == [(0, 2)]
+
+
+@pytest.mark.parametrize("name", ["smart", "random", "ready"])
+def test_an_excluded_worker_is_never_grouped_again(name: str) -> None:
+    formed: list[Group] = []
+    policy = make_generator(name, GeneratorConfig(nproc=5, group_size=3, seed=1, window_s=0.01),
+                            observer=lambda f: formed.append(f.group))
+    now = 0.0
+    for worker in (0, 1, 2):  # under ready, 2 is left waiting for partners when it fails
+        policy.request(worker, now)
+    before = len(formed)
+    settled = policy.exclude(2, now)
+    assert all(w != 2 for w, _ in settled)  # no answer for the failed worker
+    assert policy.exclude(2, now) == []  # idempotent
+    answered = 0
+    for _ in range(30):
+        for worker in (0, 1, 3, 4):
+            now += 0.001
+            answered += len(policy.request(worker, now))
+        now += 0.05
+        answered += len(policy.poll(now))
+    assert answered > 0 and len(formed) > before
+    assert all(2 not in g.members for g in formed[before:])
+    assert 2 not in policy.active()
+
+
+def test_the_methods_that_survive_failures() -> None:
+    assert {m.name for m in METHODS.values() if m.survives_failures} == {"prague", "dssync"}
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+RUN = ["--nproc", "4", "--steps", "60", "--compute", "emulated", "--compute-ms", "20", "--lease-s", "2", "--quiet"]
+
+
+@pytest.mark.parametrize("algorithm,fault", [
+    ("prague:ready", "crash"), ("prague:ready", "hang"), ("prague:smart", "crash"), ("prague:random", "hang"),
+    ("prague:static", "hang"), ("prague:static", "crash"), ("dssync", "crash"), ("dssync", "hang"),
+])
+def test_survivors_train_to_the_end(tmp_path: Path, algorithm: str, fault: str) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", algorithm, *RUN, "--slowdown", f"{fault}:2:20", "--out", str(out),
+                  timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    assert "warning: rank 2" in res.stderr and ("crashed" in res.stderr if fault == "crash" else "hung" in res.stderr
+                                                or "stopped making progress" in res.stderr)
+    summary = _summary(out)
+    assert summary["failures"] == [{"rank": 2, "step": 20, "kind": fault}]
+    assert summary["completed_steps"] == [60, 60, 20, 60]
+    assert len(summary["algorithm_stats"]) == 3  # the survivors'
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
+def test_prague_blocking_survives_a_hang_too(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague:ready", "--overlap", "off", *RUN, "--slowdown", "hang:1:10",
+                  "--out", str(out), timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    summary = _summary(out)
+    assert summary["failures"] == [{"rank": 1, "step": 10, "kind": "hang"}]
+    assert summary["completed_steps"] == [60, 10, 60, 60]
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
+def test_survivors_average_a_real_model(tmp_path: Path) -> None:
+    """Real training on digits: the survivors' averaged model is evaluated and saved."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--steps", "40", "--slowdown", "crash:3:10",
+                  "--model", "mlp", "--data", "digits", "--save-model", "--lease-s", "2", "--out", str(out),
+                  "--quiet", timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    summary = _summary(out)
+    assert summary["failures"] == [{"rank": 3, "step": 10, "kind": "crash"}]
+    assert summary["test_accuracy"] > 0.5 and (out / "model.pt").exists()
+
+
+@pytest.mark.parametrize("fault", ["crash", "hang"])
+def test_allreduce_cannot_go_on_and_says_which_rank(tmp_path: Path, fault: str) -> None:
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    res = run_cli("run", "--algorithm", "allreduce", *RUN, "--steps", "100000", "--slowdown", f"{fault}:2:20",
+                  "--out", str(out), timeout_s=120)
+    assert res.returncode == 1
+    assert "rank 2" in res.stderr
+    if fault == "hang":
+        assert "stopped making progress" in res.stderr
+    assert time.monotonic() - t0 < 60.0
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
+def test_services_json_names_each_service_with_its_pid_and_address(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague:smart", "--nproc", "2", "--steps", "5", "--data", "synthetic",
+                  "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    listed = json.loads((out / "services.json").read_text())
+    (gg,) = listed["services"]
+    assert gg["name"] == "group-generator" and gg["restarts"] == 0
+    host, port = gg["address"].rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0 and isinstance(gg["pid"], int)
+    assert not Path(f"/proc/{gg['pid']}").exists() or "prague.groups.service" not in Path(
+        f"/proc/{gg['pid']}/cmdline").read_bytes().decode(errors="replace")  # stopped with the run
+    # A method without services writes none (and a stale one is not left behind).
+    res = run_cli("run", "--algorithm", "allreduce", "--nproc", "2", "--steps", "3", "--data", "synthetic",
+                  "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    assert not (out / "services.json").exists()
