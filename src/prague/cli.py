@@ -140,6 +140,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
     summary = run_config(cfg, quiet=args.quiet)
     print(_summary_line(summary))
+    if summary.get("worker_samples_per_s"):
+        from prague.metrics.summary import speed_report
+
+        print(speed_report(summary["ranks"], summary["worker_samples_per_s"], summary["mean_compute_s"],
+                           summary["mean_wait_s"], summary["batch_size"]))
     print(f"wrote {Path(cfg.out) / 'summary.json'}")
     return 0
 

@@ -132,7 +132,7 @@ def test_survivors_train_to_the_end(tmp_path: Path, algorithm: str, fault: str) 
     summary = _summary(out)
     assert summary["failures"] == [{"rank": 2, "step": 20, "kind": fault}]
     assert summary["completed_steps"] == [60, 60, 20, 60]
-    assert len(summary["algorithm_stats"]) == 3  # the survivors'
+    assert len(summary["algorithm_stats"]) == 3 and summary["ranks"] == [0, 1, 3]  # the survivors'
     assert wait_gone(str(out), within_s=10.0) == []
 
 
@@ -190,3 +190,24 @@ def test_services_json_names_each_service_with_its_pid_and_address(tmp_path: Pat
                   "--out", str(out), "--quiet", timeout_s=120)
     assert res.returncode == 0, res.stderr
     assert not (out / "services.json").exists()
+
+
+def test_speed_report_names_the_slow_ranks() -> None:
+    from prague.metrics.summary import speed_report
+
+    text = speed_report([0, 1, 3], [320.0, 300.0, 100.0], [0.05, 0.05, 0.15], [0.01, 0.02, 0.0], 32)
+    assert "slowest: rank 3 (0.33x)" in text and "rank 0" not in text.splitlines()[-1]
+    even = speed_report([0, 1], [320.0, 300.0], [0.05, 0.05], [0.0, 0.0], 32)
+    assert "no worker below 90%" in even
+
+
+def test_run_prints_the_speed_report_naming_the_straggler(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague:ready", "--nproc", "3", "--steps", "30", "--compute", "emulated",
+                  "--compute-ms", "20", "--slowdown", "straggler:1:4", "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    assert "steps/s" in res.stdout and "slowest: rank 1 (" in res.stdout, res.stdout
+    summary = _summary(out)
+    assert summary["ranks"] == [0, 1, 2] and len(summary["worker_samples_per_s"]) == 3
+    assert summary["worker_samples_per_s"][1] < 0.5 * min(summary["worker_samples_per_s"][0],
+                                                             summary["worker_samples_per_s"][2])

@@ -22,6 +22,7 @@ from typing import Any
 from prague.errors import ConfigError
 from prague.metrics.summary import (
     WorkerTiming, base_compute_s, mean_after, mean_slowdowns, no_wait_limit, nominal_compute_s, throughput,
+    worker_rate,
 )
 
 SCHEMA_VERSION = 2
@@ -68,6 +69,8 @@ class RunRecord:
     mean_compute_s: list[float] = _doc_list("per worker: mean compute time per iteration after warm-up, s")
     mean_comm_s: list[float] = _doc_list("per worker: mean communication time per iteration, s")
     mean_wait_s: list[float] = _doc_list("per worker: mean time per iteration waiting for others, s")
+    worker_samples_per_s: list[float] = _doc_list("per worker: its own samples per second after warm-up")
+    ranks: list[int] = _doc_list("the ranks the per-worker lists describe, in order (all of them, or the survivors)")
     algorithm_stats: list[dict[str, Any]] = _doc_list(
         "per worker (one entry when simulated): the method's own counters, as `prague methods` lists them")
     failures: list[dict[str, Any]] = _doc_list(
@@ -131,6 +134,7 @@ class RunRecord:
             mean_compute_s=[mean_after(t.compute_s, warmup) for t in timings],
             mean_comm_s=[mean_after(t.comm_s, warmup) for t in timings],
             mean_wait_s=[mean_after(t.wait_s, warmup) for t in timings],
+            worker_samples_per_s=[worker_rate(t, batch_size, warmup) for t in timings],
             **fields,
         )
 

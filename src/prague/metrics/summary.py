@@ -111,3 +111,27 @@ def no_wait_limit(timings: Sequence[WorkerTiming], batch_size: int, warmup: int,
 def mean_after(values: Sequence[float], warmup: int) -> float:
     window = list(values[warmup:]) or list(values)
     return fmean(window) if window else 0.0
+
+
+#: A worker is named in the speed report when its rate is below this share of the median worker's.
+SLOW_SHARE = 0.9
+
+
+def speed_report(ranks: Sequence[int], samples_per_s: Sequence[float], compute_s: Sequence[float],
+                 wait_s: Sequence[float], batch_size: int) -> str:
+    """The end-of-run speed report: per worker, steps per second and the mean compute and wait per step,
+    then the ranks slower than :data:`SLOW_SHARE` of the median worker (the stragglers), slowest first."""
+    if not ranks:
+        return "speed: no worker reported"
+    rates = [s / batch_size if batch_size else 0.0 for s in samples_per_s]
+    lines = ["rank  steps/s  compute ms  wait ms"]
+    for rank, rate, comp, wait in zip(ranks, rates, compute_s, wait_s):
+        lines.append(f"{rank:>4}  {rate:7.2f}  {1e3 * comp:10.1f}  {1e3 * wait:7.1f}")
+    typical = median(rates)
+    slow = sorted((rate, rank) for rank, rate in zip(ranks, rates) if typical > 0 and rate < SLOW_SHARE * typical)
+    if slow:
+        named = ", ".join(f"rank {rank} ({rate / typical:.2f}x)" for rate, rank in slow)
+        lines.append(f"slowest: {named} of the median worker's {typical:.2f} steps/s")
+    else:
+        lines.append(f"no worker below {SLOW_SHARE:.0%} of the median worker's {typical:.2f} steps/s")
+    return "\n".join(lines)

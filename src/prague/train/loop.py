@@ -251,6 +251,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         time_to_target_s=time_to_target, eval_history=history, consensus_distance=consensus,
         algorithm_stats=[g["stats"] for g in gathered], simulated=False,
         failures=[f.summary() for _, f in sorted(closing.failures.items())], completed_steps=completed,
+        ranks=list(closing.ranks),
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     return record
