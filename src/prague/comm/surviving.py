@@ -40,24 +40,22 @@ class LiveGroups:
     """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
 
     def __init__(self, ctx: DistContext, capacity: int = 16) -> None:
-        self.ctx = ctx
         # Alone, nobody can fail; otherwise the failed set, read through a store connection of its own.
         self.membership = Membership(ctx.private_store(), ctx.world_size) if ctx.world_size > 1 else None
         self.comms = GroupCommunicators(ctx, capacity=capacity, membership=self.membership)
         self.shrunk = 0  # groups that averaged without some of their members (they had failed)
-        self._backup: torch.Tensor | None = None
+        self._before: torch.Tensor | None = None  # the buffer's values before an attempt, to restore a broken one
 
-    def reduce(self, members: Sequence[int], buffer: torch.Tensor, before: torch.Tensor | None = None) -> tuple[int, ...]:
+    def reduce(self, members: Sequence[int], buffer: torch.Tensor) -> tuple[int, ...]:
         """Average ``buffer`` in place over the live ``members`` (this rank among them); returns the
-        members it averaged with (just this rank: nothing to do). ``before``: ``buffer``'s values before
-        the call, to restore a broken attempt (without it, a copy is kept here)."""
+        members it averaged with (just this rank: nothing to do)."""
         live = self._live(members)
         if len(live) < len(members):
             self.shrunk += 1
-        if len(live) > 1 and before is None:
-            if self._backup is None or self._backup.shape != buffer.shape:
-                self._backup = torch.empty_like(buffer)
-            before = self._backup.copy_(buffer)
+        if len(live) > 1:
+            if self._before is None or self._before.shape != buffer.shape:
+                self._before = torch.empty_like(buffer)
+            before = self._before.copy_(buffer)
         while len(live) > 1:
             try:
                 preduce(buffer, live, self.comms)
@@ -66,7 +64,6 @@ class LiveGroups:
                 lost = self._lost(live, exc)
                 if not lost:
                     raise
-                assert before is not None
                 buffer.copy_(before)
                 if len(live) == len(members):
                     self.shrunk += 1

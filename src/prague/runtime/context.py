@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from prague.errors import ConfigError
+from prague.runtime.liveness import Heartbeat
 
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
@@ -105,7 +106,7 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
-_HEARTBEAT: Any = None  # this worker's prague.runtime.liveness.Heartbeat, from init() to shutdown()
+_HEARTBEAT: Heartbeat | None = None  # this worker's, from init() to shutdown()
 
 
 def set_parent_death_signal() -> None:
@@ -183,9 +184,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
             timeout=timeout,
         )
     _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
-    if "WORLD_SIZE" in os.environ:  # launched: the launcher (or rank 0) holds this worker's lease
-        from prague.runtime.liveness import Heartbeat
-
+    if "WORLD_SIZE" in os.environ:  # launched: the launcher holds this worker's lease
         global _HEARTBEAT
         _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)
     previous_hook = sys.excepthook

@@ -45,7 +45,9 @@ from prague.errors import ConfigError, WorkerFailed
 from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
-from prague.runtime.liveness import PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters
+from prague.runtime.liveness import (
+    PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters, read_keys,
+)
 from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
 
 
@@ -191,26 +193,23 @@ class Job:
 
     def progress(self) -> dict[int, str]:
         """Latest progress string each worker published (``step,steps,loss``)."""
-        out: dict[int, str] = {}
-        for rank in range(self.spec.nproc):
-            key = f"{PROGRESS_KEY}{rank}"
-            try:
-                if self.store.check([key]):
-                    out[rank] = self.store.get(key).decode()
-            except RuntimeError:
-                pass
-        return out
+        try:
+            return {rank: v.decode() for rank, v in read_keys(self.store, PROGRESS_KEY, range(self.spec.nproc)).items()}
+        except RuntimeError:
+            return {}
 
     def reported_errors(self) -> dict[int, tuple[float, str]]:
         """Tracebacks the workers published before exiting: rank -> (time, traceback)."""
+        try:
+            reports = read_keys(self.store, ERROR_KEY, range(self.spec.nproc))
+        except RuntimeError:
+            return {}
         errors: dict[int, tuple[float, str]] = {}
-        for rank in range(self.spec.nproc):
-            key = f"{ERROR_KEY}{rank}"
+        for rank, text in reports.items():
             try:
-                if self.store.check([key]):
-                    report = json.loads(self.store.get(key).decode())
-                    errors[rank] = (float(report["time"]), str(report["traceback"]))
-            except (RuntimeError, ValueError, KeyError):
+                report = json.loads(text.decode())
+                errors[rank] = (float(report["time"]), str(report["traceback"]))
+            except (ValueError, KeyError):
                 pass
         return errors
 
@@ -249,8 +248,7 @@ class Job:
             counters = read_counters(self.store, (r for r, c in enumerate(codes) if c is None))
         except RuntimeError:
             return []
-        return [r for r in self.leases.observe(counters, time.monotonic()) if codes[r] is None
-                and r not in self.failures]
+        return [r for r in self.leases.observe(counters, time.monotonic()) if r not in self.failures]
 
     def _lose(self, rank: int, kind: str, detail: str) -> None:
         """A survivable failure: declare it, fence a hung worker, warn."""

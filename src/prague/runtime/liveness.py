@@ -35,8 +35,6 @@ HB_KEY = "prague/live/hb/"
 FAILED_KEY = "prague/live/failed/"
 DONE_KEY = "prague/live/done/"
 EPOCH_KEY = "prague/live/epoch"
-#: Kinds of failure a run reports.
-KINDS = ("crash", "hang")
 
 
 @dataclass(frozen=True)
@@ -176,11 +174,7 @@ class Progress:
 
     def moved(self, ranks: Iterable[int]) -> bool:
         moved = False
-        for rank in ranks:
-            key = f"{PROGRESS_KEY}{rank}"
-            if not self.store.check([key]):
-                continue
-            value = self.store.get(key)
+        for rank, value in read_keys(self.store, PROGRESS_KEY, ranks).items():
             if self._last.get(rank) != value:
                 moved = rank in self._last or moved
                 self._last[rank] = value
@@ -234,11 +228,17 @@ class LeaseWatch:
         return sorted(expired)
 
 
+def read_keys(store: dist.Store, prefix: str, ranks: Iterable[int]) -> dict[int, bytes]:
+    """``prefix + RANK``'s value for each of ``ranks`` that has set it (the per-worker keys: heartbeats,
+    progress, error reports)."""
+    out: dict[int, bytes] = {}
+    for rank in ranks:
+        key = f"{prefix}{rank}"
+        if store.check([key]):
+            out[rank] = store.get(key)
+    return out
+
+
 def read_counters(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
     """The heartbeat counters of ``ranks`` that have beaten at least once."""
-    out: dict[int, int] = {}
-    for rank in ranks:
-        key = f"{HB_KEY}{rank}"
-        if store.check([key]):
-            out[rank] = int(store.get(key))
-    return out
+    return {rank: int(value) for rank, value in read_keys(store, HB_KEY, ranks).items()}

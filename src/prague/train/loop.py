@@ -79,12 +79,7 @@ class SnapshotLog:
         closing rank. Collective."""
         history: list[dict[str, float]] = []
         probe = copy.deepcopy(model)
-        steps = {step for step, _, _ in self.entries}
-        for s in closing.all_gather_object(sorted(steps)):
-            steps &= set(s)  # a survivor may have taken one the others did not (it never happens without failures)
-        for step, wall_s, snapshot in self.entries:
-            if step not in steps:
-                continue
+        for step, wall_s, snapshot in self.entries:  # every closing rank ran every step: the same snapshots
             flat = snapshot.to(closing.ctx.device)  # the backend's device (NCCL: the GPU)
             closing.all_reduce(flat)
             flat /= closing.size
