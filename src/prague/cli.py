@@ -14,8 +14,10 @@ Bad input exits with code 2 and a one-line message naming the bad value and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -98,9 +100,17 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.config import worker_argv
 
+    from prague.train.checkpoint import CHECKPOINTS_DIR, resume_step
+    from prague.train.config import save_config
+
     check_data(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.resume:
+        print(f"resuming {out} from its checkpoint at step {resume_step(out, cfg.nproc)}", flush=True)
+    else:  # a new run in this folder: an older run's checkpoints must never be resumed as this one's
+        shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)
+        save_config(cfg)
     (out / "summary.json").unlink(missing_ok=True)
     (out / "services.json").unlink(missing_ok=True)
     resources, survivable = method_resources(cfg)
@@ -133,11 +143,33 @@ def _summary_line(s: dict[str, Any]) -> str:
     )
 
 
+_RUN_DEFAULTS: dict[str, Any] = {"algorithm": "allreduce", "slowdown": "homogeneous", "nproc": 4, "out": None}
+
+
+def _resumed_config(args: argparse.Namespace) -> Any:
+    """The configuration ``prague run --resume OUT`` continues (saved in OUT); ConfigError if other run
+    flags were given too (a resumed run is the run that was started)."""
+    from prague.train.config import flag_fields, load_config, option_values
+
+    given = [f.name for f in flag_fields() if getattr(args, f.name, None) is not None] + list(option_values(args))
+    given += [k for k, default in _RUN_DEFAULTS.items() if getattr(args, k) != default]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ConfigError(f"--resume continues the run as it was started (its settings are in OUT/run.json); "
+                          f"drop {flags}")
+    cfg = load_config(args.resume)
+    method_resources(cfg)
+    return cfg
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from prague.train.config import check_options_apply
 
-    check_options_apply(args, [args.algorithm])
-    cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
+    if args.resume is not None:
+        cfg = _resumed_config(args)
+    else:
+        check_options_apply(args, [args.algorithm])
+        cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
     summary = run_config(cfg, quiet=args.quiet)
     print(_summary_line(summary))
     if summary.get("worker_samples_per_s"):
@@ -158,7 +190,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     def body(ctx: Any) -> None:
         cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=ctx.world_size,
                                out=args.out or Path("runs") / "torchrun")
-        train(cfg, ctx)
+        train(dataclasses.replace(cfg, resume=args.resume), ctx)
 
     run_worker(body, backend=args.backend or "auto", timeout_s=args.timeout_s or 300.0)
     return 0
@@ -235,12 +267,19 @@ def _add_run_parser(sub: Any, name: str, helptext: str) -> None:
     from prague.train.config import add_run_arguments
 
     p = sub.add_parser(name, help=helptext)
-    p.add_argument("--algorithm", default="allreduce", help="method, optionally NAME:VARIANT (default allreduce; "
+    p.add_argument("--algorithm", default=_RUN_DEFAULTS["algorithm"], help="method, optionally NAME:VARIANT (default allreduce; "
                                                             "see prague methods)")
-    p.add_argument("--slowdown", default="homogeneous",
+    p.add_argument("--slowdown", default=_RUN_DEFAULTS["slowdown"],
                    help="heterogeneity: homogeneous | paper:X | straggler:RANK:X | crash:RANK:STEP, joined with +")
     if name == "run":
-        p.add_argument("--nproc", type=int, default=4, help="number of worker processes (default 4)")
+        p.add_argument("--nproc", type=int, default=_RUN_DEFAULTS["nproc"],
+                       help=f"number of worker processes (default {_RUN_DEFAULTS['nproc']})")
+        p.add_argument("--resume", type=Path, metavar="OUT",
+                       help="continue the run in OUT from its last complete checkpoint, as it was started "
+                            "(--checkpoint-every), to the same final step count")
+    else:
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the last complete checkpoint in --out (what `prague run --resume` starts)")
     p.add_argument("--out", type=Path, help="output directory (default runs/<method>-<time>)")
     add_run_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

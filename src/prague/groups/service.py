@@ -59,6 +59,7 @@ from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.trace import PolicyCall, call_policy
+from prague.runtime.parent import set_parent_death_signal
 
 TOKEN_ENV = "PRAGUE_GG_TOKEN"
 _WAKE_S = 0.25  # how often a blocked GetGroup checks that its client is still there
@@ -534,6 +535,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--trace", type=Path, default=None,
                         help="write every call of the policy (time, answers) to this file, one JSON line each")
     args = parser.parse_args(argv)
+    set_parent_death_signal()  # started by a launcher (or rank 0): never outlive it
     try:
         if args.nodes < 1 or args.nproc % args.nodes:
             raise ConfigError(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")

@@ -12,7 +12,6 @@ The backend and the device are chosen by two pure functions, :func:`pick_backend
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import signal
@@ -38,10 +37,10 @@ import torch.distributed.nn.functional  # noqa: F401
 
 from prague.errors import ConfigError
 from prague.runtime.liveness import Heartbeat
+from prague.runtime.parent import set_parent_death_signal
 
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
-LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -107,20 +106,6 @@ class DistContext:
 
 _CONTEXT: DistContext | None = None
 _HEARTBEAT: Heartbeat | None = None  # this worker's, from init() to shutdown()
-
-
-def set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when the launcher that started it dies (no-op elsewhere)."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 def _env_int(name: str, default: int | None = None) -> int:

@@ -132,7 +132,7 @@ def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.conn
             stream.reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()
     os.environ.update(env)
-    from prague.runtime.context import LAUNCHER_PID_ENV
+    from prague.runtime.parent import LAUNCHER_PID_ENV
 
     os.environ[LAUNCHER_PID_ENV] = str(os.getppid())  # the server is this process's parent
     threads = env.get("OMP_NUM_THREADS", "")

@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from prague.errors import ConfigError, WorkerFailed
 from prague.io import atomic_write_json
-from prague.runtime.context import ERROR_KEY, LAUNCHER_PID_ENV
+from prague.runtime.context import ERROR_KEY
+from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters, read_keys,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prague.errors import CommError
+from prague.runtime.parent import LAUNCHER_PID_ENV
 
 POLL_S = 0.05
 
@@ -66,12 +67,14 @@ def wait_ready(name: str, ready_file: Path, exitcode: Callable[[], int | None], 
 
 
 def start_service(spec: ServiceSpec) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``spec`` as a child of this process (its output goes to ours) and wait until it is ready;
-    return the process and its ready file's text. On failure the child is killed before raising."""
+    """Start ``spec`` as a child of this process (its output goes to ours; it dies with this process,
+    :mod:`prague.runtime.parent`) and wait until it is ready; return the process and its ready file's
+    text. On failure the child is killed before raising."""
     if spec.ready_file is None:
         raise ValueError(f"service {spec.name!r} has no ready file to wait for")
     spec.ready_file.unlink(missing_ok=True)
-    proc = subprocess.Popen(list(spec.argv), env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL)
+    env = {**os.environ, **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL)
     try:
         return proc, wait_ready(spec.name, spec.ready_file, proc.poll, spec.ready_timeout_s)
     except BaseException:

@@ -67,9 +67,13 @@ class RunConfig:
                                    "failures go on without it, the others stop, naming it (s)")
     backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
+    checkpoint_every: int | None = setting(None, "every K steps each worker writes its state to "
+                                                 "OUT/checkpoints; `prague run --resume OUT` continues from "
+                                                 "the last complete one")
     log_decisions: bool = setting(False, "write each worker's decisions (groups, partners, pushes) to "
                                          "decisions/rankR.jsonl in the run's folder, the services' traces "
                                          "beside them")
+    resume: bool = False  # continue from the last complete checkpoint in ``out`` (prague run --resume OUT)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -104,6 +108,8 @@ class RunConfig:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
 
     @property
     def emulated(self) -> bool:
@@ -224,6 +230,43 @@ def run_folder(out: Path, algorithm: str, scenario: str) -> Path:
     return Path(out) / "runs" / f"{algorithm.replace(':', '-')}_{scenario.replace(':', '-')}"
 
 
+RUN_FILE = "run.json"
+
+
+def save_config(cfg: RunConfig) -> None:
+    """Write ``cfg`` to ``OUT/run.json`` (atomically), so ``prague run --resume OUT`` can continue it."""
+    from prague.io import atomic_write_json
+
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "resume"}
+    atomic_write_json(Path(cfg.out) / RUN_FILE,
+                      {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+
+
+def load_config(out: Path) -> RunConfig:
+    """The configuration :func:`save_config` wrote in ``out``, to be resumed; ConfigError naming the
+    file when it is missing or not one."""
+    import json
+
+    path = Path(out) / RUN_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {str(out)!r}: no {RUN_FILE} there; pass the --out folder of a "
+                          "`prague run` that wrote checkpoints") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {str(path)!r}: {exc}") from None
+    known = {f.name for f in dataclasses.fields(RunConfig)} - {"resume"}
+    if not isinstance(saved, dict) or not set(saved) <= known:
+        raise ConfigError(f"--resume: {str(path)!r} is not a run configuration written by this version of prague")
+    saved["out"] = Path(out)
+    if saved.get("data_dir") is not None:
+        saved["data_dir"] = Path(saved["data_dir"])
+    try:
+        return RunConfig(**saved, resume=True)
+    except TypeError as exc:
+        raise ConfigError(f"--resume: {str(path)!r} does not hold a valid run configuration: {exc}") from None
+
+
 def worker_argv(cfg: RunConfig) -> list[str]:
     """The ``prague worker`` command line that reproduces ``cfg`` in a worker process."""
     argv = [sys.executable, "-m", "prague", "worker", "--algorithm", cfg.algorithm, "--slowdown", cfg.scenario,
@@ -235,4 +278,6 @@ def worker_argv(cfg: RunConfig) -> list[str]:
         argv += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
     for name, value in cfg.options.items():
         argv += [_flag(name), str(value)]
+    if cfg.resume:
+        argv.append("--resume")
     return argv

@@ -28,6 +28,7 @@ from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY
+from prague.train import checkpoint
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
 from prague.train.trainer import DistributedTrainer, StepRecord
@@ -39,10 +40,11 @@ from prague.workload.models import build_model, parameter_count
 
 
 class TrainClock:
-    """Wall time since the start of training, paused while the averaged model is evaluated."""
+    """Wall time since the start of training (plus ``offset_s``, the time a resumed run had already
+    trained), paused while the averaged model is evaluated."""
 
-    def __init__(self) -> None:
-        self._start = time.perf_counter()
+    def __init__(self, offset_s: float = 0.0) -> None:
+        self._start = time.perf_counter() - offset_s
         self._paused = 0.0
 
     def now(self) -> float:
@@ -136,18 +138,36 @@ class Training:
     wall_s: float
 
 
+def save_checkpoint(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, training: Training,
+                    wall_s: float) -> None:
+    """Write this rank's file of the checkpoint at ``trainer.steps_done`` (:mod:`prague.train.checkpoint`)."""
+    state = checkpoint.WorkerState(
+        step=trainer.steps_done, model=trainer.model.state_dict(),
+        optimizer=trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
+        trainer=trainer.state_dict(), records=[r.as_dict() for r in training.records],
+        snapshots=list(training.snapshots.entries), wall_s=wall_s, rng=checkpoint.rng_state(),
+    )
+    checkpoint.write(Path(cfg.out), ctx.rank, ctx.world_size, state)
+
+
 def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loader: ShardLoader | None,
-              steps: int) -> Training:
-    """Run this rank's ``steps`` iterations, logging each to ``OUT/metrics/rankR.jsonl`` and publishing
-    progress; then close the method (draining its pending group operations, so the collectives that
-    follow cannot interleave with them; after a failure only releasing)."""
+              steps: int, resumed: checkpoint.WorkerState | None = None) -> Training:
+    """Run this rank's ``steps`` iterations (those after the ``resumed`` checkpoint's step), logging each
+    to ``OUT/metrics/rankR.jsonl``, publishing progress and writing a checkpoint every
+    ``--checkpoint-every`` steps; then close the method (draining its pending group operations, so the
+    collectives that follow cannot interleave with them; after a failure only releasing)."""
     metrics_dir = Path(cfg.out) / "metrics"
     metrics_dir.mkdir(parents=True, exist_ok=True)
     eval_every = cfg.eval_every or (max(1, steps // 10) if cfg.target_accuracy is not None else None)
     training = Training([], SnapshotLog(), 0.0)
-    clock = TrainClock()
+    clock = TrainClock(resumed.wall_s if resumed else 0.0)
+    if resumed is not None:
+        training.records = [StepRecord(**r) for r in resumed.records]
+        training.snapshots.entries = list(resumed.snapshots)
     with trainer, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
-        for step in range(steps):
+        for rec in training.records:
+            log.write(json.dumps(rec.as_dict()) + "\n")
+        for step in range(trainer.steps_done, steps):
             if loader is None:  # emulated compute: no data
                 rec = trainer.step(lambda m: m())
             else:
@@ -161,6 +181,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, loa
             if not cfg.emulated and eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
                 with clock.paused():
                     training.snapshots.take(trainer.model, step + 1, clock.now())
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
+                save_checkpoint(cfg, ctx, trainer, training, clock.now())
         training.wall_s = clock.now()
     return training
 
@@ -199,11 +221,20 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     steps = total_steps(cfg, per_epoch)
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
     model, optimizer, n_params = build(cfg, shape, classes, ctx)
+    resumed = None
+    if cfg.resume:  # before the method's setup, which may publish rank 0's model (DDP, parameter servers)
+        resumed = checkpoint.read(Path(cfg.out), checkpoint.resume_step(Path(cfg.out), ctx.world_size), ctx.rank)
+        model.load_state_dict(resumed.model)
+        if optimizer is not None and resumed.optimizer is not None:
+            optimizer.load_state_dict(resumed.optimizer)
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
                                      decisions=decisions, **cfg.options)
-        training = run_steps(cfg, ctx, trainer, loader, steps)  # closes the method: its last groups are logged
+        if resumed is not None:
+            trainer.load_state_dict(resumed.trainer)
+            checkpoint.set_rng_state(resumed.rng)
+        training = run_steps(cfg, ctx, trainer, loader, steps, resumed)  # closes the method: its last groups are logged
     finally:
         if decisions is not None:
             decisions.close()

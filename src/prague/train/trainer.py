@@ -177,6 +177,17 @@ class DistributedTrainer:
         loss_value = float(loss.detach()) if self._nominal_s is None else None
         return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own counters (steps done, the compute-time average slowdowns scale), for a
+        checkpoint; the model and optimizer are saved by their own ``state_dict``."""
+        return {"steps_done": self.steps_done, "ema_s": self._ema_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after ``state["steps_done"]`` steps: the next :meth:`step` is that step (its batch,
+        slowdown and injected faults)."""
+        self.steps_done = int(state["steps_done"])
+        self._ema_s = state.get("ema_s")
+
     def averaged_model(self, group: Any = None) -> nn.Module:
         """A new copy of the model holding the mean of all ranks' parameters and buffers (of ``group``'s
         ranks, e.g. the survivors'). Collective."""

@@ -50,7 +50,6 @@ shard), applied and rejected counts, and the final server version.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -74,7 +73,6 @@ from prague.algorithms.ps.rules import update_scale
 from prague.comm.flat import StagingBuffer, bind_flat, staging_device
 from prague.errors import CommError, ConfigError
 from prague.metrics.decisions import Decision
-from prague.runtime.context import LAUNCHER_PID_ENV
 from prague.runtime.services import ServiceSpec, start_service, stop_process
 
 # Emulated compute has no optimizer; the shards then run SGD-momentum with lr 0: the same arithmetic as
@@ -126,7 +124,7 @@ def start_own_shards(options: Any, mode: str, nproc: int, resources: contextlib.
     folder = Path(tempfile.mkdtemp(prefix="prague-ps-"))
     resources.callback(shutil.rmtree, folder, ignore_errors=True)
     for spec in shard_services(options, mode, nproc, folder, exit_when_done=True):
-        proc, _ = start_service(dataclasses.replace(spec, env={LAUNCHER_PID_ENV: str(os.getpid())}))
+        proc, _ = start_service(spec)
         resources.callback(_stop_shard, proc, grace_s)
 
 

@@ -351,7 +351,7 @@ def serve(state: ShardState, store: dist.Store, shard: int, timeout: timedelta) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from prague.runtime.context import set_parent_death_signal
+    from prague.runtime.parent import set_parent_death_signal
 
     p = argparse.ArgumentParser(prog="python -m prague.algorithms.ps.server", description="one parameter-server shard")
     p.add_argument("--shard", type=int, required=True)
