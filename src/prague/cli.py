@@ -176,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from prague.metrics.summary import speed_report
 
         print(speed_report(summary["ranks"], summary["worker_samples_per_s"], summary["mean_compute_s"],
-                           summary["mean_wait_s"], summary["batch_size"]))
+                           summary["mean_comm_s"], summary["mean_wait_s"], summary["batch_size"]))
     print(f"wrote {Path(cfg.out) / 'summary.json'}")
     return 0
 

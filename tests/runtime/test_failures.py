@@ -195,10 +195,13 @@ def test_services_json_names_each_service_with_its_pid_and_address(tmp_path: Pat
 def test_speed_report_names_the_slow_ranks() -> None:
     from prague.metrics.summary import speed_report
 
-    text = speed_report([0, 1, 3], [320.0, 300.0, 100.0], [0.05, 0.05, 0.15], [0.01, 0.02, 0.0], 32)
+    text = speed_report([0, 1, 3], [320.0, 300.0, 100.0], [0.05, 0.05, 0.15], [0.0] * 3, [0.01, 0.02, 0.0], 32)
     assert "slowest: rank 3 (0.33x)" in text and "rank 0" not in text.splitlines()[-1]
-    even = speed_report([0, 1], [320.0, 300.0], [0.05, 0.05], [0.0, 0.0], 32)
+    even = speed_report([0, 1], [320.0, 300.0], [0.05, 0.05], [0.0, 0.0], [0.0, 0.0], 32)
     assert "no worker below 90%" in even
+    # lockstep (all-reduce): equal rates, but rank 2's compute made the others wait in communication
+    lockstep = speed_report([0, 1, 2], [16.0] * 3, [0.05, 0.05, 2.0], [1.95, 1.95, 0.0], [0.0] * 3, 32)
+    assert "slowest: rank 2 (0.03x) of the median worker's compute speed" in lockstep
 
 
 def test_run_prints_the_speed_report_naming_the_straggler(tmp_path: Path) -> None:

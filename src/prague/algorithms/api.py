@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from torch import nn
 from prague.metrics.decisions import DecisionLog
 from prague.runtime.context import DistContext
 from prague.runtime.services import ServiceSpec
+from prague.runtime.stall import Phase
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Algorithm:
         self.ctx = ctx
         self.options = options
         self.decisions: DecisionLog | None = None
+        self.phase = Phase()  # the trainer's: a method whose communication starts inside backward says when
+        self.background_phase: Phase | None = None  # a method's background communication, if it has one
         self.resources = contextlib.ExitStack()
         self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
         self._closed = False
@@ -133,6 +136,12 @@ class Algorithm:
         with self.resources:
             if not failed:
                 self.finish()
+
+    def peers(self) -> Sequence[int] | None:
+        """The ranks this worker's communication of the moment involves (a P-Reduce group, a partner),
+        named by stall warnings (:mod:`prague.runtime.stall`); None: every rank. Called from another
+        thread: read, never block."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Method-specific counters for the run summary (JSON-serialisable); the keys are those the

@@ -45,11 +45,13 @@ class LiveGroups:
         self.comms = GroupCommunicators(ctx, capacity=capacity, membership=self.membership)
         self.shrunk = 0  # groups that averaged without some of their members (they had failed)
         self._before: torch.Tensor | None = None  # the buffer's values before an attempt, to restore a broken one
+        self.current: tuple[int, ...] | None = None  # the members of the latest reduction (stall warnings)
 
     def reduce(self, members: Sequence[int], buffer: torch.Tensor) -> tuple[int, ...]:
         """Average ``buffer`` in place over the live ``members`` (this rank among them); returns the
         members it averaged with (just this rank: nothing to do)."""
         live = self._live(members)
+        self.current = live
         if len(live) < len(members):
             self.shrunk += 1
         if len(live) > 1:
@@ -67,7 +69,7 @@ class LiveGroups:
                 buffer.copy_(before)
                 if len(live) == len(members):
                     self.shrunk += 1
-                live = tuple(r for r in live if r not in lost)
+                live = self.current = tuple(r for r in live if r not in lost)
         return live
 
     def _live(self, members: Sequence[int]) -> tuple[int, ...]:

@@ -118,20 +118,30 @@ SLOW_SHARE = 0.9
 
 
 def speed_report(ranks: Sequence[int], samples_per_s: Sequence[float], compute_s: Sequence[float],
-                 wait_s: Sequence[float], batch_size: int) -> str:
-    """The end-of-run speed report: per worker, steps per second and the mean compute and wait per step,
-    then the ranks slower than :data:`SLOW_SHARE` of the median worker (the stragglers), slowest first."""
+                 comm_s: Sequence[float], wait_s: Sequence[float], batch_size: int) -> str:
+    """The end-of-run speed report: per worker, steps per second and the mean compute, communication and
+    wait per step; then the slow ranks, slowest first: those whose rate is below :data:`SLOW_SHARE` of
+    the median worker's, or, where the method keeps every worker at one pace (all-reduce, a synchronous
+    parameter server), those whose compute alone runs below that share of the median worker's speed
+    (their peers' waiting is the time they cost)."""
     if not ranks:
         return "speed: no worker reported"
     rates = [s / batch_size if batch_size else 0.0 for s in samples_per_s]
-    lines = ["rank  steps/s  compute ms  wait ms"]
-    for rank, rate, comp, wait in zip(ranks, rates, compute_s, wait_s):
-        lines.append(f"{rank:>4}  {rate:7.2f}  {1e3 * comp:10.1f}  {1e3 * wait:7.1f}")
+    lines = ["rank  steps/s  compute ms  comm ms  wait ms"]
+    for rank, rate, comp, comm, wait in zip(ranks, rates, compute_s, comm_s, wait_s):
+        lines.append(f"{rank:>4}  {rate:7.2f}  {1e3 * comp:10.1f}  {1e3 * comm:7.1f}  {1e3 * wait:7.1f}")
     typical = median(rates)
     slow = sorted((rate, rank) for rank, rate in zip(ranks, rates) if typical > 0 and rate < SLOW_SHARE * typical)
     if slow:
         named = ", ".join(f"rank {rank} ({rate / typical:.2f}x)" for rate, rank in slow)
         lines.append(f"slowest: {named} of the median worker's {typical:.2f} steps/s")
+        return "\n".join(lines)
+    usual = median(compute_s)
+    heavy = sorted(((usual / c, r) for r, c in zip(ranks, compute_s) if c > 0 and usual / c < SLOW_SHARE))
+    if heavy:
+        named = ", ".join(f"rank {rank} ({share:.2f}x)" for share, rank in heavy)
+        lines.append(f"slowest: {named} of the median worker's compute speed ({1e3 * usual:.1f} ms a step); "
+                     "the others waited for it")
     else:
         lines.append(f"no worker below {SLOW_SHARE:.0%} of the median worker's {typical:.2f} steps/s")
     return "\n".join(lines)

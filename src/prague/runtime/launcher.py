@@ -14,6 +14,7 @@ and guarantees that no process outlives it:
   worker's rank and traceback; when the method survives it, declares the failure in the store (the
   survivors read it there), kills a hung worker (so its peers' connections to it fail at once), warns
   on stderr naming the rank, and waits for the others (:attr:`Job.failures`);
+- prints on its stderr the stall warnings the workers publish (:mod:`prague.runtime.stall`);
 - Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
 
 Workers run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
@@ -50,6 +51,7 @@ from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
+from prague.runtime.stall import STALL_KEY, stall_message
 
 
 
@@ -140,6 +142,8 @@ class Job:
         self.leases = LeaseWatch(spec.lease_s)
         self.failures: dict[int, Failure] = {}  # workers lost by a method that survives them
         self.service_records: list[dict[str, object]] = []
+        self._stalls_seen: dict[int, bytes] = {}
+        self._stalls_read = 0.0
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -262,6 +266,23 @@ class Job:
                          "the other workers go on without it\n")
         sys.stderr.flush()
 
+    def report_stalls(self, every_s: float = 1.0) -> None:
+        """Print each stall warning a worker published since the last look (:mod:`prague.runtime.stall`);
+        looks at most every ``every_s``."""
+        now = time.monotonic()
+        if now - self._stalls_read < every_s:
+            return
+        self._stalls_read = now
+        try:
+            reports = read_keys(self.store, STALL_KEY, range(self.spec.nproc))
+        except RuntimeError:
+            return
+        for rank, raw in sorted(reports.items()):
+            if self._stalls_seen.get(rank) != raw and rank not in self.spec.echo_ranks:  # echoed ones print their own
+                sys.stderr.write(stall_message(json.loads(raw)) + "\n")
+                sys.stderr.flush()
+            self._stalls_seen[rank] = raw
+
     def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL those still alive after the grace period."""
         procs = self.workers + self.services
@@ -311,6 +332,7 @@ class Job:
             if all(c == 0 or r in self.failures for r, c in enumerate(codes)):
                 self.stop()
                 return
+            self.report_stalls()
             if on_tick is not None:
                 on_tick(self)
             time.sleep(tick_s)

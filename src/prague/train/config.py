@@ -67,6 +67,9 @@ class RunConfig:
                                    "failures go on without it, the others stop, naming it (s)")
     backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
+    stall_warn_s: float | None = setting(None, "warn when a worker has waited this long (s) for others in one "
+                                               "step, naming them (default: 10x the median step time, at "
+                                               "least 1 s)")
     checkpoint_every: int | None = setting(None, "every K steps each worker writes its state to "
                                                  "OUT/checkpoints; `prague run --resume OUT` continues from "
                                                  "the last complete one")
@@ -108,6 +111,8 @@ class RunConfig:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.stall_warn_s is not None and not self.stall_warn_s > 0:
+            raise ConfigError(f"--stall-warn-s must be > 0 seconds, got {self.stall_warn_s!r}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
 

@@ -230,7 +230,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
-                                     decisions=decisions, **cfg.options)
+                                     decisions=decisions, stall_warn_s=cfg.stall_warn_s, **cfg.options)
         if resumed is not None:
             trainer.load_state_dict(resumed.trainer)
             checkpoint.set_rng_state(resumed.rng)

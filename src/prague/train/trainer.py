@@ -36,6 +36,7 @@ from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario, parse_scenario
 from prague.metrics.decisions import DecisionLog
 from prague.runtime.context import DistContext, context
+from prague.runtime.stall import StallWatch
 
 Closure = Callable[[nn.Module], torch.Tensor]
 
@@ -83,7 +84,9 @@ class DistributedTrainer:
     called on every rank, also after an exception, to stop the method's background threads.
     ``seed`` is the run's seed: method seed options left at 0 (``gg_seed``, ``shuffle_seed``,
     ``adpsgd_seed``) take it, as they do under ``prague run`` and in the simulator.
-    ``decisions``: this rank's decision log (:class:`prague.metrics.decisions.DecisionLog`), into which
+    ``stall_warn_s``: warn (on stderr and through the store) when this rank has waited that long for
+    others in one step, naming them (:mod:`prague.runtime.stall`); None: derived from the measured
+    step time. ``decisions``: this rank's decision log (:class:`prague.metrics.decisions.DecisionLog`), into which
     the method writes every group, partner and push it decides on; the caller closes it after
     :meth:`close`. None (the default): nothing is logged.
     """
@@ -98,6 +101,7 @@ class DistributedTrainer:
         ctx: DistContext | None = None,
         seed: int | None = None,
         decisions: DecisionLog | None = None,
+        stall_warn_s: float | None = None,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
@@ -123,6 +127,12 @@ class DistributedTrainer:
             raise
         self.steps_done = 0
         self._failed = False
+        self.phase = self.algorithm.phase
+        self.stall_watch: StallWatch | None = None
+        if self.ctx.world_size > 1:
+            self.stall_watch = StallWatch(self.ctx.private_store(), self.ctx.rank, self.ctx.world_size, self.phase,
+                                          self.algorithm.peers, stall_warn_s,
+                                          background=self.algorithm.background_phase)
         # Nominal per-iteration compute time that slowdowns scale: known for emulated compute,
         # otherwise an exponential moving average of measured compute.
         self._nominal_s: float | None = getattr(model, "nominal_compute_s", None)
@@ -153,6 +163,7 @@ class DistributedTrainer:
         times = StepTimes()
 
         t0 = self._clock()
+        self.phase.compute(step)
         delay = self._slowdown_delay_s(factor)
         if delay > 0:
             time.sleep(delay)
@@ -161,6 +172,7 @@ class DistributedTrainer:
         loss = closure(self.module)
         loss.backward()
         t1 = self._clock()
+        self.phase.communicate()
         self.algorithm.after_backward(step, times)
         t2 = self._clock()
         self.algorithm.apply_update(self.optimizer, step)
@@ -174,6 +186,8 @@ class DistributedTrainer:
         base = compute_s - delay
         self._ema_s = base if self._ema_s is None else 0.8 * self._ema_s + 0.2 * base
         self.steps_done += 1
+        if self.stall_watch is not None:
+            self.stall_watch.step_done(t4 - t0)
         loss_value = float(loss.detach()) if self._nominal_s is None else None
         return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value)
 
@@ -207,6 +221,9 @@ class DistributedTrainer:
         for some methods), then release its threads, communicators and services. Call on every rank,
         also after a failure: pass ``failed=True`` then (the default is whether a :meth:`step` raised),
         and it only releases, without waiting for peers that may be gone."""
+        if self.stall_watch is not None:  # the closing drain is no stall: slow ranks finish later by design
+            self.stall_watch.stop()
+            self.stall_watch = None
         self.algorithm.close(failed=self._failed if failed is None else failed)
         self.module = self.model  # the method's wrapper (DDP holds the world group) goes with the method
 

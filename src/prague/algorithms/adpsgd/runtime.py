@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -127,6 +127,7 @@ class ADPSGD(Algorithm):
         self.actives, self.passives = bipartite_split(ctx.world_size, self.options.adpsgd_active)
         self.flat = bind_flat(model)
         self.link: ActiveLink | None = None
+        self._peer: int | None = None  # an active's partner of the moment
         self.replica: PassiveReplica | None = None
         self._pg: Any = None
         if ctx.world_size == 1:
@@ -149,7 +150,7 @@ class ADPSGD(Algorithm):
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         if self.link is not None:
-            peer = self.chooser.next()
+            peer = self._peer = self.chooser.next()
             if self.decisions is not None:
                 self.decisions.write(Decision.of_partner(step, peer))
             waited, _ = self.link.average(self.flat, peer)
@@ -170,6 +171,9 @@ class ADPSGD(Algorithm):
             _, lock_wait_s = self.replica.take_times()
             times.inner_comm_s += lock_wait_s
             times.wait_s += lock_wait_s
+
+    def peers(self) -> Sequence[int] | None:
+        return None if self._peer is None else (self._peer,)
 
     def finish(self) -> None:
         """Actives tell every passive they are done; passives serve until all actives are, then keep the

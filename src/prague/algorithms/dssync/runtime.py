@@ -10,6 +10,7 @@ mixes the replicas.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ class DSSync(Algorithm):
         if self.decisions is not None:
             self.decisions.write(Decision.of_group(step, mine))
         self.groups.reduce(mine, self.flat)
+
+    def peers(self) -> Sequence[int] | None:
+        return self.groups.current
 
     def stats(self) -> dict[str, Any]:
         return {"group_size": self.options.group_size, "shrunk_groups": self.groups.shrunk,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from prague.comm.surviving import LiveGroups
 from prague.errors import CommError
 from prague.groups import Group
 from prague.metrics.decisions import Decision, gg_trace_path
+from prague.runtime.stall import Phase
 
 
 class GroupTally:
@@ -96,8 +98,9 @@ class Prague(Algorithm):
         self.averager: BackgroundAverager | None = None
         if self.options.overlap == "on":
             rank = self.ctx.rank
+            self.background_phase = Phase()
             self.averager = BackgroundAverager(lambda index: self._checked(self.source.next_group(rank, index)),
-                                               self._reduce, name=f"prague-averager-{rank}")
+                                               self._reduce_in_background, name=f"prague-averager-{rank}")
             self.resources.callback(self._stop_averager)
         return model
 
@@ -112,6 +115,11 @@ class Prague(Algorithm):
         if group.is_local:
             return True
         return len(self.groups.reduce(group.members, buffer)) > 1
+
+    def _reduce_in_background(self, group: Group, buffer: torch.Tensor) -> bool:
+        assert self.background_phase is not None
+        with self.background_phase.background(self.steps_done):
+            return self._reduce(group, buffer)
 
     def _record(self, group: Group, step: int) -> None:
         self.tally.add(group)
@@ -174,6 +182,9 @@ class Prague(Algorithm):
         assert self.averager is not None
         self.averager.close()
         self.averager.join(1.0 if self.failed else self.ctx.timeout_s)
+
+    def peers(self) -> Sequence[int] | None:
+        return self.groups.current
 
     def stats(self) -> dict[str, Any]:
         return {
