@@ -90,6 +90,13 @@ class PolicyBase:
         """Forget a request of ``worker``'s that still waits for its answer (none by default: answers are
         immediate)."""
 
+    def continue_after(self, seq: int, counts: list[int]) -> None:
+        """A restarted generator (:meth:`prague.groups.service.GroupGeneratorCore.restore`): number new
+        groups after ``seq``, the last one an earlier instance handed out, and take the workers' request
+        counts from where they were."""
+        self._next_seq = max(self._next_seq, seq + 1)
+        self.counts = [max(a, b) for a, b in zip(self.counts, counts)]
+
     # -- defaults for policies without timers ------------------------------------------------------
     def poll(self, now_s: float) -> list[Answer]:
         return []

@@ -42,9 +42,13 @@ class GroupGeneratorClient:
     ``timeout_s`` bounds every call, including the time ``get_group`` waits for partners under the
     ready policy and the time to connect (calls wait for the server to come up, within the timeout).
     ``stream`` (default True): ``get_group`` uses one ``GroupStream`` per worker id; False: unary calls.
+    ``wait_for_ready`` (default True): a call to a server that is not up waits for it (within the
+    timeout); False: it fails at once with ``CommError`` (for a caller that finds a restarted server's
+    new address itself).
     """
 
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0, *, stream: bool = True) -> None:
+    def __init__(self, address: str, token: str, timeout_s: float = 60.0, *, stream: bool = True,
+                 wait_for_ready: bool = True) -> None:
         if not isinstance(address, str) or not address:
             raise ConfigError(f"group generator address must be 'host:port', got {address!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
@@ -54,6 +58,7 @@ class GroupGeneratorClient:
         self.address = address
         self.timeout_s = float(timeout_s)
         self.stream = bool(stream)
+        self.wait_for_ready = bool(wait_for_ready)
         self._token = token
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GroupGeneratorStub(self._channel)  # type: ignore[no-untyped-call]
@@ -83,7 +88,7 @@ class GroupGeneratorClient:
         except (TypeError, ValueError) as error:  # e.g. a worker id outside int32
             raise ConfigError(f"cannot send {what} to the group generator: {error}") from None
         try:
-            return method(message, timeout=self.timeout_s, wait_for_ready=True)
+            return method(message, timeout=self.timeout_s, wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as error:
             raise self._error(what, error) from None
 
@@ -110,6 +115,8 @@ class GroupGeneratorClient:
                             f"{what} waited") from None
         except grpc.RpcError as error:
             raise self._error(what, error) from None
+        except asyncio.InvalidStateError:  # the stream had ended (its server went away) before this request
+            raise CommError(f"group generator at {self.address} failed {what}: its stream had ended") from None
         return Group(seq, members)
 
     def _open_streams(self) -> _Streams:
@@ -117,7 +124,7 @@ class GroupGeneratorClient:
             if self._closed:
                 raise CommError(f"the client of the group generator at {self.address} is closed")
             if self._streams is None:
-                self._streams = _Streams(self.address, self._token)
+                self._streams = _Streams(self.address, self._token, self.wait_for_ready)
             return self._streams
 
     def finish(self, worker: int) -> list[Group]:
@@ -170,8 +177,9 @@ class _Streams:
     """One ``GroupStream`` per worker id on a ``grpc.aio`` channel of its own, driven by the process's
     event loop for gRPC (:func:`prague.groups.aio.shared_loop`); :meth:`ask` is called from any thread."""
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str, wait_for_ready: bool = True) -> None:
         self._token = token
+        self._wait_for_ready = wait_for_ready
         self._loop = shared_loop()
         self._calls: dict[int, Any] = {}  # worker -> its open stream (a grpc.aio StreamStreamCall)
         self._locks: dict[int, asyncio.Lock] = {}
@@ -212,7 +220,7 @@ class _Streams:
             call = self._calls.get(worker)
             token = ""
             if call is None:
-                call = self._calls[worker] = self._stub.GroupStream(wait_for_ready=True)
+                call = self._calls[worker] = self._stub.GroupStream(wait_for_ready=self._wait_for_ready)
                 token = self._token  # the first request authorizes the stream
             try:
                 await call.write(pb.GroupRequest(token=token, worker=worker, iteration=iteration))

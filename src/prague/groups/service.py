@@ -74,6 +74,60 @@ class _Stopping(Exception):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """The last group a worker got from a Group Generator (before a restart): asked after ``iteration``,
+    and whether the worker has called finish since (``group`` is then the last it must run)."""
+
+    iteration: int
+    group: Group | None
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, object]:
+        return {"iteration": self.iteration, "seq": None if self.group is None else self.group.seq,
+                "members": None if self.group is None else list(self.group.members), "finished": self.finished}
+
+    @classmethod
+    def from_dict(cls, data: object) -> Held:
+        """Raises ConfigError naming what is wrong."""
+        try:
+            assert isinstance(data, dict)
+            seq, members = data.get("seq"), data.get("members")
+            group = None if seq is None else Group(int(seq), tuple(int(m) for m in members))  # type: ignore[union-attr]
+            return cls(int(data["iteration"]), group, bool(data.get("finished", False)))
+        except (AssertionError, KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f"not a held-group record: {data!r} ({error})") from None
+
+
+def restore_state(held: dict[int, Held], excluded: set[int]) -> dict[str, object]:
+    """The JSON a restarted generator reads (``--restore FILE``)."""
+    return {"held": {str(w): h.to_dict() for w, h in sorted(held.items())}, "excluded": sorted(excluded)}
+
+
+def parse_restore_state(data: object, nproc: int) -> tuple[dict[int, Held], set[int]]:
+    """(held groups by worker, excluded workers) from :func:`restore_state`'s JSON; ConfigError if malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("held"), dict) or not isinstance(data.get("excluded"), list):
+        raise ConfigError("a restore file holds {'held': {worker: record}, 'excluded': [workers]}")
+    held: dict[int, Held] = {}
+    for key, record in data["held"].items():
+        try:
+            worker = int(key)
+        except ValueError:
+            raise ConfigError(f"restore file: worker id {key!r} is not an integer") from None
+        check_worker_id(worker, nproc)
+        held[worker] = Held.from_dict(record)
+        group = held[worker].group
+        if group is not None and (worker not in group.members or any(not 0 <= m < nproc for m in group.members)):
+            raise ConfigError(f"restore file: worker {worker}'s group {group} is not a group of it in a job of {nproc}")
+    excluded = set()
+    for worker in data["excluded"]:
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise ConfigError(f"restore file: excluded worker {worker!r} is not an integer")
+        check_worker_id(worker, nproc)
+        excluded.add(worker)
+    return held, excluded
+
+
 class GroupGeneratorCore:
     """The thread-safe state machine between RPC handlers and the policy (no gRPC in here).
 
@@ -93,6 +147,7 @@ class GroupGeneratorCore:
         self._last: dict[int, tuple[int, Group]] = {}  # worker -> (iteration, group) last answered
         self._finished: dict[int, list[Group]] = {}
         self._excluded: set[int] = set()
+        self._owed: dict[int, list[Group]] = {}  # worker -> groups an earlier instance committed it to
         self._wakers: dict[int, list[Callable[[], None]]] = {}  # worker -> callbacks of waiting requests
         self._trace: JsonLines | None = None
         self._stopping = False
@@ -118,6 +173,34 @@ class GroupGeneratorCore:
                 self._trace = JsonLines(path)
             except OSError as error:
                 raise ConfigError(f"the group generator cannot write its trace to {str(path)!r}: {error}") from None
+
+    def restore(self, held: dict[int, Held], excluded: set[int]) -> None:
+        """Continue where an earlier instance of this service stopped (it died; the launcher started this
+        one), from what the workers published: the last group each got (:class:`Held`) and the failed
+        workers. A group some member got is owed to every other member that had not got it yet (its
+        last held group is an earlier one): they get it first, so members that already wait for it are
+        met; new groups are numbered after every held one. Call before serving."""
+        nproc = self.policy.config.nproc
+        groups = {h.group.seq: h.group for h in held.values() if h.group is not None}
+        policy = self.policy
+        continue_after = getattr(policy, "continue_after", None)
+        if continue_after is not None:
+            continue_after(max(groups, default=-1), [held[w].iteration + 1 if w in held else 0 for w in range(nproc)])
+        with self._lock:
+            for worker in range(nproc):
+                mine = held.get(worker)
+                if worker in excluded or (mine is not None and mine.finished):
+                    continue
+                after = mine.group.seq if mine is not None and mine.group is not None else -1
+                self._owed[worker] = [groups[s] for s in sorted(groups) if s > after and worker in groups[s].members]
+                if mine is not None and mine.group is not None:
+                    self._last[worker] = (mine.iteration, mine.group)  # a retry of that iteration: the same group
+            now = self.now_s()
+            for worker in sorted(w for w, h in held.items() if h.finished and w not in excluded):
+                self._deliver([(w, g) for w, g in self._call("finish", worker, now) if w != worker])
+                self._finished[worker] = []
+        for worker in sorted(excluded):
+            self.exclude(worker)
 
     def _call(self, call: str, worker: int | None, now_s: float) -> list[Answer]:
         """Call the policy (lock held), writing the call to the trace if there is one."""
@@ -150,7 +233,8 @@ class GroupGeneratorCore:
                     f"worker {worker} asked for iteration {iteration} after iteration {last[0]}; "
                     "iterations must increase"
                 )
-            answers = self._call("request", worker, self.now_s())
+            owed = self._owed.get(worker)
+            answers = [(worker, owed.pop(0))] if owed else self._call("request", worker, self.now_s())
             self._pending[worker] = iteration
             self._deliver(answers)
         elif pending != iteration:
@@ -226,7 +310,7 @@ class GroupGeneratorCore:
                     "call finish after receiving it"
                 )
             answers = self._call("finish", worker, self.now_s())
-            own = [g for w, g in answers if w == worker]
+            own = self._owed.pop(worker, []) + [g for w, g in answers if w == worker]
             self._deliver([(w, g) for w, g in answers if w != worker])
             self._finished[worker] = own
             return own
@@ -239,6 +323,7 @@ class GroupGeneratorCore:
             if worker in self._finished:
                 return
             answers = self._call("exclude", worker, self.now_s())
+            self._owed.pop(worker, None)
             self._pending.pop(worker, None)
             self._delivered.pop(worker, None)
             self._wakers.pop(worker, None)
@@ -483,15 +568,24 @@ def serve(
     *,
     generator: str = "smart",
     trace: Path | None = None,
+    restore: Path | None = None,
 ) -> None:
     """Run the service until a Shutdown RPC, SIGTERM or SIGINT; for ``prague gg serve``.
 
     Once listening, writes ``host:port`` (the bound port) to ``ready_file`` atomically, if given, so a
     launcher can wait for the file and read the address. With ``trace``, every policy call is written
-    there from the start. Signal handlers are installed only when called from the main thread.
+    there from the start. With ``restore`` (a file of :func:`restore_state`'s JSON), it continues
+    where an earlier instance stopped (:meth:`GroupGeneratorCore.restore`). Signal handlers are
+    installed only when called from the main thread.
     """
     policy = make_generator(generator, config)
     server = GroupGeneratorServer(policy, token)
+    if restore is not None:
+        try:
+            data = json.loads(Path(restore).read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"cannot read the restore file {str(restore)!r}: {error}") from None
+        server.core.restore(*parse_restore_state(data, config.nproc))
     previous: dict[signal.Signals, object] = {}
     try:
         if trace is not None:
@@ -532,6 +626,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
                              "between a worker's requests)")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
+    parser.add_argument("--restore", type=Path, default=None,
+                        help="continue an earlier instance of this job's service from this file (what the "
+                             "launcher writes when it restarts a dead one)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write every call of the policy (time, answers) to this file, one JSON line each")
     args = parser.parse_args(argv)
@@ -547,7 +644,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             seed=args.seed,
             window_s=args.window_s,
         )
-        serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator, trace=args.trace)
+        serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator, trace=args.trace,
+              restore=args.restore)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@ and guarantees that no process outlives it:
   worker's rank and traceback; when the method survives it, declares the failure in the store (the
   survivors read it there), kills a hung worker (so its peers' connections to it fail at once), warns
   on stderr naming the rank, and waits for the others (:attr:`Job.failures`);
+- starts a service that dies mid-run again, if it can continue the job (``ServiceSpec.restore``: the
+  Group Generator, from the groups the workers published), up to :data:`MAX_RESTARTS` times, and
+  keeps ``services.json`` (pid, address, restarts) current;
 - prints on its stderr the stall warnings the workers publish (:mod:`prague.runtime.stall`);
 - Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
 
@@ -27,6 +30,7 @@ importing torch again.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -53,6 +57,8 @@ from prague.runtime.liveness import (
 from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
 from prague.runtime.stall import STALL_KEY, stall_message
 
+
+MAX_RESTARTS = 5  # a service that dies more often than this fails the job
 
 
 @dataclass(frozen=True)
@@ -266,6 +272,27 @@ class Job:
                          "the other workers go on without it\n")
         sys.stderr.flush()
 
+    def _restart(self, index: int, code: int) -> bool:
+        """Start service ``index`` again after it died mid-run, if it can be (``ServiceSpec.restore``) and
+        has not died :data:`MAX_RESTARTS` times; publish its new address and record it. True if restarted."""
+        spec, record = self.spec.services[index], self.service_records[index]
+        restarts = int(record["restarts"])  # type: ignore[call-overload]
+        if spec.restore is None or restarts >= MAX_RESTARTS:
+            return False
+        argv = [*spec.argv, *spec.restore(self.store)]
+        if spec.ready_file is not None:
+            spec.ready_file.unlink(missing_ok=True)
+        proc = _Proc(spec.name, argv, {**self.base_env(), **spec.env}, self._log_path(f"{spec.name}.{restarts + 1}"),
+                     False)
+        self.services[index] = proc
+        record.update(pid=proc.popen.pid, restarts=restarts + 1)
+        record["address"] = self._await_ready(dataclasses.replace(spec, argv=argv), proc) if spec.ready_file else None
+        self._write_services()
+        sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}); restarted it "
+                         f"(pid {proc.popen.pid}, restart {restarts + 1})\n")
+        sys.stderr.flush()
+        return True
+
     def report_stalls(self, every_s: float = 1.0) -> None:
         """Print each stall warning a worker published since the last look (:mod:`prague.runtime.stall`);
         looks at most every ``every_s``."""
@@ -322,10 +349,12 @@ class Job:
                 failure = self.first_failure(settle_s=0.0)
                 self.stop()
                 raise failure
-            for svc in self.services:
+            for index, svc in enumerate(self.services):
                 code = svc.poll()
                 if code is not None and any(c is None for c in codes):
                     svc.finish()
+                    if self._restart(index, code):
+                        continue
                     detail = "".join(svc.tail) or "(no output)"
                     self.stop()
                     raise WorkerFailed(-1, code, f"service {svc.label!r} exited early:\n{detail}")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prague.errors import CommError
 from prague.runtime.parent import LAUNCHER_PID_ENV
@@ -38,6 +39,9 @@ class ServiceSpec:
     ready_file: Path | None = None
     publish_key: str | None = None
     ready_timeout_s: float = 60.0
+    #: A service that can be restarted if it dies mid-run: given the job's store, the arguments to add
+    #: to ``argv`` so that the new instance continues from the workers' state. None: not restartable.
+    restore: Callable[[Any], Sequence[str]] | None = None
 
 
 class ServiceNotReady(CommError):

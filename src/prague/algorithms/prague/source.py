@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,11 +28,16 @@ import torch.distributed as dist
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import Membership
+from prague.errors import CommError
+from prague.io import atomic_write_json
+from prague.runtime.liveness import FAILED_KEY, Membership, read_keys
 from prague.runtime.services import ServiceSpec, start_service, stop_process
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
+HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restarted service starts from these)
+RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
+MAX_RESTARTS = 5
 TOKEN_ENV = "PRAGUE_GG_TOKEN"
 MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
@@ -45,9 +53,24 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path) -> 
 
 
 def gg_service(options: PragueOptions, nproc: int, ready_file: Path) -> ServiceSpec:
-    """The service the launcher (or rank 0) starts for this job."""
+    """The service the launcher (or rank 0) starts for this job; restartable (:func:`restore_args`)."""
     return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed, ready_file),
-                       ready_file=ready_file, publish_key=GG_ADDRESS_KEY)
+                       ready_file=ready_file, publish_key=GG_ADDRESS_KEY,
+                       restore=lambda store: restore_args(store, nproc, ready_file.parent))
+
+
+def restore_args(store: dist.Store, nproc: int, folder: Path) -> list[str]:
+    """Arguments that make a new Group Generator continue the job's: the last group every worker
+    published (``HELD_KEY``) and the failed workers, written to a file in ``folder``. Waits a moment
+    first, so a worker that got an answer just before the old instance died has published it."""
+    from prague.groups.service import Held, restore_state
+
+    time.sleep(0.5)
+    held = {r: Held.from_dict(json.loads(v)) for r, v in read_keys(store, HELD_KEY, range(nproc)).items()}
+    excluded = set(read_keys(store, FAILED_KEY, range(nproc)))
+    path = folder / f"gg-restore-{time.monotonic_ns()}.json"
+    atomic_write_json(path, restore_state(held, excluded))
+    return ["--restore", str(path)]
 
 
 class GroupSource(Protocol):
@@ -122,26 +145,95 @@ class ServiceSource:
             store.set(GG_ADDRESS_KEY, address)
         else:
             token, address = store.get(GG_TOKEN_KEY).decode(), store.get(GG_ADDRESS_KEY).decode()
-        self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s)
-        resources.callback(self.client.close)
+        self._token, self._timeout_s = token, options.gg_timeout_s
+        self._restartable = not options.gg_address  # a service the user started is the user's to restart
+        self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
+        # A service this job restarts is found through the store, not by waiting at a dead address.
+        self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s,
+                                           wait_for_ready=not self._restartable)
+        resources.callback(lambda: self.client.close())  # the client of the moment: a restart replaces it
         if trace is not None:
             self.client.trace(str(Path(trace).resolve()))
         self._service_stats: dict[str, Any] = {}
         self.membership = membership
         self._excluded: set[int] = set()
+        self.reconnects = 0
+        self._leaving = threading.Event()
+        self._watch: threading.Thread | None = None
+        if self._proc is not None:  # under torchrun this rank restarts the service it started
+            self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
+            self._watch.start()
+            resources.callback(self._leaving.set)  # after a failure too: no restart once this rank is closing
 
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        spec = gg_service(options, self.ctx.world_size, folder / "address")
-        proc, address = start_service(dataclasses.replace(spec, env={TOKEN_ENV: token}))
-        resources.callback(stop_process, proc, 0.0)  # kills it unless leave() already stopped it
+        self._spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address"),
+                                         env={TOKEN_ENV: token})
+        proc, address = start_service(self._spec)
+        resources.callback(lambda: stop_process(self._proc, 0.0) if self._proc else None)  # unless leave() stopped it
         self._proc = proc
         return address
 
+    def _watch_service(self) -> None:
+        """Rank 0 under torchrun: start the service again if it dies before everyone left (at most
+        ``MAX_RESTARTS`` times) and publish its new address."""
+        restarts = 0
+        while not self._leaving.wait(0.5):
+            proc = self._proc
+            if proc is None or proc.poll() is None or restarts >= MAX_RESTARTS:
+                continue
+            restarts += 1
+            assert self._spec.restore is not None
+            spec = dataclasses.replace(self._spec, argv=[*self._spec.argv, *self._spec.restore(self._store)])
+            try:
+                self._proc, address = start_service(spec)
+            except CommError as exc:
+                sys.stderr.write(f"prague: warning: could not restart the group generator: {exc}\n")
+                continue
+            sys.stderr.write(f"prague: warning: the group generator died (exit code {proc.returncode}); "
+                             f"restarted it at {address} (restart {restarts})\n")
+            self._store.set(GG_ADDRESS_KEY, address)
+
+    def _retrying(self, call: Any) -> Any:
+        """``call(client)``; if the service does not answer, retry with backoff for up to
+        :data:`RESTART_WAIT_S`, each time connecting first to the address in the store if the launcher
+        (or rank 0) published a restarted service's there. Safe: a retried ``get_group`` of the same
+        iteration gets one answer."""
+        try:
+            return call(self.client)
+        except CommError:
+            if not self._restartable:
+                raise
+        from prague.groups.client import GroupGeneratorClient
+
+        deadline, pause = time.monotonic() + RESTART_WAIT_S, 0.05
+        while True:
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+            address = self._store.get(GG_ADDRESS_KEY).decode()
+            if address != self.client.address:
+                old, self.client = self.client, GroupGeneratorClient(address, self._token, timeout_s=self._timeout_s,
+                                                                     wait_for_ready=False)
+                old.close()
+                self.reconnects += 1
+            try:
+                return call(self.client)
+            except CommError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _hold(self, rank: int, held: Any) -> None:
+        self._store.set(f"{HELD_KEY}{rank}", json.dumps(held.to_dict()))
+
     def next_group(self, rank: int, step: int) -> Group:
+        from prague.groups.service import Held
+
         self.exclude_failed()
-        return self.client.get_group(rank, step)
+        group: Group = self._retrying(lambda c: c.get_group(rank, step))
+        if self._restartable:
+            self._hold(rank, Held(step, group))
+        return group
 
     def exclude_failed(self) -> None:
         """The service groups a failed worker no more once any survivor says so (one store request per
@@ -149,14 +241,19 @@ class ServiceSource:
         if self.membership is None:
             return
         for rank in sorted(set(self.membership.failed()) - self._excluded):
-            self.client.exclude(rank)
+            self._retrying(lambda c: c.exclude(rank))
             self._excluded.add(rank)
 
     def finish(self, rank: int) -> list[Group]:
+        from prague.groups.service import Held
+
         self.exclude_failed()
         if self.ctx.is_main:
-            self._service_stats = dict(self.client.stats())
-        return self.client.finish(rank)
+            self._service_stats = dict(self._retrying(lambda c: c.stats()))
+        groups: list[Group] = self._retrying(lambda c: c.finish(rank))
+        if self._restartable:
+            self._hold(rank, Held(-1, groups[-1] if groups else None, finished=True))
+        return groups
 
     def leave(self) -> None:
         """After this rank ran its last groups. Collective under torchrun (a barrier on every rank),
@@ -165,6 +262,9 @@ class ServiceSource:
             return
         dist.barrier()
         if self._proc is not None:
+            self._leaving.set()
+            if self._watch is not None:
+                self._watch.join()
             self.client.shutdown()
             stop_process(self._proc, grace_s=30.0)
 
