@@ -265,7 +265,8 @@ class ServiceSource:
             self._leaving.set()
             if self._watch is not None:
                 self._watch.join()
-            self.client.shutdown()
+            with contextlib.suppress(CommError):  # it may go before its reply does: stop_process makes sure
+                self.client.shutdown()
             stop_process(self._proc, grace_s=30.0)
 
     def stats(self) -> dict[str, Any]:
