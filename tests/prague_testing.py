@@ -91,11 +91,11 @@ def wait_gone(marker: str, within_s: float = 15.0) -> list[int]:
     return pids
 
 
-def run_cli(*args: str, timeout_s: float = 180.0, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m prague ARGS``; kill its whole process group if it outlives ``timeout_s``."""
+def run_command(argv: Sequence[str], timeout_s: float = 180.0, cwd: Path | None = None,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a session of its own; kill its whole process group if it outlives ``timeout_s``."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prague", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=cwd, env={**os.environ, **(env or {})}, start_new_session=True,
     )
     try:
@@ -103,8 +103,25 @@ def run_cli(*args: str, timeout_s: float = 180.0, cwd: Path | None = None,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"prague {' '.join(args)} did not finish in {timeout_s} s\nstdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(f"{' '.join(argv)} did not finish in {timeout_s} s\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(*args: str, timeout_s: float = 180.0, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m prague ARGS``; kill its whole process group if it outlives ``timeout_s``."""
+    return run_command([sys.executable, "-m", "prague", *args], timeout_s=timeout_s, cwd=cwd, env=env)
+
+
+def wait_training(proc: subprocess.Popen[Any], out: Path, nproc: int, within_s: float = 90.0) -> None:
+    """Wait until every rank of the run writing to ``out`` has logged a step; fail if ``proc`` ends first
+    or ``within_s`` passes."""
+    deadline = time.monotonic() + within_s
+    metrics = [out / "metrics" / f"rank{rank}.jsonl" for rank in range(nproc)]
+    while not all(m.exists() and m.stat().st_size for m in metrics):
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before every rank trained"
+        assert time.monotonic() < deadline, f"the workers logged no step within {within_s} s"
+        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -33,7 +32,7 @@ from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
 from prague.train.config import (
     RunConfig, add_run_arguments, check_options_apply, config_from_args, option_values, run_folder,
 )
-from prague.workload.catalog import dataset_info, steps_per_epoch
+from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 
 DEFAULT_ALGORITHMS = "allreduce,prague:smart"
 DEFAULT_STEPS = 200
@@ -125,7 +124,7 @@ def _steps(run: RunConfig) -> int:
     if run.epochs is None:
         return DEFAULT_STEPS
     per_epoch = steps_per_epoch(dataset_info(run.data).train_samples, run.nproc, run.batch_size)
-    return max(1, math.ceil(run.epochs * per_epoch))
+    return epoch_steps(run.epochs, per_epoch)
 
 
 def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) -> SimConfig:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ from prague.train import checkpoint
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
 from prague.train.trainer import DistributedTrainer, StepRecord
-from prague.workload.catalog import dataset_info, steps_per_epoch
+from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 from prague.workload.data import Dataset, ShardLoader, load_dataset
 from prague.workload.emulate import EmulatedCompute
 from prague.workload.models import build_model, parameter_count
@@ -114,7 +113,7 @@ def evaluate(model: nn.Module, data: Dataset, closing: Closing, batch_size: int 
 def total_steps(cfg: RunConfig, per_epoch: int) -> int:
     if cfg.steps is not None:
         return cfg.steps
-    return max(1, math.ceil((cfg.epochs or 1.0) * per_epoch))
+    return epoch_steps(cfg.epochs or 1.0, per_epoch)
 
 
 def build(cfg: RunConfig, input_shape: tuple[int, int, int], num_classes: int,

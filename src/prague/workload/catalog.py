@@ -7,6 +7,7 @@ the real things and a test checks that they agree with these facts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prague.errors import ConfigError, unknown_choice
@@ -48,3 +49,9 @@ def steps_per_epoch(train_samples: int, world_size: int, batch_size: int) -> int
                           f"{world_size} workers holds ({train_samples} in all), so an epoch would have "
                           f"0 steps; lower --batch-size to at most {per_rank} or lower --nproc")
     return steps
+
+
+def epoch_steps(epochs: float, per_epoch: int) -> int:
+    """Steps of ``epochs`` passes of ``per_epoch`` steps each: a partial step counts as one, float error
+    does not (1.1 x 50 is 55.00000000000001 in floating point, and 55 steps); at least 1."""
+    return max(1, math.ceil(round(epochs * per_epoch, 6)))
