@@ -98,10 +98,8 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
 
     prestart(cfg.data)  # the worker fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
-    from prague.train.config import worker_argv
-
     from prague.train.checkpoint import CHECKPOINTS_DIR, resume_step
-    from prague.train.config import save_config
+    from prague.train.config import save_config, worker_argv
 
     check_data(cfg)
     out = Path(cfg.out)

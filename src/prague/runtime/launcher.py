@@ -30,7 +30,6 @@ importing torch again.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import signal
@@ -54,11 +53,9 @@ from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters, read_keys,
 )
-from prague.runtime.services import ServiceNotReady, ServiceSpec, wait_ready
+from prague.runtime.services import MAX_RESTARTS, ServiceNotReady, ServiceSpec, restarted, wait_ready
 from prague.runtime.stall import STALL_KEY, stall_message
 
-
-MAX_RESTARTS = 5  # a service that dies more often than this fails the job
 
 
 @dataclass(frozen=True)
@@ -279,14 +276,14 @@ class Job:
         restarts = int(record["restarts"])  # type: ignore[call-overload]
         if spec.restore is None or restarts >= MAX_RESTARTS:
             return False
-        argv = [*spec.argv, *spec.restore(self.store)]
+        argv = restarted(spec, self.store).argv
         if spec.ready_file is not None:
             spec.ready_file.unlink(missing_ok=True)
         proc = _Proc(spec.name, argv, {**self.base_env(), **spec.env}, self._log_path(f"{spec.name}.{restarts + 1}"),
                      False)
         self.services[index] = proc
         record.update(pid=proc.popen.pid, restarts=restarts + 1)
-        record["address"] = self._await_ready(dataclasses.replace(spec, argv=argv), proc) if spec.ready_file else None
+        record["address"] = self._await_ready(spec, proc) if spec.ready_file else None
         self._write_services()
         sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}); restarted it "
                          f"(pid {proc.popen.pid}, restart {restarts + 1})\n")

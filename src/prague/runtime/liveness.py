@@ -90,10 +90,8 @@ class Membership:
             epoch = self.store.add(EPOCH_KEY, 0)
             if epoch != self._epoch:
                 unknown = [r for r in range(self.world_size) if r not in self._failed]
-                keys = [f"{FAILED_KEY}{r}" for r in unknown]
-                for rank, key in zip(unknown, keys):
-                    if self.store.check([key]):
-                        self._failed[rank] = Failure.from_json(self.store.get(key))
+                for rank, text in read_keys(self.store, FAILED_KEY, unknown).items():
+                    self._failed[rank] = Failure.from_json(text)
                 self._epoch = epoch
             return dict(self._failed)
 

@@ -9,6 +9,7 @@ where no launcher exists.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -21,6 +22,7 @@ from prague.errors import CommError
 from prague.runtime.parent import LAUNCHER_PID_ENV
 
 POLL_S = 0.05
+MAX_RESTARTS = 5  # a service that dies more often than this in one job is not started again
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,14 @@ def start_service(spec: ServiceSpec) -> tuple[subprocess.Popen[bytes], str]:
     except BaseException:
         stop_process(proc, grace_s=0.0)
         raise
+
+
+def restarted(spec: ServiceSpec, store: Any) -> ServiceSpec:
+    """``spec`` for a new instance after the old one died: its ``argv`` plus what ``spec.restore``
+    derives from the job's ``store``."""
+    if spec.restore is None:
+        raise ValueError(f"service {spec.name!r} cannot be restarted: it has no restore function")
+    return dataclasses.replace(spec, argv=[*spec.argv, *spec.restore(store)])
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:

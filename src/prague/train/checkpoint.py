@@ -107,8 +107,9 @@ def write(out: Path, rank: int, nproc: int, state: WorkerState) -> bool:
     if not is_complete(out, state.step, nproc):
         return False
     atomic_write_json(step_dir(out, state.step) / COMPLETE, {"step": state.step, "nproc": nproc})
-    complete = [s for s in _steps(out) if s < state.step and is_complete(out, s, nproc)]
-    for old in (s for s in _steps(out) if s < (complete[-1] if complete else state.step)):
+    earlier = [s for s in _steps(out) if s < state.step]
+    keep = next((s for s in reversed(earlier) if is_complete(out, s, nproc)), state.step)  # the one before
+    for old in (s for s in earlier if s < keep):
         shutil.rmtree(step_dir(out, old), ignore_errors=True)  # every rank is past it: nobody writes there
     return True
 

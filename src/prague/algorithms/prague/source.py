@@ -30,14 +30,13 @@ from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext
 from prague.errors import CommError
 from prague.io import atomic_write_json
-from prague.runtime.liveness import FAILED_KEY, Membership, read_keys
-from prague.runtime.services import ServiceSpec, start_service, stop_process
+from prague.runtime.liveness import Membership, read_keys
+from prague.runtime.services import MAX_RESTARTS, ServiceSpec, restarted, start_service, stop_process
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
 HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restarted service starts from these)
 RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
-MAX_RESTARTS = 5
 TOKEN_ENV = "PRAGUE_GG_TOKEN"
 MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
@@ -67,7 +66,7 @@ def restore_args(store: dist.Store, nproc: int, folder: Path) -> list[str]:
 
     time.sleep(0.5)
     held = {r: Held.from_dict(json.loads(v)) for r, v in read_keys(store, HELD_KEY, range(nproc)).items()}
-    excluded = set(read_keys(store, FAILED_KEY, range(nproc)))
+    excluded = set(Membership(store, nproc).failed())
     path = folder / f"gg-restore-{time.monotonic_ns()}.json"
     atomic_write_json(path, restore_state(held, excluded))
     return ["--restore", str(path)]
@@ -157,7 +156,6 @@ class ServiceSource:
         self._service_stats: dict[str, Any] = {}
         self.membership = membership
         self._excluded: set[int] = set()
-        self.reconnects = 0
         self._leaving = threading.Event()
         self._watch: threading.Thread | None = None
         if self._proc is not None:  # under torchrun this rank restarts the service it started
@@ -184,10 +182,8 @@ class ServiceSource:
             if proc is None or proc.poll() is None or restarts >= MAX_RESTARTS:
                 continue
             restarts += 1
-            assert self._spec.restore is not None
-            spec = dataclasses.replace(self._spec, argv=[*self._spec.argv, *self._spec.restore(self._store)])
             try:
-                self._proc, address = start_service(spec)
+                self._proc, address = start_service(restarted(self._spec, self._store))
             except CommError as exc:
                 sys.stderr.write(f"prague: warning: could not restart the group generator: {exc}\n")
                 continue
@@ -216,7 +212,6 @@ class ServiceSource:
                 old, self.client = self.client, GroupGeneratorClient(address, self._token, timeout_s=self._timeout_s,
                                                                      wait_for_ready=False)
                 old.close()
-                self.reconnects += 1
             try:
                 return call(self.client)
             except CommError:
