@@ -34,6 +34,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # Before Python 3.12 argparse drops the value of `--lr=--` (it takes '--' for the end of the
+        # flags) and hands the flag an empty list instead of refusing it.
+        if action.nargs is None and action.option_strings and arg_strings == ["--"]:
+            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument, got '--'")
+        return super()._get_values(action, arg_strings)
+
 
 def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: int, out: Path) -> Any:
     """Build and validate the RunConfig of one run from parsed flags, and check what the launcher needs."""
@@ -41,8 +48,18 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
     cfg.check_data_source()
+    check_backend(cfg)
     method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts
     return cfg
+
+
+def check_backend(cfg: Any) -> None:
+    """Raise ConfigError unless ``--backend`` can run ``cfg.nproc`` ranks on this machine (nccl: a GPU each)."""
+    import torch
+
+    from prague.runtime.context import pick_backend
+
+    pick_backend(cfg.backend, torch.cuda.device_count(), cfg.nproc)
 
 
 def _default_out(name: str) -> Path:
@@ -50,10 +67,15 @@ def _default_out(name: str) -> Path:
 
 
 def check_data(cfg: Any) -> None:
-    """Load the data set once in the launcher, so a bad file is a clear error before any worker starts."""
+    """Load the data set once in the launcher, so a bad file is a clear error before any worker starts,
+    and check the method's options against the model built for it (:meth:`Options.check_model`)."""
+    from prague.algorithms.registry import resolve_options
     from prague.workload.data import load_dataset
+    from prague.workload.models import build_model, state_elements
 
-    load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+    dataset = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+    options: Any = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)[1]
+    options.check_model(lambda: state_elements(build_model(cfg.model, dataset.input_shape, dataset.num_classes)))
 
 
 def method_resources(cfg: Any) -> tuple[Any, bool]:
@@ -103,7 +125,11 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
 
     check_data(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --out {str(out)!r} ({exc.strerror or exc}); pass a folder you can "
+                          "write to") from None
     if cfg.resume:
         print(f"resuming {out} from its checkpoint at step {resume_step(out, cfg.nproc)}", flush=True)
     else:  # a new run in this folder: an older run's checkpoints must never be resumed as this one's
@@ -156,6 +182,7 @@ def _resumed_config(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--resume continues the run as it was started (its settings are in OUT/run.json); "
                           f"drop {flags}")
     cfg = load_config(args.resume)
+    check_backend(cfg)
     method_resources(cfg)
     return cfg
 
@@ -195,8 +222,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from prague.algorithms.spec import check_nproc
     from prague.runtime.launcher import LaunchSpec, launch
 
+    check_nproc(args.nproc)  # before --echo-all lists every rank
     if not args.script:
         raise ConfigError("prague launch needs a script: prague launch --nproc N script.py [args]")
     script = Path(args.script[0])
@@ -217,10 +246,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if not algorithms or not scenarios:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
-    from prague.train.config import check_options_apply
+    from prague.train.config import check_options_apply, check_out_folder
 
     check_options_apply(args, algorithms)
     out = args.out or _default_out("bench")
+    check_out_folder(out)
     configs = [
         _run_config(args, a, s, args.nproc, out / "runs" / f"{a.replace(':', '-')}_{s.replace(':', '-')}")
         for s in scenarios for a in algorithms

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -57,6 +58,44 @@ class Options:
         """Raise ConfigError unless these options make sense for a job of ``nproc`` workers (a group
         larger than the job, ranks outside it...). Called before any process starts; a method whose
         options depend on the job's size overrides it."""
+
+    def check_model(self, state_elements: Callable[[], int]) -> None:
+        """Raise ConfigError unless these options fit the model to be trained, whose flat state has
+        ``state_elements()`` elements. Called by the launcher once the data set is loaded, before any
+        worker starts; ``state_elements`` builds the model, so only a method whose options depend on
+        the model's size (and overrides this) calls it."""
+
+
+#: The most workers a job may have: ranks travel as 32-bit integers (torch.distributed, the Group
+#: Generator's protocol), and checking a job's options must stay quick however large it is.
+MAX_NPROC = 1 << 20
+
+
+def check_nproc(nproc: int) -> None:
+    """Raise ConfigError unless ``nproc`` is a number of workers a job can have (1..MAX_NPROC)."""
+    if not 1 <= nproc <= MAX_NPROC:
+        raise ConfigError(f"--nproc must be in 1..{MAX_NPROC}, got {nproc}")
+
+
+def check_seconds(flag: str, value: float) -> None:
+    """Raise ConfigError unless ``value`` is a time a worker can wait: a finite number of seconds > 0,
+    at most what Python's threads can wait (``threading.TIMEOUT_MAX``, about 292 years)."""
+    if not 0 < value <= threading.TIMEOUT_MAX:
+        raise ConfigError(f"{flag} must be a number of seconds > 0 and at most {threading.TIMEOUT_MAX:.3g}, "
+                          f"got {value!r}")
+
+
+def check_address(flag: str, address: str) -> None:
+    """Raise ConfigError unless ``address`` is ``host:port`` (an IPv6 host in brackets), port in 1..65535."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("["):
+        ok_host = host.endswith("]") and len(host) > 2 and ":" in host
+    else:
+        ok_host = bool(host) and ":" not in host
+    ok_host = ok_host and not any(c.isspace() for c in host)
+    if not (sep and ok_host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"{flag} must be host:port with a port in 1..65535 (an IPv6 host in brackets, "
+                          f"[::1]:50051), got {address!r}")
 
 
 def check_group_size(options: Any, nproc: int) -> None:
@@ -183,8 +222,7 @@ class Method:
 
     def check_job(self, options: Any, nproc: int) -> None:
         """Raise ConfigError unless ``options`` fit a job of ``nproc`` workers (:meth:`Options.check_job`)."""
-        if nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+        check_nproc(nproc)
         check = getattr(options, "check_job", None)
         if check is not None:
             check(nproc)

@@ -15,9 +15,9 @@ The policy (:mod:`prague.groups`) is pure and single-threaded; this module is th
   CPU); the unary ``GetGroup`` has the same semantics;
 * every request carries the job's shared token, compared in constant time (on a stream: its first
   request, and any later one that repeats it). A wrong token gets ``UNAUTHENTICATED``; an unknown
-  worker id or an inconsistent request gets ``INVALID_ARGUMENT`` (on a stream, that ends the stream);
-  a message that does not parse is rejected by gRPC itself. None of these changes the policy's state,
-  and the server keeps serving;
+  worker id, an inconsistent request or a message that does not parse gets ``INVALID_ARGUMENT`` (on a
+  stream, that ends the stream); one larger than gRPC's limit (4 MiB) gets ``RESOURCE_EXHAUSTED`` from
+  gRPC itself. None of these changes the policy's state, and the server keeps serving;
 * ``GetGroup`` is idempotent per (worker, iteration): a client that timed out or lost its stream may
   ask again and gets the same group (a buffered policy must never lose a group, or its partners would
   wait forever);
@@ -44,12 +44,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from prague.errors import CommError, ConfigError
 from prague.io import JsonLines, atomic_write_text
@@ -171,7 +173,7 @@ class GroupGeneratorCore:
                                   f"not {str(path)!r}; one trace per service")
             try:
                 self._trace = JsonLines(path)
-            except OSError as error:
+            except (OSError, ValueError) as error:  # ValueError: a NUL in the path
                 raise ConfigError(f"the group generator cannot write its trace to {str(path)!r}: {error}") from None
 
     def restore(self, held: dict[int, Held], excluded: set[int]) -> None:
@@ -370,6 +372,61 @@ class GroupGeneratorCore:
                         self._timer_cond.wait(0.001)  # a policy that did not advance: do not spin
 
 
+class _Malformed:
+    """A request whose bytes do not parse as its message; its handler rejects it (INVALID_ARGUMENT)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(message: Any) -> Callable[[bytes], object]:
+    """The request deserializer of ``message``: the message, or :class:`_Malformed` saying why not."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return message.FromString(data)
+        except DecodeError as error:
+            return _Malformed(f"the request is not a {message.DESCRIPTOR.full_name} ({error}); send the "
+                              "messages of prague/groups/gg.proto")
+
+    return parse
+
+
+async def _reject_malformed(request: object, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+
+def _checked(behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A unary handler that rejects a malformed request before ``behaviour`` sees it."""
+
+    async def handle(request: object, context: grpc.aio.ServicerContext) -> Any:
+        await _reject_malformed(request, context)
+        return await behaviour(request, context)
+
+    return handle
+
+
+def _add_servicer(servicer: _Servicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer``'s RPCs as the generated ``add_GroupGeneratorServicer_to_server`` does, except
+    that a request that does not parse reaches its handler as :class:`_Malformed` and is rejected with
+    INVALID_ARGUMENT: gRPC's own deserializer would fail the call as UNKNOWN and log a traceback."""
+    service = pb.DESCRIPTOR.services_by_name["GroupGenerator"]
+    handlers = {}
+    for method in service.methods:
+        request, reply = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        behaviour = getattr(servicer, method.name)
+        codecs = {"request_deserializer": _parser(request), "response_serializer": reply.SerializeToString}
+        if method.client_streaming and method.server_streaming:  # GroupStream checks each request it reads
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **codecs)
+        elif not (method.client_streaming or method.server_streaming):
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_checked(behaviour), **codecs)
+        else:
+            raise TypeError(f"{method.full_name}: no handler for a half-streaming RPC")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 class _Servicer(pb_grpc.GroupGeneratorServicer):
     """The RPC handlers, coroutines on the server's event loop. Policy calls go through the core (its
     lock); a request whose group is not determined yet waits on an asyncio future that the core's
@@ -422,6 +479,7 @@ class _Servicer(pb_grpc.GroupGeneratorServicer):
         first = await context.read()
         if first is grpc.aio.EOF:
             return
+        await _reject_malformed(first, context)
         await self._authorize(first.token, context)
         worker = first.worker
         request = first
@@ -438,6 +496,7 @@ class _Servicer(pb_grpc.GroupGeneratorServicer):
             request = await context.read()
             if request is grpc.aio.EOF:
                 return
+            await _reject_malformed(request, context)
 
     async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishReply:
         await self._authorize(request.token, context)
@@ -513,7 +572,7 @@ class GroupGeneratorServer:
 
     async def _start(self, wanted: str) -> int:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GroupGeneratorServicer_to_server(self._servicer, server)  # type: ignore[no-untyped-call]
+        _add_servicer(self._servicer, server)
         try:
             bound = int(server.add_insecure_port(wanted))
         except RuntimeError as error:
@@ -634,6 +693,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     args = parser.parse_args(argv)
     set_parent_death_signal()  # started by a launcher (or rank 0): never outlive it
     try:
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535 (0: a free port chosen by the OS), got {args.port}")
         if args.nodes < 1 or args.nproc % args.nodes:
             raise ConfigError(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
         config = GeneratorConfig(
@@ -649,6 +710,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except CommError as error:  # cannot bind --host/--port
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

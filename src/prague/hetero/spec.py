@@ -24,6 +24,9 @@ from typing import ClassVar
 from prague.errors import ConfigError
 
 KINDS = ("homogeneous", "paper", "straggler", "crash", "hang")
+#: The largest slowdown factor: a worker a million times slower is as good as a frozen one (hang:RANK:STEP),
+#: and a larger factor could stretch a step past what a worker can sleep.
+MAX_FACTOR = 1e6
 _MASK64 = (1 << 64) - 1
 
 
@@ -49,8 +52,8 @@ class PaperSlowdown:
     factor: float
 
     def __post_init__(self) -> None:
-        if not self.factor >= 1.0:
-            raise ConfigError(f"paper slowdown factor must be >= 1, got {self.factor!r}; e.g. paper:5")
+        if not 1.0 <= self.factor <= MAX_FACTOR:
+            raise ConfigError(f"paper slowdown factor must be in 1..{MAX_FACTOR:g}, got {self.factor!r}; e.g. paper:5")
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class Straggler:
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"straggler rank must be >= 0, got {self.rank!r}; e.g. straggler:1:3")
-        if not self.factor >= 1.0:
-            raise ConfigError(f"straggler factor must be >= 1, got {self.factor!r}; e.g. straggler:1:3")
+        if not 1.0 <= self.factor <= MAX_FACTOR:
+            raise ConfigError(f"straggler factor must be in 1..{MAX_FACTOR:g}, got {self.factor!r}; e.g. straggler:1:3")
 
 
 @dataclass(frozen=True)

@@ -312,14 +312,19 @@ def cluster_from_dict(data: dict[str, Any], base: Cluster = Cluster(), source: s
         value = table.get(key)
         return default_s if value is None else _positive(key, value, allow_zero=True) * unit
 
+    name, speeds = data.get("name", base.name), compute.get("speeds", base.speeds)
+    if not isinstance(name, str):
+        raise ConfigError(f"{source}: name must be a string, got {name!r}")
+    if not isinstance(speeds, (list, tuple)):
+        raise ConfigError(f"{source}: [compute] speeds must be a list of numbers, e.g. [1.0, 0.5], got {speeds!r}")
     try:
         return Cluster(
-            name=str(data.get("name", base.name)),
+            name=name,
             compute_s=scaled(compute, "time_ms", base.compute_s, 1e-3),
             compute_overhead_s=scaled(compute, "overhead_ms", base.compute_overhead_s, 1e-3),
             compute_dist=compute.get("distribution", base.compute_dist),
             compute_cv=compute.get("cv", base.compute_cv),
-            speeds=tuple(compute.get("speeds", base.speeds)),
+            speeds=tuple(speeds),
             intra=_link(_section(links, "intra", source), base.intra, "links.intra", source),
             inter=_link(_section(links, "inter", source), base.inter, "links.inter", source),
             allreduce_exposed=allreduce.get("exposed_fraction", base.allreduce_exposed),
@@ -356,7 +361,7 @@ def load_cluster(spec: str | Path) -> Cluster:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read cluster file {text!r}: {exc}") from None
     base_name = data.pop("base", None)
-    if base_name is not None and base_name not in PRESETS:
+    if base_name is not None and (not isinstance(base_name, str) or base_name not in PRESETS):
         raise unknown_choice(f"base preset in cluster file {text!r}", base_name, PRESETS)
     base = PRESETS[base_name] if base_name is not None else Cluster()
     return cluster_from_dict(data, base, source=f"cluster file {text!r}")

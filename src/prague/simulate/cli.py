@@ -16,7 +16,9 @@ and the fitted cluster to ``OUT/cluster.toml``; methods are simulated only if ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import shlex
 import sys
 import time
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 from prague.errors import ConfigError
 from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
 from prague.train.config import (
-    RunConfig, add_run_arguments, check_options_apply, config_from_args, option_values, run_folder,
+    RunConfig, add_run_arguments, check_options_apply, check_out_folder, config_from_args, option_values, run_folder,
 )
 from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 
@@ -72,8 +74,14 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> Cluster:
-    """``--cluster`` (or ``base``) with the single-value flags applied."""
+    """``--cluster`` (or ``base``) with the single-value flags applied; ConfigError naming a bad flag."""
     cluster = base if base is not None else load_cluster(args.cluster or "paper")
+    for name in ("compute_cv", "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "allreduce_exposed",
+                 "gg_rtt_us", "gg_service_us"):
+        value, zero = getattr(args, name), not name.endswith("gbps")  # a link needs some bandwidth
+        if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>= 0' if zero else '> 0'}, "
+                              f"got {value}")
 
     def link(old: Link, latency_us: float | None, gbps: float | None) -> Link | None:
         if latency_us is None and gbps is None:
@@ -153,6 +161,17 @@ def _line(r: RunRecord) -> str:
             f"{r.wall_s or 0:.1f} s, {sim.get('events')} events in {sim.get('run_s', 0):.1f} s")
 
 
+def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
+    """The validated run settings of every (method, scenario) pair to simulate."""
+    algorithms = [a.strip() for a in (args.algorithms or DEFAULT_ALGORITHMS).split(",") if a.strip()]
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if not algorithms or not scenarios:
+        raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
+    check_options_apply(args, algorithms, topology=("nodes",))
+    return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
+            for s in scenarios for a in algorithms]
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Handler of ``prague simulate`` (see the module docstring). Bad input raises ConfigError."""
     from prague.io import atomic_write_json, atomic_write_text
@@ -161,10 +180,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from prague.simulate.run import simulate_bench
 
     out = Path(args.out) if args.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_out_folder(out)
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    base: Cluster | None = None
+    base = load_cluster(args.cluster or ("local" if args.calibrate is not None else "paper"))
+    # Every flag is checked (ConfigError) before anything is calibrated or simulated: the methods' run
+    # settings, the cluster flags (on the preset, until calibration replaces it), the simulations.
+    calibrate_only = args.calibrate is not None and args.algorithms is None
+    runs = [] if calibrate_only else _run_configs(args, out)
+    nodes = int(option_values(args).get("nodes", 1))  # the simulated topology, for every method
+    cluster = cluster_from_args(args, base)
+    configs = [sim_config(run, cluster=cluster, math_mode=args.math, nodes=nodes) for run in runs]
     if args.calibrate is not None:
-        cal = calibrate(args.calibrate, load_cluster(args.cluster or "local"))
+        cal = calibrate(args.calibrate, base)
         table = calibration_table(cal)
         print(table)
         atomic_write_text(out / "calibration.md", f"# prague simulate --calibrate\n\n```\n{command}\n```\n\n{table}")
@@ -174,22 +201,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         })
         atomic_write_text(out / "cluster.toml", cluster_to_toml(cal.cluster))
         print(f"wrote {out / 'calibration.md'}, {out / 'calibration.json'} and {out / 'cluster.toml'}")
-        if args.algorithms is None:
+        if calibrate_only:
             return 0
-        base = cal.cluster
-    cluster = cluster_from_args(args, base)
-    algorithms = [a.strip() for a in (args.algorithms or DEFAULT_ALGORITHMS).split(",") if a.strip()]
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    if not algorithms or not scenarios:
-        raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
-    nodes = int(option_values(args).get("nodes", 1))  # the simulated topology, for every method
-    check_options_apply(args, algorithms, topology=("nodes",))
-    nproc = args.nproc
-    configs = [
-        sim_config(config_from_args(args, algorithm=a, scenario=s, nproc=nproc, out=out),
-                   cluster=cluster, math_mode=args.math, nodes=nodes)
-        for s in scenarios for a in algorithms
-    ]  # validated (ConfigError) before anything runs
+        cluster = cluster_from_args(args, cal.cluster)
+        configs = [dataclasses.replace(c, cluster=cluster) for c in configs]
     echo = None if args.quiet else (lambda r: print(_line(r), flush=True))
     records = simulate_bench(configs, out, command=command, echo=echo)
     print()

@@ -34,12 +34,11 @@ from prague.workload.catalog import dataset_info
 @lru_cache(maxsize=None)
 def model_size(model: str, data: str) -> tuple[int, int]:
     """``(parameters, bytes of the flat state P-Reduce moves)`` of ``model`` on ``data`` (cached)."""
-    from prague.comm.flat import state_tensors
-    from prague.workload.models import build_model, parameter_count
+    from prague.workload.models import build_model, parameter_count, state_elements
 
     info = dataset_info(data)
     module = build_model(model, info.input_shape, info.num_classes)
-    return parameter_count(module), 4 * sum(t.numel() for t in state_tensors(module))
+    return parameter_count(module), 4 * state_elements(module)
 
 
 @dataclass(frozen=True)

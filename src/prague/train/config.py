@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
+import threading
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,8 +25,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from prague.algorithms.spec import check_nproc, check_seconds
 from prague.errors import ConfigError, unknown_choice
-from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS
+from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, exclusive: str | None = None) -> Any:
@@ -79,28 +84,29 @@ class RunConfig:
     resume: bool = False  # continue from the last complete checkpoint in ``out`` (prague run --resume OUT)
 
     def __post_init__(self) -> None:
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
-        if not self.lease_s > 0:
-            raise ConfigError(f"--lease-s must be > 0 seconds, got {self.lease_s!r}")
+        check_nproc(self.nproc)
+        check_seconds("--lease-s", self.lease_s)
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs is not None and not self.epochs > 0:
-            raise ConfigError(f"--epochs must be > 0, got {self.epochs}")
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise ConfigError(f"--epochs must be a finite number > 0, got {self.epochs}")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("give either --steps or --epochs, not both")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         for f in flag_fields():
             choices = f.metadata["choices"]
             if choices is not None and getattr(self, f.name) not in choices:
                 raise unknown_choice(_what(f.name), getattr(self, f.name), choices)
-        if not self.compute_ms >= 0:
-            raise ConfigError(f"--compute-ms must be >= 0, got {self.compute_ms}")
+        if not 0 <= self.compute_ms / 1e3 <= threading.TIMEOUT_MAX:
+            raise ConfigError(f"--compute-ms must be a number of ms in 0..{threading.TIMEOUT_MAX * 1000:.3g}, "
+                              f"got {self.compute_ms}")
+        check_seed(self.seed)
+        check_out_folder(Path(self.out))
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {str(self.data_dir)!r} is not a directory; pass the folder holding the data files")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
@@ -109,10 +115,9 @@ class RunConfig:
             raise ConfigError(f"--eval-every must be >= 1, got {self.eval_every}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--timeout-s must be > 0, got {self.timeout_s}")
-        if self.stall_warn_s is not None and not self.stall_warn_s > 0:
-            raise ConfigError(f"--stall-warn-s must be > 0 seconds, got {self.stall_warn_s!r}")
+        check_seconds("--timeout-s", self.timeout_s)
+        if self.stall_warn_s is not None:
+            check_seconds("--stall-warn-s", self.stall_warn_s)
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
 
@@ -125,6 +130,20 @@ class RunConfig:
         Checked before a real run starts; a simulation that only times needs no data."""
         if self.data == "mnist" and self.data_dir is None:
             raise ConfigError("--data mnist needs --data-dir pointing at a directory of MNIST IDX files")
+
+
+def check_out_folder(out: Path) -> None:
+    """Raise ConfigError unless ``out`` (``--out``) is a folder this process can write in, or one it can
+    create: so a run does not fail on its first write, after its workers started."""
+    try:
+        existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+        if not existing.is_dir():
+            where = "is a file" if existing == out else f"is below the file {str(existing)!r}"
+            raise ConfigError(f"--out {str(out)!r} {where}; pass a folder (created if missing)")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--out {str(out)!r}: {str(existing)!r} is not writable; pass a folder you can write to")
+    except OSError as exc:  # a name too long, a loop of links...
+        raise ConfigError(f"--out {str(out)!r} is not a usable folder ({exc.strerror or exc}); pass another") from None
 
 
 def _what(name: str) -> str:
@@ -263,13 +282,37 @@ def load_config(out: Path) -> RunConfig:
     known = {f.name for f in dataclasses.fields(RunConfig)} - {"resume"}
     if not isinstance(saved, dict) or not set(saved) <= known:
         raise ConfigError(f"--resume: {str(path)!r} is not a run configuration written by this version of prague")
-    saved["out"] = Path(out)
-    if saved.get("data_dir") is not None:
-        saved["data_dir"] = Path(saved["data_dir"])
+    hints = typing.get_type_hints(RunConfig)
+    fields: dict[str, Any] = {name: _from_json(name, value, hints[name], path) for name, value in saved.items()}
+    fields["out"] = Path(out)
     try:
-        return RunConfig(**saved, resume=True)
-    except TypeError as exc:
+        return RunConfig(**fields, resume=True)
+    except ConfigError as exc:
         raise ConfigError(f"--resume: {str(path)!r} does not hold a valid run configuration: {exc}") from None
+
+
+def _from_json(name: str, value: object, hint: Any, path: Path) -> Any:
+    """Field ``name`` of a saved configuration as its annotated type (a path from its string); ConfigError
+    naming the file if ``value`` is not one."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    kind = typing.get_origin(hint) or hint
+    if isinstance(value, bool):
+        ok = kind is bool
+    elif kind is float:
+        ok = isinstance(value, (int, float))
+    elif kind is Path:
+        ok = isinstance(value, str)
+    elif kind is dict:
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"--resume: {str(path)!r} holds {name} = {value!r}, not a {kind.__name__}; it was not "
+                          "written by `prague run`, start a new run instead")
+    return Path(value) if kind is Path else value  # type: ignore[arg-type]
 
 
 def worker_argv(cfg: RunConfig) -> list[str]:

@@ -39,6 +39,16 @@ def dataset_info(name: str) -> DatasetInfo:
         raise unknown_choice("data set", name, DATASETS) from None
 
 
+#: Seeds are below 2**32, the bound of scikit-learn's and NumPy's seeds (the digits split uses them).
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed: int) -> None:
+    """Raise ConfigError unless ``seed`` is in ``[0, 2**32)``."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"seed {seed!r} must be in [0, 2**32); pass such a --seed")
+
+
 def steps_per_epoch(train_samples: int, world_size: int, batch_size: int) -> int:
     """Full batches per epoch of each worker: from the smallest shard, so every rank agrees
     (:class:`prague.workload.data.ShardLoader` cuts its batches this way)."""

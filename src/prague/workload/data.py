@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from prague.errors import ConfigError, DataError, unknown_choice
 from prague.workload.catalog import DATASETS as CATALOG
-from prague.workload.catalog import steps_per_epoch
+from prague.workload.catalog import check_seed, steps_per_epoch
 from prague.workload.mnist import load_mnist
 
 __all__ = [
@@ -45,7 +45,6 @@ MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_MAX_PIXEL = 16.0
-SEED_LIMIT = 2**32
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +110,7 @@ def load_dataset(name: str, data_dir: Path | None = None, seed: int = 0) -> Data
     """
     if name not in DATASETS:
         raise unknown_choice("data set", name, DATASETS)
-    _check_seed(seed)
+    check_seed(seed)
     if name == "digits":
         return _load_digits(seed)
     if name == "mnist":
@@ -143,7 +142,7 @@ def make_synthetic(
     Raises:
         ConfigError: a size is not positive or ``noise_std`` is negative.
     """
-    _check_seed(seed)
+    check_seed(seed)
     for label, value in (("n_train", n_train), ("n_test", n_test)):
         if value < 1:
             raise ConfigError(f"synthetic data: {label}={value!r} must be at least 1")
@@ -239,7 +238,7 @@ def shard_indices(n_samples: int, rank: int, world_size: int, seed: int) -> torc
     _check_world(rank, world_size)
     if n_samples < 1:
         raise ConfigError(f"n_samples={n_samples!r} must be at least 1 to shard a data set")
-    _check_seed(seed)
+    check_seed(seed)
     perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed))
     return perm[rank::world_size].clone()
 
@@ -329,9 +328,3 @@ def _check_world(rank: int, world_size: int) -> None:
         raise ConfigError(f"world size {world_size!r} must be at least 1; pass a positive --nproc")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank!r} must be in [0, {world_size}) for world size {world_size}")
-
-
-def _check_seed(seed: int) -> None:
-    # 2**32 is the bound of scikit-learn's and NumPy's seeds, which the digits split uses.
-    if not 0 <= seed < SEED_LIMIT:
-        raise ConfigError(f"seed {seed!r} must be in [0, 2**32); pass such a --seed")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from prague.comm.flat import state_tensors
 from prague.errors import ConfigError, unknown_choice
 from prague.workload.catalog import MODELS
 
@@ -56,6 +57,12 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
 def parameter_count(model: nn.Module) -> int:
     """Number of scalar parameters of ``model`` (trainable or not; buffers such as BN statistics excluded)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def state_elements(model: nn.Module) -> int:
+    """Number of elements of ``model``'s flat state (parameters and floating-point buffers): what P-Reduce
+    averages and the parameter server's shards split among themselves."""
+    return sum(t.numel() for t in state_tensors(model))
 
 
 def _mlp(in_features: int, num_classes: int) -> nn.Module:

@@ -36,7 +36,8 @@ def bipartite_split(nproc: int, active: str = "") -> tuple[tuple[int, ...], tupl
     bad = [r for r in actives if not 0 <= r < nproc]
     if bad:
         raise ConfigError(f"--adpsgd-active names ranks {bad} outside 0..{nproc - 1}")
-    passives = tuple(r for r in range(nproc) if r not in actives)
+    active_set = set(actives)  # so that the split stays linear in nproc
+    passives = tuple(r for r in range(nproc) if r not in active_set)
     if nproc > 1 and not passives:
         raise ConfigError(f"--adpsgd-active {active!r} leaves no passive worker among {nproc}; leave at least one out")
     return actives, passives

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from prague.algorithms.spec import Method, Options, option
 from prague.errors import ConfigError
 
+MAX_BUCKET_MB = 2**63 / 2**20  # DDP counts a bucket's bytes in a signed 64-bit integer
+
 
 @dataclass(frozen=True)
 class AllReduceOptions(Options):
@@ -17,8 +19,9 @@ class AllReduceOptions(Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.bucket_cap_mb > 0:
-            raise ConfigError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb!r}")
+        if not 0 < self.bucket_cap_mb < MAX_BUCKET_MB:
+            raise ConfigError(f"--bucket-cap-mb must be a number > 0 and below {MAX_BUCKET_MB:.3g}, "
+                              f"got {self.bucket_cap_mb!r}")
 
 
 METHOD = Method(

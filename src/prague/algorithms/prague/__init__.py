@@ -6,11 +6,13 @@ The group policies are pure code in :mod:`prague.groups` (shared with the simula
 
 from __future__ import annotations
 
-import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prague.algorithms.spec import COMM_REPORTS, Method, Options, check_group_size, option
+from prague.algorithms.spec import (
+    COMM_REPORTS, Method, Options, check_address, check_group_size, check_seconds, option,
+)
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
 
@@ -48,10 +50,12 @@ class PragueOptions(Options):
             raise ConfigError(f"--delta-c must be >= 1, got {self.delta_c}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
-        if not (math.isfinite(self.window_ms) and self.window_ms >= 0):
-            raise ConfigError(f"--window-ms must be a number >= 0 (0: adaptive), got {self.window_ms}")
-        if not self.gg_timeout_s > 0:
-            raise ConfigError(f"--gg-timeout-s must be > 0, got {self.gg_timeout_s}")
+        if not 0 <= self.window_ms / 1000 <= threading.TIMEOUT_MAX:
+            raise ConfigError(f"--window-ms must be a number of ms in 0..{threading.TIMEOUT_MAX * 1000:.3g} "
+                              f"(0: adaptive), got {self.window_ms}")
+        check_seconds("--gg-timeout-s", self.gg_timeout_s)
+        if self.gg_address:
+            check_address("--gg-address", self.gg_address)
         if self.comm_cache < 1:
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
         if self.max_in_flight < 1:

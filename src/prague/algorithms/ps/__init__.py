@@ -8,9 +8,10 @@ workers and by the simulator alike); the wire protocol is :mod:`.protocol`, the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from prague.algorithms.spec import Method, Options, option
+from prague.algorithms.spec import Method, Options, check_seconds, option
 from prague.errors import ConfigError
 
 MODES = ("sync", "async")
@@ -19,6 +20,15 @@ MOMENTUM_MODES = ("worker", "folded")
 
 MOMENTUM_HELP = ("async shards: worker (a momentum buffer per worker; ps default) or folded (no buffer, step "
                  "lr/(1-momentum); ps-eager default)")
+
+
+def check_shards(shards: int, total: int) -> None:
+    """Raise ConfigError unless ``shards`` shards can split a flat state of ``total`` elements (each
+    shard owns a slice of at least one element)."""
+    if shards < 1:
+        raise ConfigError(f"--ps-shards must be >= 1, got {shards}")
+    if total < shards:
+        raise ConfigError(f"--ps-shards {shards} exceeds the model's {total} state elements; use at most {total}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,10 @@ class ShardOptions(Options):
             raise ConfigError(f"--ps-shards must be >= 1, got {self.ps_shards}")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (0: no bound), got {self.max_staleness}")
-        if not self.ps_timeout_s > 0:
-            raise ConfigError(f"--ps-timeout-s must be > 0, got {self.ps_timeout_s}")
+        check_seconds("--ps-timeout-s", self.ps_timeout_s)
+
+    def check_model(self, state_elements: Callable[[], int]) -> None:
+        check_shards(self.ps_shards, state_elements())
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from prague.algorithms.ps import MODES, MOMENTUM_MODES, STALENESS_RULES
+from prague.algorithms.ps import MODES, MOMENTUM_MODES, STALENESS_RULES, check_shards
 from prague.errors import ConfigError
 
 KEY_PREFIX = "prague/ps"
@@ -80,10 +80,7 @@ class Layout:
 
 def shard_bounds(total: int, shards: int) -> list[tuple[int, int]]:
     """The ``[lo, hi)`` slice of a flat state of ``total`` elements owned by each of ``shards`` shards."""
-    if shards < 1:
-        raise ConfigError(f"--ps-shards must be >= 1, got {shards}")
-    if total < shards:
-        raise ConfigError(f"--ps-shards {shards} exceeds the model's {total} state elements; use at most {total}")
+    check_shards(shards, total)
     cuts = [k * total // shards for k in range(shards + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
 
