@@ -52,6 +52,14 @@ def test_neighbour_choice_is_seeded_and_covers_every_passive() -> None:
     assert [other.next() for _ in range(300)] != seq
 
 
+def test_live_neighbour_choice_skips_failed_passives_and_matches_without_failures() -> None:
+    plain, live = NeighbourChooser((1, 3, 5), 0, 7), NeighbourChooser((1, 3, 5), 0, 7)
+    assert [plain.next() for _ in range(50)] == [live.next_live({0, 2}) for _ in range(50)]  # actives failing
+    picks = [live.next_live({3}) for _ in range(200)]
+    assert set(picks) == {1, 5}
+    assert live.next_live({1, 3, 5}) is None  # every passive failed: no partner
+
+
 SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch, torch.distributed as dist

@@ -46,6 +46,15 @@ def test_solo_lets_anyone_start_majority_only_the_initiator() -> None:
         starts_round("everyone", 0, 0, 4, 0)
 
 
+def test_majority_draws_among_the_survivors_the_same_way_while_none_failed() -> None:
+    for r in range(50):
+        assert [w for w in range(5) if starts_round("majority", w, r, 5, 1, live=range(5))] == [initiator(r, 5, 1)]
+        survivors = (0, 2, 4)
+        starters = [w for w in range(5) if starts_round("majority", w, r, 5, 1, live=survivors)]
+        assert len(starters) == 1 and starters[0] in survivors  # never a failed rank, always exactly one
+    assert not starts_round("majority", 0, 3, 5, 1, live=())
+
+
 def test_majority_initiators_spread_over_the_ranks_and_depend_on_the_seed() -> None:
     picks = [initiator(r, 8, 3) for r in range(800)]
     counts = [picks.count(w) for w in range(8)]

@@ -108,7 +108,7 @@ def test_an_excluded_worker_is_never_grouped_again(name: str) -> None:
 
 
 def test_the_methods_that_survive_failures() -> None:
-    assert {m.name for m in METHODS.values() if m.survives_failures} == {"prague", "dssync"}
+    assert {m.name for m in METHODS.values() if m.survives_failures} == {"prague", "dssync", "adpsgd", "eager-sgd"}
 
 
 def _summary(out: Path) -> dict:
@@ -121,6 +121,7 @@ RUN = ["--nproc", "4", "--steps", "60", "--compute", "emulated", "--compute-ms",
 @pytest.mark.parametrize("algorithm,fault", [
     ("prague:ready", "crash"), ("prague:ready", "hang"), ("prague:smart", "crash"), ("prague:random", "hang"),
     ("prague:static", "hang"), ("prague:static", "crash"), ("dssync", "crash"), ("dssync", "hang"),
+    ("adpsgd", "crash"), ("adpsgd", "hang"), ("eager-sgd", "crash"), ("eager-sgd", "hang"),
 ])
 def test_survivors_train_to_the_end(tmp_path: Path, algorithm: str, fault: str) -> None:
     out = tmp_path / "run"
@@ -157,6 +158,47 @@ def test_survivors_average_a_real_model(tmp_path: Path) -> None:
     summary = _summary(out)
     assert summary["failures"] == [{"rank": 3, "step": 10, "kind": "crash"}]
     assert summary["test_accuracy"] > 0.5 and (out / "model.pt").exists()
+
+
+def test_adpsgd_survives_failed_passives_and_actives_on_a_real_model(tmp_path: Path) -> None:
+    """Rank 1 (passive) crashes, rank 0 (active) hangs: the other active averages with passive 3 only,
+    passive 3 stops waiting for rank 0's goodbye, and the survivors' model is evaluated."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "adpsgd", "--nproc", "4", "--steps", "50", "--model", "mlp", "--data",
+                  "digits", "--slowdown", "crash:1:10+hang:0:20", "--lease-s", "2", "--out", str(out), "--quiet",
+                  timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    summary = _summary(out)
+    assert sorted(summary["failures"], key=lambda f: f["rank"]) == [{"rank": 0, "step": 20, "kind": "hang"},
+                                                                   {"rank": 1, "step": 10, "kind": "crash"}]
+    assert summary["completed_steps"] == [20, 10, 50, 50] and summary["ranks"] == [2, 3]
+    active, passive = summary["algorithm_stats"]
+    assert active["role"] == "active" and set(active["peers"]) == {"1", "3"}
+    assert active["peers"]["3"] > active["peers"]["1"]  # rank 1 is drawn no more after it failed
+    assert passive["role"] == "passive" and passive["requests_served"] > 0
+    assert summary["test_accuracy"] > 0.5
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
+@pytest.mark.parametrize("quorum,faults", [("majority", "crash:0:12"), ("solo", "crash:1:15+hang:3:40")])
+def test_eager_sgd_survivors_keep_identical_replicas(tmp_path: Path, quorum: str, faults: str) -> None:
+    """The survivors resume the rounds on a communicator of their own: every one applies the same
+    results, so their replicas stay equal, and each recovery is counted on every survivor."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "eager-sgd", "--quorum", quorum, "--nproc", "4", "--steps", "60",
+                  "--model", "mlp", "--data", "digits", "--slowdown", faults, "--lease-s", "2", "--out", str(out),
+                  "--quiet", timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    summary = _summary(out)
+    failed = {f["rank"] for f in summary["failures"]}
+    assert len(failed) == faults.count("+") + 1
+    assert all(summary["completed_steps"][r] == 60 for r in range(4) if r not in failed)
+    stats = summary["algorithm_stats"]
+    assert [s["recoveries"] for s in stats] == [len(failed)] * (4 - len(failed))
+    assert all(s["rounds"] == 61 and s["diverged_rounds"] == 0 for s in stats)
+    assert summary["consensus_distance"] < 1e-4  # one sequence of results: the replicas agree
+    assert summary["test_accuracy"] > 0.5
+    assert wait_gone(str(out), within_s=10.0) == []
 
 
 @pytest.mark.parametrize("fault", ["crash", "hang"])

@@ -20,7 +20,6 @@ ends up running the same group.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -28,13 +27,7 @@ import torch
 from prague.comm.preduce import GroupCommunicators, preduce
 from prague.errors import CommError
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import Membership, PeerFailed
-
-#: After a P-Reduce breaks with no member declared failed, how long to wait for the launcher to declare
-#: one (it sees a crashed process within a fraction of a second; a hung one only after its lease, but it
-#: declares it before it kills it) before the failure is fatal.
-DECLARE_WAIT_S = 15.0
-
+from prague.runtime.liveness import DECLARE_WAIT_S, Membership, PeerFailed
 
 class LiveGroups:
     """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
@@ -84,12 +77,7 @@ class LiveGroups:
             return []
         if isinstance(exc, PeerFailed):
             return [r for r in exc.ranks if r in live]
-        deadline = time.monotonic() + DECLARE_WAIT_S
-        while True:
-            lost = self.membership.failed_among(live)
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.1)
+        return self.membership.wait_declared(live, DECLARE_WAIT_S)
 
     def close(self) -> None:
         self.comms.close()

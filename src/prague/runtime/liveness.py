@@ -35,6 +35,9 @@ HB_KEY = "prague/live/hb/"
 FAILED_KEY = "prague/live/failed/"
 DONE_KEY = "prague/live/done/"
 EPOCH_KEY = "prague/live/epoch"
+#: After an exchange breaks with no peer declared failed, how long to wait for the launcher to declare
+#: one (:meth:`Membership.wait_declared`) before the break is fatal.
+DECLARE_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,10 @@ def declare_failure(store: dist.Store, failure: Failure) -> bool:
     return True
 
 
-def mark_done(store: dist.Store, rank: int) -> None:
-    """This worker has run all its steps (and is about to join the closing collectives)."""
-    store.set(f"{DONE_KEY}{rank}", "1")
+def mark_done(store: dist.Store, rank: int, done_key: str = DONE_KEY) -> None:
+    """This worker has run all its steps (and is about to join the closing collectives); ``done_key``:
+    see :func:`wait_settled`."""
+    store.set(f"{done_key}{rank}", "1")
 
 
 class Membership:
@@ -104,6 +108,19 @@ class Membership:
         """The ranks of ``ranks`` declared failed, sorted."""
         failed = self.failed()
         return sorted(r for r in ranks if r in failed)
+
+    def wait_declared(self, ranks: Iterable[int], timeout_s: float) -> list[int]:
+        """After an exchange with ``ranks`` broke: wait up to ``timeout_s`` for the launcher to declare one
+        of them failed (it sees a crashed process within a fraction of a second; a hung one only after its
+        lease, but it declares it before it kills it). Returns those declared, sorted; empty: none was, so
+        the break had another cause."""
+        ranks = tuple(ranks)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lost = self.failed_among(ranks)
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.1)
 
     def wait_keys(self, store: dist.Store, keys: list[str], members: Iterable[int], timeout_s: float, what: str,
                   slice_s: float = 1.0) -> None:
@@ -138,13 +155,15 @@ class PeerFailed(CommError):
         self.ranks = tuple(ranks)
 
 
-def wait_settled(store: dist.Store, membership: Membership, timeout_s: float) -> tuple[int, ...]:
+def wait_settled(store: dist.Store, membership: Membership, timeout_s: float,
+                 done_key: str = DONE_KEY) -> tuple[int, ...]:
     """After this worker's :func:`mark_done`: wait until every rank is done or failed; returns the done
     ranks, sorted (the survivors that close the run together). The timeout counts inactivity: it
     starts again whenever a rank still running reports another step (:data:`PROGRESS_KEY`), so a fast
-    worker waits for a slow one as long as the slow one makes progress."""
+    worker waits for a slow one as long as the slow one makes progress. ``done_key``: the prefix of the
+    keys that say a rank is done (a method's own closing phases use their own)."""
     deadline = time.monotonic() + timeout_s
-    keys = {r: f"{DONE_KEY}{r}" for r in range(membership.world_size)}
+    keys = {r: f"{done_key}{r}" for r in range(membership.world_size)}
     progress = Progress(store)
     while True:
         failed = membership.failed()

@@ -42,4 +42,5 @@ METHOD = Method(
         "requests_served": "passive: averagings it answered", "serve_s": "passive: seconds serving",
         "lock_wait_s": "passive: seconds the main thread waited for the lock", "snapshots": "passive: snapshots taken",
     },
+    survives_failures=True,
 )

@@ -7,6 +7,7 @@ the same passives in the same order as a real one, from the same seed.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 from prague.errors import ConfigError
 
@@ -54,3 +55,11 @@ class NeighbourChooser:
 
     def next(self) -> int:
         return self._rng.choice(self.passives)
+
+    def next_live(self, failed: Collection[int]) -> int | None:
+        """The next partner among the passives not in ``failed``: the same draw as :meth:`next` while
+        none of them failed; None when every passive has failed."""
+        if not any(p in failed for p in self.passives):
+            return self.next()
+        live = [p for p in self.passives if p not in failed]
+        return self._rng.choice(live) if live else None

@@ -27,6 +27,16 @@ values are sent and received in place, with no copies).
 Each active sends DONE to every passive when it finishes; a passive's server stops after the DONE of
 every active. A failed operation raises :class:`CommError` (in the active), or is kept by the server and
 raised by :meth:`PassiveServer.check` in the passive's main thread.
+
+Failed workers (:mod:`prague.runtime.liveness`): a gloo send or receive to a process that died fails at
+once, and only the operations with that peer fail (measured: the other pairs of the communicator, and a
+pending receive-from-any, keep working), so the communicator is kept. When an exchange with an active
+breaks, the server waits for the launcher to declare that active failed (a hung one is killed when it
+is declared, so its exchange breaks too), counts it as gone and serves the others; a break with nobody
+declared is fatal as before. An active that failed between exchanges sends no DONE:
+:meth:`PassiveServer.join` stops waiting for it once it is declared failed. (A gloo receive cannot be
+waited for with a timeout: a timed-out wait closes the pairs it waits on, which breaks the peers'
+operations too; so the server never polls.)
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from prague.comm.flat import StagingBuffer
 from prague.comm.owned import HoldsGroup
 from prague.errors import CommError
 from prague.runtime.context import DistContext
+from prague.runtime.liveness import DECLARE_WAIT_S, Membership, Progress
 
 STORE_PREFIX = "prague/adpsgd/pg"
 #: The backend of :func:`exchange_group`, whatever the job's backend.
@@ -107,10 +118,17 @@ class ActiveLink(HoldsGroup):
         self.exchange_s += t2 - t1
         return t1 - t0, t2 - t1
 
-    def done(self, passives: Sequence[int]) -> None:
-        """Tell every passive that this active will send no more requests."""
-        _run(lambda: [self.pg.send([torch.tensor([OP_DONE, self.rank])], p, TAG_REQUEST) for p in passives],
-              f"goodbye of rank {self.rank}")
+    def done(self, passives: Sequence[int]) -> list[int]:
+        """Tell each of ``passives`` that this active will send no more requests; returns those it could
+        not tell (their connection is gone: they failed)."""
+        unreachable = []
+        for p in passives:
+            try:
+                _run(lambda: [self.pg.send([torch.tensor([OP_DONE, self.rank])], p, TAG_REQUEST)],
+                     f"goodbye of rank {self.rank} to rank {p}")
+            except CommError:
+                unreachable.append(p)
+        return unreachable
 
 
 class PassiveServer(HoldsGroup):
@@ -123,9 +141,13 @@ class PassiveServer(HoldsGroup):
     """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, master: torch.Tensor, lock: threading.Lock,
-                 actives: Sequence[int], stage_on: torch.device | None = None) -> None:
+                 actives: Sequence[int], stage_on: torch.device | None = None,
+                 membership: Membership | None = None) -> None:
         self._pg, self.rank, self.master, self.lock = pg, rank, master, lock
         self.actives = tuple(actives)
+        self.membership = membership  # None: any broken exchange is fatal
+        self.finished: set[int] = set()  # actives whose DONE arrived
+        self.gone: set[int] = set()  # actives whose exchange broke and that were declared failed
         self.version = 0
         self.served = 0
         self.serve_s = 0.0
@@ -136,42 +158,67 @@ class PassiveServer(HoldsGroup):
 
     def _serve(self) -> None:
         request = torch.zeros(2, dtype=torch.int64)
-        done: set[int] = set()
         try:
-            while len(done) < len(self.actives):
+            while len(self.finished) + len(self.gone) < len(self.actives):
                 _run(lambda: [self.pg.recv_anysource([request], TAG_REQUEST)], f"request wait on rank {self.rank}")
                 op, src = (int(x) for x in request.tolist())
                 if src not in self.actives:
                     raise CommError(f"rank {self.rank} (passive) got a request from rank {src}, which is not active")
                 if op == OP_DONE:
-                    done.add(src)
+                    self.finished.add(src)
                     continue
-                t0 = time.perf_counter()
-                what = f"averaging of rank {src} with rank {self.rank} (passive)"
-                incoming = self._incoming
-                _run(lambda: [self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
-                       self.pg.recv([incoming.wire], src, TAG_VALUES)], what)
-                incoming.land()
-                with self.lock:
-                    incoming.tensor.add_(self.master).mul_(0.5)
-                    self.master.copy_(incoming.tensor)
-                    self.version += 1
-                mean = incoming.outgoing()
-                _run(lambda: [self.pg.send([mean], src, TAG_MEAN)], what)
-                self.served += 1
-                self.serve_s += time.perf_counter() - t0
+                try:
+                    self._average_with(src)
+                except CommError:
+                    if self.membership is None or not self.membership.wait_declared((src,), DECLARE_WAIT_S):
+                        raise
+                    self.gone.add(src)  # the active died mid-exchange; ``master`` is whole either way
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread by check()
             self.error = exc
+
+    def _average_with(self, src: int) -> None:
+        """Serve one averaging request of active ``src``. ``master`` changes only after all of ``src``'s
+        values arrived, in one step under the lock, so a break leaves it whole."""
+        t0 = time.perf_counter()
+        what = f"averaging of rank {src} with rank {self.rank} (passive)"
+        incoming = self._incoming
+        _run(lambda: [self.pg.send([torch.ones(1, dtype=torch.int64)], src, TAG_ACK),
+                      self.pg.recv([incoming.wire], src, TAG_VALUES)], what)
+        incoming.land()
+        with self.lock:
+            incoming.tensor.add_(self.master).mul_(0.5)
+            self.master.copy_(incoming.tensor)
+            self.version += 1
+        mean = incoming.outgoing()
+        _run(lambda: [self.pg.send([mean], src, TAG_MEAN)], what)
+        self.served += 1
+        self.serve_s += time.perf_counter() - t0
 
     def check(self) -> None:
         """Raise the server thread's failure, if any, in the calling (main) thread."""
         if self.error is not None:
             raise CommError(f"rank {self.rank}'s AD-PSGD server thread failed: {self.error}") from self.error
 
-    def join(self, timeout_s: float) -> None:
-        """Wait until every active has said it is done; raise if that takes longer than ``timeout_s``."""
-        self._thread.join(timeout=timeout_s)
-        self.check()
-        if self._thread.is_alive():
-            raise CommError(f"rank {self.rank} (passive) waited more than {timeout_s:g} s for the active workers "
-                            f"{list(self.actives)} to finish")
+    def join(self, timeout_s: float, store: dist.Store | None = None) -> None:
+        """Wait until every active has said it is done or has failed; raise if none of those still
+        running reports a step for ``timeout_s`` (their progress through ``store``; without one, if it
+        takes longer than ``timeout_s`` in all). An active that failed between exchanges never says
+        it is done: once every other one has, the thread is left blocked in its receive (it holds no
+        lock and touches nothing; the process ends soon after)."""
+        deadline = time.monotonic() + timeout_s
+        progress = Progress(store) if store is not None else None
+        while True:
+            self._thread.join(timeout=0.1)
+            self.check()
+            if not self._thread.is_alive():
+                return
+            waiting = [a for a in self.actives if a not in self.finished and a not in self.gone]
+            failed = set(self.membership.failed()) if self.membership is not None else set()
+            waiting = [a for a in waiting if a not in failed]
+            if not waiting:
+                return
+            if progress is not None and progress.moved(waiting):
+                deadline = time.monotonic() + timeout_s
+            if time.monotonic() >= deadline:
+                raise CommError(f"rank {self.rank} (passive) waited {timeout_s:g} s for the active workers "
+                                f"{waiting} to finish, and they made no progress")

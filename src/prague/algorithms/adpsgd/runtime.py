@@ -21,6 +21,14 @@ averaging happened meanwhile), again under the lock. BatchNorm running statistic
 forward pass are carried over as the change they made to the snapshot. An active worker averages in
 its own main thread between backward and the step, so it needs no copy.
 
+Failed workers (Lian et al.'s graph without them): the launcher declares a crashed or hung worker
+failed (:mod:`prague.runtime.liveness`). An active stops drawing failed passives
+(:meth:`~.decisions.NeighbourChooser.next_live`); an exchange that breaks restores the active's values
+from before it, waits for the partner to be declared failed and draws another (none left: a local
+step). A passive's server counts an active that broke off or failed as gone and serves the others.
+The closing barrier is through the store over the ranks still alive, and the final model is the
+survivors' mean.
+
 Time accounting: an active's wait for the passive to take its request is ``wait_s``; the exchange is
 communication. A passive's waits for the lock are ``wait_s``, its snapshot copies communication.
 Stats: requests initiated (active) or served (passive), total waiting and serving time, and peers.
@@ -35,6 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from prague.algorithms.adpsgd import ADPSGDOptions
@@ -43,7 +52,12 @@ from prague.algorithms.adpsgd.exchange import EXCHANGE_BACKEND, ActiveLink, Pass
 from prague.algorithms.api import Algorithm, BeforeForward, StepTimes
 from prague.comm.flat import bind_flat, staging_device
 from prague.errors import CommError
+from prague.runtime.liveness import DECLARE_WAIT_S, Membership, mark_done, wait_settled
 from prague.metrics.decisions import Decision
+
+
+#: Each rank's "done with the exchange" key (a barrier through the store over the ranks still alive).
+FINISHED_KEY = "prague/adpsgd/finished/"
 
 
 class PassiveReplica:
@@ -110,9 +124,10 @@ class PassiveReplica:
         self._snapshot_s = self._lock_wait_s = 0.0
         return out
 
-    def settle(self, timeout_s: float) -> None:
-        """After this worker's last step: serve until every active is done, then keep the final values."""
-        self.server.join(timeout_s)
+    def settle(self, timeout_s: float, store: dist.Store) -> None:
+        """After this worker's last step: serve until every active is done (or failed), then keep the
+        final values. ``timeout_s`` counts inactivity of the actives (their progress in ``store``)."""
+        self.server.join(timeout_s, store)
         with self.lock:
             self.flat.copy_(self.master)
 
@@ -135,30 +150,45 @@ class ADPSGD(Algorithm):
         # Not registered for release: after a failure a passive's server thread may still block in a
         # receive on it, and the process is about to exit anyway. finish() shuts it down.
         pg = self._pg = exchange_group(ctx, ctx.timeout)
+        self.membership = Membership(ctx.private_store(), ctx.world_size)
         stage_on = staging_device(EXCHANGE_BACKEND, self.flat.device)  # host copies for a model on CUDA
         if ctx.rank in self.actives:
             self.link = ActiveLink(pg, ctx.rank, stage_on)
             self.chooser = NeighbourChooser(self.passives, ctx.rank, self.options.adpsgd_seed)
+            self._before = torch.empty_like(self.flat)  # the values before an exchange, to restore a broken one
             return model
         n_params = sum(p.numel() for p in model.parameters())
         self.replica = PassiveReplica(self.flat, n_params,
                                       lambda master, lock: PassiveServer(pg, ctx.rank, master, lock, self.actives,
-                                                                         stage_on))
+                                                                         stage_on, self.membership))
         return BeforeForward(model, self.replica.take_snapshot)
 
     # -- hooks
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         if self.link is not None:
-            peer = self._peer = self.chooser.next()
-            if self.decisions is not None:
-                self.decisions.write(Decision.of_partner(step, peer))
-            waited, _ = self.link.average(self.flat, peer)
-            times.wait_s += waited
+            times.wait_s += self._average(step, self.link)
         elif self.replica is not None:  # the snapshot (in forward) was communication, not compute
             snapshot_s, lock_wait_s = self.replica.take_times()
             times.inner_comm_s += snapshot_s
             times.wait_s += lock_wait_s
+
+    def _average(self, step: int, link: ActiveLink) -> float:
+        """Average with a live passive (another one if the exchange breaks because the partner failed;
+        none left: no averaging this step). Returns the seconds spent waiting for the partner."""
+        while (peer := self.chooser.next_live(self.membership.failed())) is not None:
+            self._peer = peer
+            if self.decisions is not None:
+                self.decisions.write(Decision.of_partner(step, peer))
+            self._before.copy_(self.flat)
+            try:
+                return link.average(self.flat, peer)[0]
+            except CommError:
+                if not self.membership.wait_declared((peer,), DECLARE_WAIT_S):
+                    raise
+                self.flat.copy_(self._before)  # a receive that broke may have left part of the mean
+        self._peer = None
+        return 0.0
 
     def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         if self.replica is None:
@@ -176,20 +206,24 @@ class ADPSGD(Algorithm):
         return None if self._peer is None else (self._peer,)
 
     def finish(self) -> None:
-        """Actives tell every passive they are done; passives serve until all actives are, then keep the
-        final values; then all meet at a barrier. Collective: every rank calls it."""
+        """Actives tell every live passive they are done; passives serve until every active is done or
+        failed, then keep the final values; then all meet through the store (a barrier over the ranks
+        still alive). Collective: every rank calls it."""
         if self._pg is None:
             return  # alone
+        ctx = self.ctx
         if self.link is not None:
-            self.link.done(self.passives)
+            failed = self.membership.failed()
+            unreachable = self.link.done([p for p in self.passives if p not in failed])
+            if unreachable and not self.membership.wait_declared(unreachable, DECLARE_WAIT_S):
+                raise CommError(f"rank {ctx.rank} could not tell ranks {unreachable} that it is done, and they "
+                                "were not declared failed")
         elif self.replica is not None:
-            self.replica.settle(self.ctx.timeout_s)
-        # Nobody tears the communicator down while a passive may still serve: a closed connection
-        # would fail the passive's receive-from-any.
-        try:
-            self._pg.barrier().wait()
-        except RuntimeError as exc:
-            raise CommError(f"rank {self.ctx.rank}: AD-PSGD's closing barrier failed: {exc}") from exc
+            self.replica.settle(ctx.timeout_s, ctx.store)
+        # Nobody tears the communicator down while a passive may still serve; the store, unlike a
+        # barrier on the communicator, leaves failed ranks out.
+        mark_done(ctx.store, ctx.rank, FINISHED_KEY)
+        wait_settled(ctx.store, self.membership, ctx.timeout_s, FINISHED_KEY)
         # Drop every reference to the communicator: its gloo threads end with the last one.
         self._pg = None
         if self.link is not None:

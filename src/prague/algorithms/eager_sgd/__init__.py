@@ -34,10 +34,11 @@ class EagerSGDOptions(Options):
 
 
 def rounds_report(*, quorum: str, rounds: int, sync_rounds: int, gradients: int, fresh: int,
-                  staleness: Mapping[int, int], waits: int) -> dict[str, Any]:
+                  staleness: Mapping[int, int], waits: int, recoveries: int = 0, lost_gradients: int = 0,
+                  diverged_rounds: int = 0) -> dict[str, Any]:
     """``eager-sgd``'s stats (the fields :data:`METHOD` reports) from the counts the runtime keeps per worker
     and the simulator for the whole job: ``gradients`` and ``fresh`` summed over the rounds,
-    ``staleness`` as {rounds late: gradients}."""
+    ``staleness`` as {rounds late: gradients}; the last three only a run with failed workers has."""
     contributed = sum(staleness.values())
     return {
         "quorum": quorum,
@@ -49,6 +50,9 @@ def rounds_report(*, quorum: str, rounds: int, sync_rounds: int, gradients: int,
         "staleness": {str(k): v for k, v in sorted(staleness.items())},
         "mean_staleness": sum(k * v for k, v in staleness.items()) / contributed if contributed else 0.0,
         "waits": waits,
+        "recoveries": recoveries,
+        "lost_gradients": lost_gradients,
+        "diverged_rounds": diverged_rounds,
     }
 
 
@@ -75,5 +79,9 @@ METHOD = Method(
                      "computed on and the round that carried it), as {staleness: count}",
         "mean_staleness": "mean of that histogram",
         "waits": "iterations in which this worker waited for its round",
+        "recoveries": "times the rounds went on over the survivors after workers failed",
+        "lost_gradients": "this worker's gradients in rounds that broke when a worker failed (not applied)",
+        "diverged_rounds": "rounds this worker had applied that the survivors ran again after a failure",
     },
+    survives_failures=True,
 )

@@ -20,6 +20,7 @@ counted twice.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prague.errors import ConfigError
@@ -48,13 +49,18 @@ def initiator(round_id: int, nproc: int, seed: int) -> int:
     return random.Random(f"eager-sgd/{seed}/{round_id}").randrange(nproc)
 
 
-def starts_round(quorum: str, rank: int, round_id: int, nproc: int, seed: int) -> bool:
+def starts_round(quorum: str, rank: int, round_id: int, nproc: int, seed: int,
+                 live: Sequence[int] | None = None) -> bool:
     """Whether ``rank``, having just finished its gradient of iteration ``round_id``, starts that round
-    (when no one has yet); never for a synchronous round, which starts on every worker by itself."""
+    (when no one has yet); never for a synchronous round, which starts on every worker by itself.
+    ``live``: the ranks still taking part after failures (default: all ``nproc``); ``majority`` draws
+    the initiator among them, the same draw as without failures when none has failed."""
     if quorum == "solo":
         return True
     if quorum == "majority":
-        return rank == initiator(round_id, nproc, seed)
+        if live is None:
+            return rank == initiator(round_id, nproc, seed)
+        return bool(live) and rank == live[initiator(round_id, len(live), seed)]
     raise ConfigError(f"unknown eager-sgd quorum {quorum!r}; valid: solo, majority")
 
 

@@ -29,6 +29,21 @@ for room before taking another round, which bounds how far ahead the others can 
 After its last step every worker's thread runs one final synchronous round with whatever is left, so
 the sum of all applied contributions is the sum of all computed gradients. Every rank must run the
 same number of steps (as with DDP); a mismatch is detected in the rounds and raised.
+
+Failed workers (:mod:`prague.runtime.liveness`): the launcher declares a crashed or hung worker failed
+(and kills a hung one), so a round whose all-reduce involves it breaks on every survivor (gloo reports
+a dead peer at once; a survivor whose own peers are alive sees theirs break in turn); a thread waiting
+for an activation notices the declaration within :data:`_WAKE_S`. Each survivor's thread then
+**recovers** (:meth:`RoundThread._recover`): it drops the broken communicator, publishes in the store
+how many rounds it completed, and once every rank that took part is either published or declared
+failed, the published ranks are the new set. They resume at the first round not every one of them
+completed, on a new communicator over that set (a round's mean and ``majority``'s initiators are over
+the survivors from then on) and re-activate the rounds their workers already reached. The
+contributions carried by the round that broke are lost (one gradient per survivor, counted in
+``lost_gradients``); a result some survivor already applied while another had not completed it is
+kept by the first and run again by all (``diverged_rounds``: the replicas then differ by that one
+update; only a failure in the last moments of a round can cause it). A second failure during a
+recovery is fatal.
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +67,7 @@ from prague.comm.flat import bind_flat
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
+from prague.runtime.liveness import DECLARE_WAIT_S, Membership, read_keys
 
 #: Extra elements after the state in a round buffer: gradient count, fresh gradients, finished flag.
 EXTRAS = 3
@@ -71,10 +87,13 @@ class RoundThread:
     accumulator, its ledger and the result queue.
     """
 
-    def __init__(self, *, pg: dist.ProcessGroup, store: dist.Store, main_store: dist.Store, prefix: str,
-                 rank: int, nproc: int, n_grads: int, buffers: torch.Tensor, options: EagerSGDOptions,
-                 timeout_s: float) -> None:
-        self.pg: dist.ProcessGroup | None = pg
+    def __init__(self, *, make_group: Callable[[str, int, int], dist.ProcessGroup], store: dist.Store,
+                 main_store: dist.Store, prefix: str, rank: int, nproc: int, n_grads: int, buffers: torch.Tensor,
+                 options: EagerSGDOptions, timeout_s: float, membership: Membership | None = None) -> None:
+        self.make_group = make_group  # (store prefix, this rank's index, size) -> a communicator
+        self.pg: dist.ProcessGroup | None = make_group(f"{prefix}/pg", rank, nproc)
+        self.membership = membership  # None: a broken round is fatal
+        self.live: tuple[int, ...] = tuple(range(nproc))  # the ranks taking part in the rounds
         self.store = store  # the thread's own connection: it blocks in wait() there
         self.main_store = main_store  # the worker's: activations
         self.timeout_s = timeout_s
@@ -90,7 +109,7 @@ class RoundThread:
         self.ledger = Ledger()
         self._free: list[torch.Tensor] = []
         self._allocated = 1
-        self._results: deque[tuple[int, torch.Tensor]] = deque()
+        self._results: deque[tuple[int, torch.Tensor, int]] = deque()  # (round, result, ranks in it)
         self.started = 0  # rounds the thread has taken
         self.completed = 0  # rounds whose result is in
         self.finished_at: int | None = None  # this worker's step count, once it has finished
@@ -101,6 +120,9 @@ class RoundThread:
         self.gradients = 0
         self.fresh = 0
         self.staleness: Counter[int] = Counter()
+        self.recoveries = 0  # times the rounds went on without failed ranks
+        self.lost_gradients = 0  # this worker's gradients in rounds that broke
+        self.diverged_rounds = 0
         self._thread = threading.Thread(target=self._loop, name="eager-sgd-rounds", daemon=True)
         self._thread.start()
 
@@ -135,11 +157,12 @@ class RoundThread:
         opts = self.options
         if is_sync_round(round_id, opts.sync_every):
             return False
-        if not starts_round(opts.quorum, self.rank, round_id, self.nproc, opts.eager_seed):
-            return False
         with self._cond:
+            live = self.live
             if self.started > round_id:
                 return False
+        if not starts_round(opts.quorum, self.rank, round_id, self.nproc, opts.eager_seed, live):
+            return False
         self.main_store.set(self._key(round_id), "go")
         if round_id > 0:
             self.main_store.delete_key(self._key(round_id - 1))
@@ -157,8 +180,9 @@ class RoundThread:
                 raise CommError(f"rank {self.rank}: eager-sgd round {round_id} did not finish within {timeout_s:g} s")
             return True
 
-    def take_results(self) -> list[tuple[int, torch.Tensor]]:
-        """The finished rounds not handed out yet, oldest first (hand each buffer back with :meth:`recycle`)."""
+    def take_results(self) -> list[tuple[int, torch.Tensor, int]]:
+        """The finished rounds not handed out yet, oldest first, each as (round, result, how many ranks
+        took part); hand each buffer back with :meth:`recycle`."""
         with self._cond:
             self._raise_if_failed()
             out = list(self._results)
@@ -203,9 +227,14 @@ class RoundThread:
     def _loop(self) -> None:
         try:
             round_id = 0
-            while self._start(round_id):
-                self._run(round_id)
-                round_id += 1
+            while True:
+                try:
+                    if not self._start(round_id):
+                        return
+                    self._run(round_id)
+                    round_id += 1
+                except _Broken as exc:
+                    round_id = self._recover(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
             with self._cond:
                 self._error = exc if isinstance(exc, CommError) else CommError(
@@ -231,6 +260,9 @@ class RoundThread:
                 with self._cond:
                     if self._stop:
                         return False
+                lost = self.membership.failed_among(self.live) if self.membership is not None else []
+                if lost:
+                    raise _Broken(f"rank {self.rank}: ranks {lost} failed before eager-sgd round {round_id}") from exc
                 if time.monotonic() > deadline:
                     raise CommError(f"rank {self.rank}: eager-sgd round {round_id} was not started within "
                                     f"{self.timeout_s:g} s; no worker reached it ({exc})") from exc
@@ -267,23 +299,83 @@ class RoundThread:
             raise CommError(f"rank {self.rank}: eager-sgd's communicator was released")
         try:
             pg.allreduce([send]).wait()
+            broke = ""
         except RuntimeError as exc:
-            raise CommError(f"rank {self.rank}: eager-sgd round {round_id}'s all-reduce failed: {exc}") from exc
+            broke = str(exc)
+        if broke:
+            del pg  # the traceback must not keep the communicator alive: _recover destroys it
+            with self._cond:
+                self.lost_gradients += mine.count
+                self._free.append(send)
+            raise _Broken(f"rank {self.rank}: eager-sgd round {round_id}'s all-reduce failed: {broke}")
         if send.is_cuda:
             torch.cuda.synchronize(send.device)
+        size = len(self.live)
         n_finished = int(round(float(send[_FINISHED])))
-        if n_finished not in (0, self.nproc):
+        if n_finished not in (0, size):
             raise CommError(
-                f"eager-sgd round {round_id}: {n_finished} of {self.nproc} ranks had finished and the others had "
+                f"eager-sgd round {round_id}: {n_finished} of {size} ranks had finished and the others had "
                 "not; every rank must run the same number of steps")
         with self._cond:
             self.sync_rounds += is_sync_round(round_id, self.options.sync_every) or n_finished > 0
             self.gradients += int(round(float(send[_COUNT])))
             self.fresh += int(round(float(send[_FRESH])))
             self.staleness.update(mine.staleness)
-            self._results.append((round_id, send))
+            self._results.append((round_id, send, size))
             self.completed = round_id + 1
             self._cond.notify_all()
+
+    def _recover(self, broken: _Broken) -> int:
+        """Go on without the failed ranks (see the module docstring); returns the round to resume at."""
+        membership = self.membership
+        lost = membership.wait_declared(self.live, DECLARE_WAIT_S) if membership is not None else []
+        if membership is None or not lost:
+            raise CommError(f"{broken}; no rank was declared failed") from broken
+        old, self.pg = self.pg, None
+        if old is not None:  # destroyed here (the last reference): peers still blocked on it see it break
+            shutdown_group(old)
+            del old
+        self.recoveries += 1
+        prefix = f"{self.prefix}/recovery{self.recoveries}"
+        with self._cond:
+            completed = self.completed
+        self.store.set(f"{prefix}/{self.rank}", str(completed))
+        published = self._gather_survivors(prefix, membership)
+        live = tuple(sorted(published))
+        resume = min(published.values())
+        with self._cond:
+            handed_out = self.completed - len(self._results)
+            kept = deque(r for r in self._results if r[0] < resume)
+            self._free.extend(buf for round_id, buf, _ in self._results if round_id >= resume)
+            self._results = kept
+            self.diverged_rounds += max(0, handed_out - resume)
+            self.completed = self.started = resume
+            self.live = live
+            reached = self.ledger.deposited
+        for round_id in range(resume, reached):  # rounds this worker's thread would have activated
+            self.main_store.compare_set(self._key(round_id), "", "go")
+        self.pg = self.make_group(f"{prefix}/pg", live.index(self.rank), len(live))
+        return resume
+
+    def _gather_survivors(self, prefix: str, membership: Membership) -> dict[int, int]:
+        """Wait until every rank of :attr:`live` has published its completed rounds under ``prefix`` or is
+        declared failed; returns the published ones (rank -> rounds completed). Failed first, published
+        second: a rank that published and then failed is among them on every survivor alike."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            failed = membership.failed()
+            published = {r: int(v) for r, v in read_keys(self.store, f"{prefix}/", self.live).items()}
+            if all(r in published or r in failed for r in self.live):
+                return published
+            if time.monotonic() > deadline:
+                missing = [r for r in self.live if r not in published and r not in failed]
+                raise CommError(f"rank {self.rank}: eager-sgd recovery: ranks {missing} neither rejoined nor "
+                                f"failed within {self.timeout_s:g} s")
+            time.sleep(0.05)
+
+
+class _Broken(CommError):
+    """A round could not run because a rank taking part failed (or its communicator broke)."""
 
 
 def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -313,11 +405,14 @@ class EagerSGD(Algorithm):
         if ctx.world_size == 1:
             return model
         instance = next(_instances)
-        prefix = f"eager-sgd/{instance}"
-        pg = backend_group(ctx, dist.PrefixStore(f"{prefix}/pg", ctx.store), ctx.rank, ctx.world_size, ctx.timeout)
-        self.rounds = RoundThread(pg=pg, store=ctx.private_store(), main_store=ctx.private_store(), prefix=prefix,
-                                  rank=ctx.rank, nproc=ctx.world_size, n_grads=self.n_grads,
-                                  buffers=self.flat[self.n_grads:], options=self.options, timeout_s=ctx.timeout_s)
+
+        def make_group(name: str, index: int, size: int) -> dist.ProcessGroup:
+            return backend_group(ctx, dist.PrefixStore(name, ctx.store), index, size, ctx.timeout)
+
+        self.rounds = RoundThread(make_group=make_group, store=ctx.private_store(), main_store=ctx.private_store(),
+                                  prefix=f"eager-sgd/{instance}", rank=ctx.rank, nproc=ctx.world_size,
+                                  n_grads=self.n_grads, buffers=self.flat[self.n_grads:], options=self.options,
+                                  timeout_s=ctx.timeout_s, membership=Membership(ctx.private_store(), ctx.world_size))
         self.resources.callback(self._release)
         return model
 
@@ -352,16 +447,19 @@ class EagerSGD(Algorithm):
     def _apply_ready(self) -> None:
         rounds = self.rounds
         assert rounds is not None
-        for round_id, result in rounds.take_results():
+        for round_id, result, size in rounds.take_results():
+            if round_id < self.applied:  # run again after a failure; this worker applied it already
+                rounds.recycle(result)
+                continue
             if round_id != self.applied:
                 raise CommError(f"rank {self.ctx.rank}: eager-sgd got round {round_id} while expecting {self.applied}")
-            self._apply(result)
+            self._apply(result, size)
             self.applied += 1
             rounds.recycle(result)
 
-    def _apply(self, result: torch.Tensor) -> None:
-        """One round's result: its floating buffers (the mean over workers), then its gradient step."""
-        p, n = self.n_grads, self.ctx.world_size
+    def _apply(self, result: torch.Tensor, n: int) -> None:
+        """One round's result, over ``n`` workers: its floating buffers (their mean), then its gradient step."""
+        p = self.n_grads
         self.flat[p:].copy_(result[p:self.flat.numel()]).div_(n)
         count = int(round(float(result[_COUNT])))
         if count == 0 or self.optimizer is None:  # no optimizer (emulated compute): nothing to train
@@ -391,4 +489,5 @@ class EagerSGD(Algorithm):
                                  staleness={}, waits=self.waits)
         return rounds_report(quorum=self.options.quorum, rounds=rounds.completed, sync_rounds=rounds.sync_rounds,
                              gradients=rounds.gradients, fresh=rounds.fresh, staleness=rounds.staleness,
-                             waits=self.waits)
+                             waits=self.waits, recoveries=rounds.recoveries, lost_gradients=rounds.lost_gradients,
+                             diverged_rounds=rounds.diverged_rounds)
