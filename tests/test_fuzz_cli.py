@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prague.algorithms.registry import METHODS, all_options
@@ -93,10 +93,12 @@ def check(argv: list[str]) -> None:
     """The property: accepted, or exit code 2 with one line saying what is wrong (no traceback)."""
     code, err = call(argv)
     if code is None:
+        event("accepted")  # --hypothesis-show-statistics tells how many of each
         return
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, (argv, code, err)
     assert lines[0].startswith("prague") and "error: " in lines[0], (argv, lines[0])
+    event("refused: exit 2, one line")
 
 
 # -- values -----------------------------------------------------------------------------------------------

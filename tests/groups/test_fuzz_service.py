@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prague.groups import Group
@@ -221,6 +221,7 @@ def test_bad_calls_get_clear_statuses_while_workers_get_correct_groups(
         def fuzz(call: Call) -> None:
             code, replies, group = _send(channel, call, workers)
             assert code in call.expected, (call.method, call.payloads[:1], code, call.expected)
+            event(f"status {code.name}")  # --hypothesis-show-statistics tells how many of each
             if group is not None:  # a replay: any reply is the group that request got
                 assert all(pb.GroupReply.FromString(r) == pb.GroupReply(seq=group.seq, members=group.members)
                            for r in replies), (group, replies)

@@ -148,6 +148,20 @@ def test_prague_blocking_survives_a_hang_too(tmp_path: Path) -> None:
     assert wait_gone(str(out), within_s=10.0) == []
 
 
+def test_a_member_frozen_between_handshake_and_rendezvous_does_not_hold_the_others(tmp_path: Path) -> None:
+    """With real steps of about a millisecond, rank 2's background averager often passes a group's
+    handshake and is frozen before the backend's rendezvous; the other members then wait in the store
+    for its address. They must give up once it is declared failed, not after the 300 s timeout."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague:random", "--nproc", "4", "--steps", "60", "--model", "mlp", "--data",
+                  "digits", "--slowdown", "hang:2:20", "--lease-s", "2", "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    summary = _summary(out)
+    assert summary["failures"] == [{"rank": 2, "step": 20, "kind": "hang"}]
+    assert summary["completed_steps"] == [60, 60, 20, 60]
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
 def test_survivors_average_a_real_model(tmp_path: Path) -> None:
     """Real training on digits: the survivors' averaged model is evaluated and saved."""
     out = tmp_path / "run"

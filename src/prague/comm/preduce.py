@@ -30,6 +30,7 @@ numbers). That total order is what rules out deadlock; this module does not reor
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -147,8 +148,10 @@ class GroupCommunicators:
         t0 = time.perf_counter()
         name = f"{self._prefix}/{_set_name(members)}/pg{use}"
         try:
-            pg = backend_group(self.ctx, dist.PrefixStore(name, self.store), members.index(self.ctx.rank),
-                                len(members), self.timeout)
+            pg = self._create(name, members)
+        except PeerFailed:
+            self.discard(members)
+            raise
         except RuntimeError as exc:
             raise self._fail(members, "communicator creation", exc) from exc
         self.stats.created += 1
@@ -157,6 +160,38 @@ class GroupCommunicators:
             shutdown_group(old)
             self.stats.evicted += 1
         return pg
+
+    def _create(self, name: str, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The backend's rendezvous for ``members`` under store prefix ``name``. With a membership it runs
+        in a thread of its own, on a store connection of its own, while this thread watches the failed
+        set: a member that passed the handshake and then froze or died would otherwise hold every other
+        member in the rendezvous for the whole timeout (it waits in the store for that member's address).
+        A member declared failed raises :class:`PeerFailed` at once; the abandoned rendezvous ends on
+        its own (at its timeout) and is dropped."""
+        index, size = members.index(self.ctx.rank), len(members)
+        if self.membership is None:
+            return backend_group(self.ctx, dist.PrefixStore(name, self.store), index, size, self.timeout)
+        result: list[dist.ProcessGroup | BaseException] = []
+        done = threading.Event()
+        store = self.ctx.private_store()
+
+        def rendezvous() -> None:
+            try:
+                result.append(backend_group(self.ctx, dist.PrefixStore(name, store), index, size, self.timeout))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                result.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=rendezvous, name="prague-rendezvous", daemon=True).start()
+        while not done.wait(0.2):
+            lost = self.membership.failed_among(members)
+            if lost:
+                raise PeerFailed(lost, f"communicator creation for ranks {list(members)}: rank(s) {lost} failed")
+        outcome = result[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def discard(self, members: tuple[int, ...]) -> None:
         """Throw away the communicator of ``members`` after a failure; the next use rebuilds it on every member."""
