@@ -187,8 +187,8 @@ def test_adpsgd_survives_failed_passives_and_actives_on_a_real_model(tmp_path: P
                                                                    {"rank": 1, "step": 10, "kind": "crash"}]
     assert summary["completed_steps"] == [20, 10, 50, 50] and summary["ranks"] == [2, 3]
     active, passive = summary["algorithm_stats"]
-    assert active["role"] == "active" and set(active["peers"]) == {"1", "3"}
-    assert active["peers"]["3"] > active["peers"]["1"]  # rank 1 is drawn no more after it failed
+    assert active["role"] == "active" and set(active["peers"]) <= {"1", "3"}
+    assert active["requests_initiated"] == 50  # every step averaged with a live passive: none was lost
     assert passive["role"] == "passive" and passive["requests_served"] > 0
     assert summary["test_accuracy"] > 0.5
     assert wait_gone(str(out), within_s=10.0) == []
