@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from prague.errors import ConfigError, PragueError, WorkerFailed
+from prague.net.hosts import EmulatedHosts, check_privileges
 
 EXIT_USAGE = 2
 
@@ -50,6 +51,8 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
     cfg.check_data_source()
     check_backend(cfg)
     method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts
+    if cfg.hosts is not None:
+        check_privileges()
     return cfg
 
 
@@ -78,13 +81,14 @@ def check_data(cfg: Any) -> None:
     options.check_model(lambda: state_elements(build_model(cfg.model, dataset.input_shape, dataset.num_classes)))
 
 
-def method_resources(cfg: Any) -> tuple[Any, bool]:
-    """The services and environment the method of ``cfg`` needs, and whether it survives failed workers;
-    validates its options."""
+def method_resources(cfg: Any, host: str = "127.0.0.1") -> tuple[Any, bool]:
+    """The services and environment the method of ``cfg`` needs (its services listening on ``host``),
+    and whether it survives failed workers; validates its options."""
     from prague.algorithms.registry import resolve_options
 
     method, options = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)
-    return method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out)), method.survives_failures
+    return (method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out), host=host),
+            method.survives_failures)
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
@@ -137,20 +141,32 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
         save_config(cfg)
     (out / "summary.json").unlink(missing_ok=True)
     (out / "services.json").unlink(missing_ok=True)
-    resources, survivable = method_resources(cfg)
-    spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=resources.services,
-                      env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
-                      services_file=out / "services.json" if resources.services else None)
-    bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
+    network = EmulatedHosts(cfg.hosts, cfg.link_bits).up() if cfg.hosts is not None else None
+    bar = None
     try:
+        resources, survivable = method_resources(cfg, network.bridge_address if network else "127.0.0.1")
+        spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=resources.services,
+                          env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
+                          services_file=out / "services.json" if resources.services else None,
+                          **(_network_launch(network, cfg.nproc) if network else {}))
+        bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
         launch(spec, on_tick=tick)
     finally:
         if bar is not None:
             bar.close()
+        if network is not None:
+            network.down()
     summary_path = out / "summary.json"
     if not summary_path.exists():
         raise WorkerFailed(0, 0, f"rank 0 exited without writing {summary_path}")
     return json.loads(summary_path.read_text())
+
+
+def _network_launch(network: Any, nproc: int) -> dict[str, Any]:
+    """The launcher's settings for workers on emulated hosts: the store through the bridge, each rank in
+    its host's namespace, services' gloo on the bridge."""
+    return {"master_addr": network.bridge_address, "rank_env": [network.worker_env(r, nproc) for r in range(nproc)],
+            "service_env": network.service_env()}
 
 
 def _fmt(v: Any, spec: str) -> str:

@@ -100,9 +100,10 @@ class Algorithm:
         self._closed = False
 
     @classmethod
-    def job_resources(cls, options: Any, nproc: int, out_dir: Path) -> JobResources:
-        """Services and environment the launcher provides for this method (none by default). Under
-        torchrun there is no launcher: a method that needs a service starts it from rank 0 instead."""
+    def job_resources(cls, options: Any, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> JobResources:
+        """Services and environment the launcher provides for this method (none by default); a service
+        that listens does so on ``host`` (the bridge's address with emulated hosts). Under torchrun
+        there is no launcher: a method that needs a service starts it from rank 0 instead."""
         return JobResources()
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:

@@ -72,6 +72,9 @@ class LaunchSpec:
     survivable: bool = False
     lease_s: float = 10.0
     services_file: Path | None = None  # where to list the services (pid, address, restarts) for an operator
+    master_addr: str = "127.0.0.1"  # where workers reach the store (the bridge's address with emulated hosts)
+    rank_env: Sequence[dict[str, str]] = ()  # per rank, on top of ``env`` (an emulated host's namespace)
+    service_env: dict[str, str] = field(default_factory=dict)  # for services, on top of ``env``
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -80,6 +83,8 @@ class LaunchSpec:
             raise ConfigError(f"--lease-s must be > 0, got {self.lease_s!r}")
         if not self.argv:
             raise ConfigError("nothing to launch: the command is empty")
+        if self.rank_env and len(self.rank_env) != self.nproc:
+            raise ConfigError(f"rank_env has {len(self.rank_env)} entries for {self.nproc} ranks")
 
 
 class _Proc:
@@ -151,7 +156,7 @@ class Job:
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), WORLD_SIZE=str(self.spec.nproc),
+            MASTER_ADDR=self.spec.master_addr, MASTER_PORT=str(self.port), WORLD_SIZE=str(self.spec.nproc),
             LOCAL_WORLD_SIZE=str(self.spec.nproc), TORCHELASTIC_USE_AGENT_STORE="True",
             PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())},
         )
@@ -171,13 +176,15 @@ class Job:
         for svc in self.spec.services:
             if svc.ready_file is not None:
                 svc.ready_file.unlink(missing_ok=True)
-            proc = _Proc(svc.name, svc.argv, {**env, **svc.env}, self._log_path(svc.name), False)
+            proc = _Proc(svc.name, svc.argv, {**env, **self.spec.service_env, **svc.env}, self._log_path(svc.name),
+                         False)
             self.services.append(proc)
             address = self._await_ready(svc, proc) if svc.ready_file is not None else None
             self.service_records.append({"name": svc.name, "pid": proc.popen.pid, "address": address, "restarts": 0})
             self._write_services()
         for rank in range(self.spec.nproc):
-            wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            wenv = {**env, **(self.spec.rank_env[rank] if self.spec.rank_env else {}), "RANK": str(rank),
+                    "LOCAL_RANK": str(rank)}
             self.workers.append(
                 _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks,
                       fork=True)
@@ -279,7 +286,8 @@ class Job:
         argv = restarted(spec, self.store).argv
         if spec.ready_file is not None:
             spec.ready_file.unlink(missing_ok=True)
-        proc = _Proc(spec.name, argv, {**self.base_env(), **spec.env}, self._log_path(f"{spec.name}.{restarts + 1}"),
+        proc = _Proc(spec.name, argv, {**self.base_env(), **self.spec.service_env, **spec.env},
+                     self._log_path(f"{spec.name}.{restarts + 1}"),
                      False)
         self.services[index] = proc
         record.update(pid=proc.popen.pid, restarts=restarts + 1)

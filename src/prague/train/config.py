@@ -27,6 +27,7 @@ from typing import Any
 
 from prague.algorithms.spec import check_nproc, check_seconds
 from prague.errors import ConfigError, unknown_choice
+from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
 
@@ -81,6 +82,10 @@ class RunConfig:
     log_decisions: bool = setting(False, "write each worker's decisions (groups, partners, pushes) to "
                                          "decisions/rankR.jsonl in the run's folder, the services' traces "
                                          "beside them")
+    hosts: int | None = setting(None, "place the workers on H emulated hosts: Linux network namespaces linked to "
+                                      "a bridge through shaped links (needs root); --nodes follows")
+    link_rate: str | None = setting(None, "with --hosts: each host's link rate each way, like 1gbit or 100mbit "
+                                          "(default 1gbit)")
     resume: bool = False  # continue from the last complete checkpoint in ``out`` (prague run --resume OUT)
 
     def __post_init__(self) -> None:
@@ -120,6 +125,16 @@ class RunConfig:
             check_seconds("--stall-warn-s", self.stall_warn_s)
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
+        if self.hosts is not None:
+            check_layout(self.nproc, self.hosts)
+            parse_rate(self.link_rate or DEFAULT_LINK_RATE)
+        elif self.link_rate is not None:
+            raise ConfigError("--link-rate shapes the links of emulated hosts; give --hosts H too, or drop it")
+
+    @property
+    def link_bits(self) -> int:
+        """The emulated hosts' link rate, in bits per second."""
+        return parse_rate(self.link_rate or DEFAULT_LINK_RATE)
 
     @property
     def emulated(self) -> bool:
@@ -220,16 +235,32 @@ def option_values(args: argparse.Namespace) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace, *, algorithm: str, scenario: str, nproc: int,
                      out: Path) -> RunConfig:
     """Build and validate a RunConfig from parsed flags (the method and its options included)."""
-    from prague.algorithms.registry import resolve_options
+    from prague.algorithms.registry import parse_method, resolve_options
     from prague.hetero.spec import parse_scenario
 
-    method, method_options = resolve_options(algorithm, option_values(args))  # the name, the variant, the options
+    values = option_values(args)
+    hosts = getattr(args, "hosts", None)
+    if hosts is not None:  # --nodes follows --hosts
+        values = follow_hosts(parse_method(algorithm)[0], values, hosts)
+    method, method_options = resolve_options(algorithm, values)  # the name, the variant, the options
     method.check_job(method_options, nproc)  # and that they fit the job, before any process starts
     declared = {o.name for o in method.option_infos}
-    options = {k: v for k, v in option_values(args).items() if k in declared}
+    options = {k: v for k, v in values.items() if k in declared}
     parse_scenario(scenario).check_world(nproc)
     flags = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name, None) is not None}
     return RunConfig(algorithm=algorithm, scenario=scenario, nproc=nproc, out=out, options=options, **flags)
+
+
+def follow_hosts(method: Any, values: dict[str, Any], hosts: int) -> dict[str, Any]:
+    """A method with a ``nodes`` option runs with ``--nodes`` = ``--hosts`` unless told otherwise; told
+    something else is an error."""
+    if "nodes" not in {o.name for o in method.option_infos}:
+        return values
+    given = values.get("nodes")
+    if given is not None and given != hosts:
+        raise ConfigError(f"--nodes {given} differs from --hosts {hosts}; with emulated hosts the nodes are the "
+                          "hosts: drop --nodes")
+    return {**values, "nodes": hosts}
 
 
 def check_options_apply(args: argparse.Namespace, algorithms: list[str], topology: tuple[str, ...] = ()) -> None:

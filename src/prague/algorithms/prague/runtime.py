@@ -69,11 +69,12 @@ class Prague(Algorithm):
     options: PragueOptions
 
     @classmethod
-    def job_resources(cls, options: PragueOptions, nproc: int, out_dir: Path) -> JobResources:
+    def job_resources(cls, options: PragueOptions, nproc: int, out_dir: Path,
+                      host: str = "127.0.0.1") -> JobResources:
         options.topology(nproc)
         if not options.uses_service:
             return JobResources()
-        spec = gg_service(options, nproc, out_dir / "gg.address")
+        spec = gg_service(options, nproc, out_dir / "gg.address", host)
         return JobResources(services=(spec,), env={TOKEN_ENV: secrets.token_hex(16), MANAGED_ENV: "1"})
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:

@@ -41,19 +41,20 @@ TOKEN_ENV = "PRAGUE_GG_TOKEN"
 MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
 
-def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path) -> list[str]:
-    """The command that runs this job's Group Generator service (token from ``$PRAGUE_GG_TOKEN``)."""
+def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1") -> list[str]:
+    """The command that runs this job's Group Generator service on ``host`` (token from ``$PRAGUE_GG_TOKEN``)."""
     return [
-        sys.executable, "-m", "prague.groups.service", "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "prague.groups.service", "--host", host, "--port", "0",
         "--nproc", str(nproc), "--generator", options.generator, "--nodes", str(options.nodes),
         "--group-size", str(options.group_size), "--delta-c", str(options.delta_c),
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
     ]
 
 
-def gg_service(options: PragueOptions, nproc: int, ready_file: Path) -> ServiceSpec:
-    """The service the launcher (or rank 0) starts for this job; restartable (:func:`restore_args`)."""
-    return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed, ready_file),
+def gg_service(options: PragueOptions, nproc: int, ready_file: Path, host: str = "127.0.0.1") -> ServiceSpec:
+    """The service the launcher (or rank 0) starts for this job, listening on ``host``; restartable
+    (:func:`restore_args`)."""
+    return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed, ready_file, host),
                        ready_file=ready_file, publish_key=GG_ADDRESS_KEY,
                        restore=lambda store: restore_args(store, nproc, ready_file.parent))
 

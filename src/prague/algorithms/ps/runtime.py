@@ -147,7 +147,7 @@ class ParameterServerBase(Algorithm):
         raise NotImplementedError
 
     @classmethod
-    def job_resources(cls, options: Any, nproc: int, out_dir: Path) -> JobResources:
+    def job_resources(cls, options: Any, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> JobResources:
         services = shard_services(options, cls.shard_mode(options), nproc, out_dir, exit_when_done=False)
         return JobResources(services=services, env={MANAGED_ENV: "1"})
 

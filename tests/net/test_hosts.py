@@ -1,0 +1,176 @@
+"""Emulated hosts (network namespaces, a bridge, shaped veth links): set-up, teardown, stale clean-up,
+workers placed in their host's namespace, and clear errors. Tests that build namespaces need root (or
+CAP_NET_ADMIN and CAP_SYS_ADMIN) and are skipped, with the reason, without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prague.errors import ConfigError
+from prague.net.hosts import (
+    EmulatedHosts, check_layout, host_of, missing_privileges, parse_rate, remove_stale,
+)
+from prague_testing import run_cli, wait_gone
+
+pytestmark = pytest.mark.timeout(240)
+REASON = missing_privileges()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated hosts unavailable: {REASON}")
+
+
+def test_rates_parse_in_tc_units_and_bad_ones_name_the_forms() -> None:
+    assert parse_rate("1gbit") == 10**9 and parse_rate("100mbit") == 10**8 and parse_rate("2.5mbit") == 2_500_000
+    assert parse_rate("50mbps") == 400_000_000 and parse_rate(" 8kbit ") == 8000
+    for bad in ("", "fast", "10", "10 furlongs", "-1gbit", "1kbit", "2tbit"):
+        with pytest.raises(ConfigError, match="--link-rate"):
+            parse_rate(bad)
+
+
+def test_ranks_fill_hosts_in_contiguous_equal_blocks() -> None:
+    assert [host_of(r, 8, 4) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [host_of(r, 4, 1) for r in range(4)] == [0] * 4
+    check_layout(8, 8)
+    for nproc, hosts in ((5, 2), (4, 0), (4, 500)):
+        with pytest.raises(ConfigError, match="--hosts|--nproc"):
+            check_layout(nproc, hosts)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--hosts", "3"], ["--nproc 4 is not a multiple of --hosts 3"]),
+    (["--link-rate", "1gbit"], ["--link-rate", "--hosts"]),
+    (["--hosts", "2", "--link-rate", "quick"], ["--link-rate 'quick'", "1gbit"]),
+    (["--hosts", "2", "--algorithm", "prague:static", "--nodes", "4"], ["--nodes 4 differs from --hosts 2"]),
+])
+def test_bad_host_flags_are_one_line_before_anything_starts(tmp_path: Path, flags: list[str],
+                                                            expected: list[str]) -> None:
+    argv = ["run", "--nproc", "4", "--steps", "2", "--out", str(tmp_path / "run"), *flags]
+    if "--algorithm" not in flags:
+        argv += ["--algorithm", "allreduce"]
+    res = run_cli(*argv, timeout_s=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(e in lines[0] for e in expected), res.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("capsh") is None or os.geteuid() != 0, reason="needs capsh and root to drop "
+                    "capabilities")
+def test_without_privileges_the_run_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "prague", "run", "--algorithm", "allreduce", "--nproc", "2", "--steps", "2",
+           "--hosts", "2", "--out", str(tmp_path / "run")]
+    res = subprocess.run(["capsh", "--drop=cap_net_admin,cap_sys_admin", "--", "-c", " ".join(cmd)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "lacks CAP_NET_ADMIN and CAP_SYS_ADMIN" in lines[0] and "--hosts" in lines[0]
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split(" ")[0] for line in out.splitlines()}
+
+
+@needs_netns
+def test_set_up_and_tear_down_leave_nothing_and_teardown_is_idempotent() -> None:
+    net = EmulatedHosts(3, parse_rate("100mbit"))
+    with net:
+        assert sorted(net.leftovers()) == sorted([net.namespace(h) for h in range(3)]
+                                                 + [net.bridge] + [net.link(h) for h in range(3)])
+        assert {net.namespace(h) for h in range(3)} <= _namespaces()
+        qdisc = subprocess.run(["tc", "qdisc", "show", "dev", net.link(1)], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        inner = subprocess.run(["ip", "netns", "exec", net.namespace(1), "ip", "-4", "-o", "addr", "show", "eth0"],
+                               capture_output=True, text=True).stdout
+        assert net.address(1) in inner
+    assert net.leftovers() == []
+    net.down()  # again: nothing to do, no error
+    assert net.leftovers() == []
+
+
+@needs_netns
+def test_what_a_dead_launcher_left_is_removed_by_the_next_set_up() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now
+    orphan = EmulatedHosts(2, parse_rate("1gbit"), owner=dead.pid)
+    orphan.up()
+    try:
+        assert len(orphan.leftovers()) == 5
+        mine = EmulatedHosts(1, parse_rate("1gbit"))
+        with mine:  # up() removes the dead owner's namespaces and links, never a live owner's
+            assert orphan.leftovers() == [] and len(mine.leftovers()) == 3
+        assert remove_stale() == []
+    finally:
+        orphan.down()
+
+
+def _worker_pids(out: Path) -> list[int]:
+    """The run's worker processes (their command line names the run's folder)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"prague worker" in cmdline and str(out).encode() in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+@needs_netns
+def test_workers_run_in_their_hosts_namespaces_and_a_killed_launcher_is_cleaned_up_next_time(
+        tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "prague", "run", "--algorithm", "prague", "--nproc", "4",
+                                 "--hosts", "2", "--link-rate", "1gbit", "--steps", "100000", "--compute", "emulated",
+                                 "--compute-ms", "20", "--out", str(out), "--quiet"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    net = EmulatedHosts(2, 10**9, owner=launcher.pid)
+    try:
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        while time.monotonic() < deadline and len(pids) < 4:
+            time.sleep(0.5)
+            pids = _worker_pids(out)
+        assert len(pids) == 4, pids
+        hosts = {os.stat(f"/var/run/netns/{net.namespace(h)}").st_ino: h for h in range(2)}
+        placed = sorted(hosts.get(os.stat(f"/proc/{pid}/ns/net").st_ino, -1) for pid in pids)
+        assert placed == [0, 0, 1, 1]  # two workers in each host's namespace
+        assert os.stat("/proc/self/ns/net").st_ino != os.stat(f"/var/run/netns/{net.namespace(0)}").st_ino
+        gg = json.loads((out / "services.json").read_text())["services"][0]["address"]
+        bridge = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", net.bridge], capture_output=True,
+                                text=True).stdout.split()[3].split("/")[0]
+        assert gg.startswith(bridge + ":")  # reachable from every host, through the bridge
+        os.killpg(launcher.pid, signal.SIGKILL)  # no teardown runs: what it built stays
+        launcher.wait(10)
+        assert wait_gone(str(out), within_s=10.0) == []
+        assert len(net.leftovers()) == 5
+        with EmulatedHosts(1, 10**9):  # the next set-up removes it
+            assert net.leftovers() == []
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        net.down()
+
+
+@needs_netns
+@pytest.mark.parametrize("algorithm", ["allreduce", "prague:smart", "ps:sync"])
+def test_runs_on_emulated_hosts_and_leave_nothing_behind(tmp_path: Path, algorithm: str) -> None:
+    out = tmp_path / "run"
+    before = _namespaces()
+    res = run_cli("run", "--algorithm", algorithm, "--nproc", "4", "--hosts", "2", "--link-rate", "200mbit",
+                  "--steps", "20", "--out", str(out), "--quiet", timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed_steps"] == [20] * 4 and summary["test_accuracy"] > 0.3
+    assert _namespaces() == before
+    assert wait_gone(str(out), within_s=10.0) == []
