@@ -145,9 +145,12 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     bar = None
     try:
         resources, survivable = method_resources(cfg, network.bridge_address if network else "127.0.0.1")
-        spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=resources.services,
+        services = list(resources.services)
+        if network is not None and cfg.cross_traffic is not None:
+            services.append(_cross_traffic_service(cfg, network))
+        spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=services,
                           env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
-                          services_file=out / "services.json" if resources.services else None,
+                          services_file=out / "services.json" if services else None,
                           **(_network_launch(network, cfg.nproc) if network else {}))
         bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
         launch(spec, on_tick=tick)
@@ -167,6 +170,18 @@ def _network_launch(network: Any, nproc: int) -> dict[str, Any]:
     its host's namespace, services' gloo on the bridge."""
     return {"master_addr": network.bridge_address, "rank_env": [network.worker_env(r, nproc) for r in range(nproc)],
             "service_env": network.service_env()}
+
+
+def _cross_traffic_service(cfg: Any, network: Any) -> Any:
+    """The service that puts ``--cross-traffic`` bursts on every link of ``network``."""
+    from prague.runtime.services import ServiceSpec
+
+    hosts = range(network.hosts)
+    argv = [sys.executable, "-m", "prague.net.traffic", "--namespaces", ",".join(map(network.namespace, hosts)),
+            "--addresses", ",".join(map(network.address, hosts)), "--bridge", network.bridge_address,
+            "--traffic", cfg.cross_traffic, "--seed", str(cfg.seed)]
+    ready = Path(cfg.out) / "cross-traffic.ready"
+    return ServiceSpec("cross-traffic", [*argv, "--ready-file", str(ready)], ready_file=ready)
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -361,6 +376,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     serve = gg_sub.add_parser("serve", help="run a Group Generator for a job (prague gg serve --help)", add_help=False)
     serve.add_argument("rest", nargs=argparse.REMAINDER)
 
+    tl = sub.add_parser("timeline", help="where a run's time went, per worker (from OUT/timeline.json or its "
+                                         "step records)")
+    tl.add_argument("out", type=Path, help="the run's output folder")
+    tl.add_argument("--slowest", type=int, default=5, help="how many of the longest steps to list (default 5)")
+
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log")
@@ -379,8 +399,19 @@ def _simulate(args: argparse.Namespace) -> int:
     return cmd_simulate(args)
 
 
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from prague.metrics.timeline import load_trace, summarize
+
+    if not args.out.is_dir():
+        raise ConfigError(f"{str(args.out)!r} is not a folder; pass a `prague run` output folder")
+    if not 0 <= args.slowest <= 10_000:
+        raise ConfigError(f"--slowest must be in 0..10000, got {args.slowest}")
+    print(summarize(load_trace(args.out), args.slowest))
+    return 0
+
+
 HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench, "simulate": _simulate,
-            "methods": cmd_methods}
+            "methods": cmd_methods, "timeline": cmd_timeline}
 
 
 def main(argv: list[str] | None = None) -> int:

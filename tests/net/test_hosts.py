@@ -174,3 +174,63 @@ def test_runs_on_emulated_hosts_and_leave_nothing_behind(tmp_path: Path, algorit
     assert summary["completed_steps"] == [20] * 4 and summary["test_accuracy"] > 0.3
     assert _namespaces() == before
     assert wait_gone(str(out), within_s=10.0) == []
+
+
+def test_cross_traffic_parses_and_its_bursts_are_seeded() -> None:
+    from prague.net.traffic import burst_plan, parse_cross_traffic
+
+    assert parse_cross_traffic("bursts:0.3:20").text == "bursts:0.3:20"
+    for bad in ("bursts:2:20", "bursts:0.3", "bursts:0.3:0", "0.3:20", "bursts:x:1", ""):
+        with pytest.raises(ConfigError, match="bursts:P:MB"):
+            parse_cross_traffic(bad)
+    plan = burst_plan(7, 1, "in", 2000, 0.3)
+    assert plan == burst_plan(7, 1, "in", 2000, 0.3) and 500 < sum(plan) < 700
+    assert plan != burst_plan(7, 2, "in", 2000, 0.3) and plan != burst_plan(7, 1, "out", 2000, 0.3)
+    assert not any(burst_plan(7, 1, "in", 100, 0.0)) and all(burst_plan(7, 1, "in", 100, 1.0))
+
+
+def _sent_bytes(dev: str, ns: str | None = None) -> int:
+    where = ["-n", ns] if ns else []
+    out = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+    return int(out.split("Sent ")[1].split(" ")[0])
+
+
+@needs_netns
+def test_cross_traffic_crosses_every_link_both_ways(tmp_path: Path) -> None:
+    net = EmulatedHosts(2, parse_rate("200mbit"))
+    with net:
+        ready = tmp_path / "ready"
+        proc = subprocess.Popen([sys.executable, "-m", "prague.net.traffic", "--namespaces",
+                                 f"{net.namespace(0)},{net.namespace(1)}", "--addresses",
+                                 f"{net.address(0)},{net.address(1)}", "--bridge", net.bridge_address,
+                                 "--traffic", "bursts:1:1", "--ready-file", str(ready)], stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 30
+            while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ready.read_text() == "4 streams\n"
+            before = [_sent_bytes(net.link(h)) for h in range(2)] + [_sent_bytes("eth0", net.namespace(h))
+                                                                     for h in range(2)]
+            time.sleep(1.0)  # about 10 bursts of 1 MB each way
+            after = [_sent_bytes(net.link(h)) for h in range(2)] + [_sent_bytes("eth0", net.namespace(h))
+                                                                    for h in range(2)]
+            assert all(a - b > 3_000_000 for a, b in zip(after, before)), (before, after)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert net.leftovers() == []
+
+
+@needs_netns
+def test_a_run_with_cross_traffic_trains_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "allreduce", "--nproc", "4", "--hosts", "2", "--link-rate", "100mbit",
+                  "--cross-traffic", "bursts:0.3:2", "--steps", "20", "--out", str(out), "--quiet", timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["completed_steps"] == [20] * 4
+    names = [s["name"] for s in json.loads((out / "services.json").read_text())["services"]]
+    assert names == ["cross-traffic"]
+    assert wait_gone(str(out), within_s=10.0) == []
+    res = run_cli("run", "--algorithm", "allreduce", "--nproc", "4", "--cross-traffic", "bursts:0.3:2",
+                  "--steps", "2", "--out", str(out), timeout_s=60)
+    assert res.returncode == 2 and "--cross-traffic acts on the links of emulated hosts" in res.stderr

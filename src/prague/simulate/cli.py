@@ -168,6 +168,11 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
     if not algorithms or not scenarios:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
     check_options_apply(args, algorithms, topology=("nodes",))
+    given = [f"--{n.replace('_', '-')}" for n in ("hosts", "link_rate", "cross_traffic") if getattr(args, n, None)
+             is not None]
+    if given:
+        raise ConfigError(f"prague simulate does not model emulated hosts ({', '.join(given)}); describe the "
+                          "network with --cluster and --nodes instead, or drop them")
     return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
             for s in scenarios for a in algorithms]
 

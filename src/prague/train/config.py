@@ -28,6 +28,7 @@ from typing import Any
 from prague.algorithms.spec import check_nproc, check_seconds
 from prague.errors import ConfigError, unknown_choice
 from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
+from prague.net.traffic import parse_cross_traffic
 from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
 
@@ -86,6 +87,11 @@ class RunConfig:
                                       "a bridge through shaped links (needs root); --nodes follows")
     link_rate: str | None = setting(None, "with --hosts: each host's link rate each way, like 1gbit or 100mbit "
                                           "(default 1gbit)")
+    cross_traffic: str | None = setting(None, "with --hosts: congestion on every link, bursts:P:MB (every 100 ms "
+                                              "each link carries MB megabytes each way with probability P, "
+                                              "seeded by --seed)")
+    timeline: bool = setting(False, "write OUT/timeline.json, a Chrome trace of every worker's steps (open it in "
+                                    "Perfetto); `prague timeline OUT` prints where the time went")
     resume: bool = False  # continue from the last complete checkpoint in ``out`` (prague run --resume OUT)
 
     def __post_init__(self) -> None:
@@ -128,8 +134,11 @@ class RunConfig:
         if self.hosts is not None:
             check_layout(self.nproc, self.hosts)
             parse_rate(self.link_rate or DEFAULT_LINK_RATE)
-        elif self.link_rate is not None:
-            raise ConfigError("--link-rate shapes the links of emulated hosts; give --hosts H too, or drop it")
+        elif self.link_rate is not None or self.cross_traffic is not None:
+            flag = "--link-rate" if self.link_rate is not None else "--cross-traffic"
+            raise ConfigError(f"{flag} acts on the links of emulated hosts; give --hosts H too, or drop it")
+        if self.cross_traffic is not None:
+            parse_cross_traffic(self.cross_traffic)
 
     @property
     def link_bits(self) -> int:

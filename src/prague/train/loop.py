@@ -25,6 +25,7 @@ from prague.io import atomic_write_json
 from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
+from prague.metrics.timeline import write_timeline
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY
 from prague.train import checkpoint
@@ -279,4 +280,6 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         ranks=list(closing.ranks),
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
+    if cfg.timeline:  # every rank's step records are complete: all closed their runs
+        write_timeline(Path(cfg.out))
     return record
