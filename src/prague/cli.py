@@ -248,6 +248,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                out=args.out or Path("runs") / "torchrun")
         train(dataclasses.replace(cfg, resume=args.resume), ctx)
 
+    from prague.net.hosts import enter_from_env
+
+    enter_from_env()  # an emulated host's namespace (prague run --hosts), before any socket
     run_worker(body, backend=args.backend or "auto", timeout_s=args.timeout_s or 300.0)
     return 0
 

@@ -8,7 +8,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from prague.net.hosts import enter_from_env
 from prague.runtime.context import DistContext, init, report_failure, shutdown
 
 
@@ -17,7 +16,6 @@ def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeou
     print it, and exit 1 at once (peers blocked in a collective are stopped by the launcher)."""
     ctx: DistContext | None = None
     try:
-        enter_from_env()  # an emulated host's namespace (prague run --hosts), before any socket
         ctx = init(backend=backend, timeout_s=timeout_s)
         body(ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
