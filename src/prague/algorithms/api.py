@@ -41,11 +41,13 @@ class StepTimes:
 
     ``inner_comm_s``: communication that happened inside ``backward`` (overlapped methods such as DDP
     report the part that was not hidden behind compute). ``wait_s``: the part of hook time spent waiting
-    for other workers rather than moving data, when a method can tell the two apart.
+    for other workers rather than moving data, when a method can tell the two apart. ``dropped``: the
+    share of the gradient a method that drops data (``lossy``) left out of this iteration, else None.
     """
 
     inner_comm_s: float = 0.0
     wait_s: float = 0.0
+    dropped: float | None = None
 
 
 @dataclass(frozen=True)

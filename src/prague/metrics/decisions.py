@@ -20,6 +20,8 @@ Kinds of :class:`Decision` (``allreduce`` decides nothing and writes nothing):
   executes, also those it runs after its last step (their ``step`` is the number of steps), ``dssync``
   the group of each iteration;
 * ``partner``: the passive rank an ``adpsgd`` active worker averaged with (passives log nothing);
+* ``drop``: the chunks a ``lossy`` step dropped (``chunks``, their indices in the gradient's chunk plan;
+  the same on every rank) and their ``share`` of the gradient's elements, one line per step;
 * ``push``: a parameter-server push (``ps``, ``ps-eager``), one line per shard: ``tau`` and
   ``accepted`` as the shard answered, and ``scale``, the factor it applied to the learning rate
   (:func:`prague.algorithms.ps.rules.update_scale`). ``ps-eager`` logs a push when its answer arrives.
@@ -38,7 +40,7 @@ from prague.io import JsonLines, read_json_lines
 
 DECISIONS_DIR = "decisions"
 GG_TRACE_FILE = "gg.jsonl"
-KINDS = ("group", "partner", "push")
+KINDS = ("group", "partner", "push", "drop")
 
 
 def rank_path(folder: Path, rank: int) -> Path:
@@ -73,12 +75,16 @@ class Decision:
     tau: int | None = None
     scale: float | None = None
     accepted: bool | None = None
+    chunks: tuple[int, ...] | None = None
+    share: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"decision kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.members is not None:
             object.__setattr__(self, "members", tuple(int(m) for m in self.members))
+        if self.chunks is not None:
+            object.__setattr__(self, "chunks", tuple(int(c) for c in self.chunks))
 
     @classmethod
     def of_group(cls, step: int, members: tuple[int, ...], seq: int | None = None) -> Decision:
@@ -92,16 +98,22 @@ class Decision:
     def of_push(cls, step: int, shard: int, tau: int, scale: float, accepted: bool) -> Decision:
         return cls(step, "push", shard=shard, tau=tau, scale=scale, accepted=accepted)
 
+    @classmethod
+    def of_drop(cls, step: int, chunks: tuple[int, ...], share: float) -> Decision:
+        return cls(step, "drop", chunks=chunks, share=share)
+
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if v is not None}
-        if self.members is not None:
-            out["members"] = list(self.members)
+        for name in ("members", "chunks"):
+            if out.get(name) is not None:
+                out[name] = list(out[name])
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:
-        members = data.get("members")
-        return cls(**{**data, "members": tuple(members) if members is not None else None})
+        members, chunks = data.get("members"), data.get("chunks")
+        return cls(**{**data, "members": tuple(members) if members is not None else None,
+                      "chunks": tuple(chunks) if chunks is not None else None})
 
 
 @dataclass(frozen=True)

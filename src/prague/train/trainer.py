@@ -70,9 +70,13 @@ class StepRecord:
     wait_s: float
     slowdown: float
     loss: float | None
+    dropped: float | None = None  # share of the gradient dropped (lossy), else None and not written
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.dropped is None:
+            del out["dropped"]
+        return out
 
 
 class DistributedTrainer:
@@ -189,7 +193,7 @@ class DistributedTrainer:
         if self.stall_watch is not None:
             self.stall_watch.step_done(t4 - t0)
         loss_value = float(loss.detach()) if self._nominal_s is None else None
-        return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value)
+        return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value, times.dropped)
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters (steps done, the compute-time average slowdowns scale), for a

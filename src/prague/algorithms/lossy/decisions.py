@@ -1,0 +1,146 @@
+"""``lossy``'s decisions, pure: how the gradient is cut into chunks, in which order they go, when a step
+stops sending, which chunks every rank drops, and what is carried to the next step.
+
+Shared by the runtime (:mod:`.runtime`) and the simulator model (:mod:`.sim`), so a simulated step
+makes the runtime's choices. No torch, no clock (times come in as arguments), no I/O.
+
+* :func:`plan_chunks`: contiguous slices of the flat gradient (forward order of the parameters), at
+  most ``chunk_elements`` long and at least :data:`MIN_CHUNKS_PER_STREAM` per stream.
+* :func:`priority_order`: the order chunks are sent in; every rank computes it from values all ranks
+  share (the last *applied* gradient, identical everywhere), never from its own gradient, so every
+  stream runs the same collectives in the same order on every rank.
+* :func:`required_count` and :func:`stop_points`: the agreement. At its deadline every rank stops
+  starting chunks and proposes how many it has started on each stream; the stop of a stream is the
+  largest proposal (a chunk one rank has entered must be completed by all) or the count that keeps the
+  dropped share within ``max_loss``, whichever is larger. Every rank applies the same rule to the same
+  proposals, so all agree on one mask.
+* :class:`Deadline`: when a step stops starting chunks, from the measured rate of its recent steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Each stream gets at least this many chunks, so a small model can still drop part of its gradient.
+MIN_CHUNKS_PER_STREAM = 4
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Chunk ``c`` is ``[starts[c], starts[c] + sizes[c])`` of the flat gradient of ``total`` elements;
+    ``tiers[c]`` is its layer tier: 0 for the slices the next forward pass needs first."""
+
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tiers: tuple[int, ...]
+    total: int
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+
+def plan_chunks(total: int, chunk_elements: int, streams: int, tiers: int) -> ChunkPlan:
+    """Cut ``total`` elements into equal contiguous chunks (the last may be shorter): at most
+    ``chunk_elements`` each, at least ``MIN_CHUNKS_PER_STREAM x streams`` of them (fewer only when
+    there are fewer elements). Chunk ``c`` of ``C`` is in tier ``c x tiers // C``: the flat gradient is
+    in the parameters' order, which is the order the forward pass uses them."""
+    if total < 0 or chunk_elements < 1 or streams < 1 or tiers < 1:
+        raise ValueError(f"plan_chunks needs total >= 0 and chunk_elements, streams, tiers >= 1; got "
+                         f"{total}, {chunk_elements}, {streams}, {tiers}")
+    if total == 0:
+        return ChunkPlan((), (), (), 0)
+    count = max(math.ceil(total / chunk_elements), min(total, MIN_CHUNKS_PER_STREAM * streams))
+    size = math.ceil(total / count)
+    count = math.ceil(total / size)
+    starts = tuple(c * size for c in range(count))
+    sizes = tuple(min(size, total - s) for s in starts)
+    return ChunkPlan(starts, sizes, tuple(c * tiers // count for c in range(count)), total)
+
+
+def priority_order(plan: ChunkPlan, magnitudes: Sequence[float], dropped_age: Sequence[int]) -> list[int]:
+    """The chunks in the order they are sent: first those dropped in earlier steps (longest first, so
+    none is starved), then by layer tier (what the next forward pass needs first), then by the mean
+    magnitude of the last gradient applied in the chunk (largest first; DLCP's magnitude priority),
+    then by position. ``magnitudes`` and ``dropped_age`` must be the same on every rank."""
+    return sorted(range(plan.count), key=lambda c: (-dropped_age[c], plan.tiers[c], -magnitudes[c], c))
+
+
+def stream_queues(order: Sequence[int], streams: int) -> list[list[int]]:
+    """Chunk ``order[i]`` goes to stream ``i mod streams``: each stream's chunks, in order."""
+    return [list(order[s::streams]) for s in range(streams)]
+
+
+def required_count(plan: ChunkPlan, order: Sequence[int], max_loss: float) -> int:
+    """The fewest chunks, taken in ``order``, whose elements leave at most ``max_loss`` of the total
+    unsent."""
+    allowed = max_loss * plan.total
+    left = plan.total
+    for i, c in enumerate(order):
+        if left <= allowed:
+            return i
+        left -= plan.sizes[c]
+    return len(order)
+
+
+def stop_points(proposals: Sequence[Sequence[int]], required: int, queue_lengths: Sequence[int]) -> list[int]:
+    """How many chunks each stream completes this step, from every rank's ``proposals`` (chunks it had
+    started on each stream when it stopped) and the ``required`` count in priority order: per stream
+    the largest proposal, at least the stream's share of the required prefix, at most its queue."""
+    streams = len(queue_lengths)
+    stops = []
+    for s in range(streams):
+        needed = max(0, -(-(required - s) // streams))  # chunks of stream s among the first `required`
+        proposed = max((p[s] for p in proposals), default=0)
+        stops.append(min(queue_lengths[s], max(needed, proposed)))
+    return stops
+
+
+def dropped_chunks(queues: Sequence[Sequence[int]], stops: Sequence[int]) -> list[int]:
+    """The chunks no stream sends this step, sorted."""
+    return sorted(c for q, stop in zip(queues, stops) for c in q[stop:])
+
+
+def dropped_share(plan: ChunkPlan, dropped: Sequence[int]) -> float:
+    """The share of the gradient's elements in ``dropped``."""
+    return sum(plan.sizes[c] for c in dropped) / plan.total if plan.total else 0.0
+
+
+def next_ages(ages: Sequence[int], dropped: Sequence[int]) -> list[int]:
+    """Each chunk's count of consecutive steps dropped, after this step."""
+    gone = set(dropped)
+    return [age + 1 if c in gone else 0 for c, age in enumerate(ages)]
+
+
+class Deadline:
+    """When a step stops starting chunks: ``slack`` x the time its remaining elements take at the median
+    rate of the last ``window`` steps. The clock starts when the step's first chunk has completed, a
+    moment every rank reaches together (no rank completes a collective before all have entered it), so
+    a rank that arrived late does not start its wait earlier than the others.
+
+    ``observe`` one step's rate: elements moved after the first chunk, and the seconds that took.
+    ``budget_s`` is None until ``warmup`` steps were observed: those send everything."""
+
+    def __init__(self, slack: float, window: int = 16, warmup: int = 3) -> None:
+        if not slack > 0 or window < 1 or warmup < 1:
+            raise ValueError(f"Deadline needs slack > 0, window >= 1, warmup >= 1; got {slack}, {window}, {warmup}")
+        self.slack = slack
+        self.warmup = warmup
+        self._rates: deque[float] = deque(maxlen=window)
+        self.observed = 0
+
+    def observe(self, elements: int, seconds: float) -> None:
+        if elements <= 0 or seconds <= 0:
+            return
+        self._rates.append(elements / seconds)
+        self.observed += 1
+
+    def budget_s(self, elements: int) -> float | None:
+        if self.observed < self.warmup:
+            return None
+        return self.slack * elements / statistics.median(self._rates)
+

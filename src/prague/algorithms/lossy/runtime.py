@@ -1,0 +1,398 @@
+"""``lossy``: a gradient all-reduce that stops at a deadline and drops a bounded share of the gradient.
+
+After DLCP (Wang et al., "Domain-specific Communication Optimization for Distributed DNN Training",
+arXiv 2008.08445), which exploits SGD's bounded loss tolerance to cut the tail of gradient
+communication: late data is dropped by priority (layer, magnitude) instead of waited for, and traffic
+is spread over several paths. Here, on top of torch.distributed, one iteration on every rank is:
+
+1. **fold**: the flat gradient plus the residual carried from earlier steps (error feedback, as in
+   Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014), so nothing dropped is lost;
+2. **send**: the flat buffer is cut into chunks (:func:`.decisions.plan_chunks`), put in priority order
+   (:func:`.decisions.priority_order`: chunks dropped last step, then the first layers, then large
+   magnitudes) and dealt round-robin to ``--streams`` communicators of all ranks, each with a thread
+   that all-reduces its chunks one after the other (its own connections: several TCP flows share a
+   congested link better than one);
+3. **deadline**: once the first chunk is in (a moment all ranks reach together), the rank waits until
+   every chunk is in or the deadline passes (:class:`.decisions.Deadline`: ``--deadline-slack`` x the
+   time the rest takes at the median rate of recent steps); then its threads start no new chunk;
+4. **agree**: one small all-reduce on a control communicator carries every rank's count of chunks
+   started per stream (and the mean of the floating buffers, and rank 0's magnitudes for the next
+   order); every rank computes the same stops (:func:`.decisions.stop_points`: what any rank started
+   must be completed; at least ``1 - --max-loss`` of the elements go), the threads complete up to them;
+5. **apply**: sent chunks carry the mean gradient, dropped ones zero, on every rank alike, so the
+   replicas stay identical; a dropped chunk's folded gradient becomes its residual.
+
+Every rank must run the same number of steps (as with DDP). A failed peer breaks the collectives and
+the job stops (the method does not survive failures, like ``allreduce``). On a single rank the
+gradient is applied as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prague.algorithms.api import Algorithm, StepTimes
+from prague.algorithms.lossy import LossyOptions, drops_report
+from prague.algorithms.lossy.decisions import (
+    ChunkPlan, Deadline, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count,
+    stop_points, stream_queues,
+)
+from prague.comm.owned import shutdown_group
+from prague.comm.preduce import backend_group
+from prague.errors import CommError
+from prague.metrics.decisions import Decision
+
+_instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
+#: A chunk's magnitude is the mean |g| of every _SAMPLE-th element: the order needs a ranking, not the exact value.
+_SAMPLE = 16
+#: How often a rank stopped by its deadline looks for the other ranks' proposals.
+_POLL_S = 0.002
+
+
+class ChunkStreams:
+    """One thread per communicator, each all-reducing its queue of chunks in order.
+
+    The main thread calls :meth:`begin` with this step's queues, waits with :meth:`wait_first` and
+    :meth:`wait_all`, stops new starts with :meth:`freeze` (which returns how many chunks each stream
+    has started), then lets each stream go on to its agreed stop with :meth:`release` and waits with
+    :meth:`wait_stops`. A collective that fails ends every wait with :class:`CommError`.
+    """
+
+    def __init__(self, groups: list[dist.ProcessGroup], after_collective: Callable[[], None]) -> None:
+        self.groups = groups
+        self._after = after_collective  # CUDA: wait for the collective's kernels before counting it in
+        self._cond = threading.Condition()
+        count = len(groups)
+        self.queues: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        self.started = [0] * count
+        self.completed = [0] * count
+        self.stops: list[int] | None = None
+        self.frozen = False
+        self.first_done_s: float | None = None
+        self.error: BaseException | None = None
+        self._closing = False
+        self.depth = 1  # collectives in flight per stream: what is in flight at the deadline cannot be dropped
+        self._threads = [threading.Thread(target=self._loop, args=(s,), name=f"lossy-stream-{s}", daemon=True)
+                         for s in range(count)]
+        for t in self._threads:
+            t.start()
+
+    def begin(self, queues: list[list[torch.Tensor]]) -> None:
+        with self._cond:
+            self._raise_if_failed()
+            self.queues = queues
+            self.started = [0] * len(queues)
+            self.completed = [0] * len(queues)
+            self.stops = None
+            self.frozen = False
+            self.first_done_s = None
+            self._cond.notify_all()
+
+    def _may_start(self, s: int) -> bool:
+        nxt = self.started[s]
+        if nxt >= len(self.queues[s]):
+            return False
+        if not self.frozen:
+            return True
+        return self.stops is not None and nxt < self.stops[s]
+
+    def _loop(self, s: int) -> None:
+        group = self.groups[s]
+        pending: list[Any] = []  # collectives issued and not yet complete, oldest first
+        while True:
+            with self._cond:
+                while not (self._closing or self.error is not None or pending or self._may_start(s)):
+                    self._cond.wait()
+                if self._closing or self.error is not None:
+                    return
+                issue = len(pending) < self.depth and self._may_start(s)
+                if issue:
+                    tensor = self.queues[s][self.started[s]]
+                    self.started[s] += 1
+            try:
+                if issue:
+                    pending.append(group.allreduce([tensor]))
+                    if len(pending) < self.depth:
+                        continue
+                pending.pop(0).wait()
+                self._after()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.completed[s] += 1
+                if s == 0 and self.completed[0] == 1:
+                    self.first_done_s = time.perf_counter()
+                self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise CommError(f"a lossy chunk all-reduce failed: {self.error}") from self.error
+
+    def _wait(self, done: Callable[[], bool], until_s: float | None, timeout_s: float) -> bool:
+        """Wait (holding the lock) until ``done()``, or ``until_s`` (perf_counter) passes: False then."""
+        limit = time.perf_counter() + timeout_s
+        while True:
+            self._raise_if_failed()
+            if done():
+                return True
+            now = time.perf_counter()
+            if until_s is not None and now >= until_s:
+                return False
+            if now >= limit:
+                raise CommError(f"lossy: no chunk completed for {timeout_s:.0f} s (a peer stopped taking part)")
+            self._cond.wait(min(limit, until_s if until_s is not None else limit) - now)
+
+    def wait_first(self, timeout_s: float) -> float:
+        """When stream 0's first chunk completed (every rank has entered the step by then)."""
+        with self._cond:
+            self._wait(lambda: self.first_done_s is not None, None, timeout_s)
+            assert self.first_done_s is not None
+            return self.first_done_s
+
+    def wait_all(self, until_s: float | None, timeout_s: float) -> None:
+        """Until every chunk is in, or ``until_s`` passes."""
+        with self._cond:
+            self._wait(lambda: self.completed == [len(q) for q in self.queues], until_s, timeout_s)
+
+    def wait_change(self, slice_s: float) -> None:
+        """Until a chunk completes or ``slice_s`` passes."""
+        with self._cond:
+            self._raise_if_failed()
+            self._cond.wait(slice_s)
+
+    def all_done(self) -> bool:
+        with self._cond:
+            return self.completed == [len(q) for q in self.queues]
+
+    def freeze(self) -> list[int]:
+        """Start no new chunk; the chunks started on each stream."""
+        with self._cond:
+            self.frozen = True
+            return list(self.started)
+
+    def release(self, stops: list[int]) -> None:
+        with self._cond:
+            self.stops = stops
+            self._cond.notify_all()
+
+    def wait_stops(self, timeout_s: float) -> None:
+        with self._cond:
+            stops = self.stops
+            assert stops is not None
+            self._wait(lambda: all(c >= s for c, s in zip(self.completed, stops)), None, timeout_s)
+
+    def close(self, wait_s: float) -> bool:
+        """Stop the threads; True when all have ended within ``wait_s`` (a thread stuck in a collective
+        after a failure keeps its group)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+class Lossy(Algorithm):
+    """See the module docstring."""
+
+    options: LossyOptions
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        ctx = self.ctx
+        self.params = list(model.parameters())
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        total = sum(p.numel() for p in self.params)
+        dtype = self.params[0].dtype if self.params else torch.float32
+        opts = self.options
+        self.plan: ChunkPlan = plan_chunks(total, opts.chunk_elements(torch.finfo(dtype).bits // 8), opts.streams,
+                                           opts.priority_tiers)
+        self.shares: list[float] = []
+        self.deadlines_s: list[float] = []
+        self.control_s = 0.0
+        self.streams: ChunkStreams | None = None
+        self.residual = torch.zeros(0)  # what this rank carries into its next step (error feedback)
+        if ctx.world_size == 1 or total == 0:
+            return model
+        self.send = torch.zeros(total, dtype=dtype, device=ctx.device)
+        self.residual = torch.zeros_like(self.send)
+        self.carrying = False  # whether residual holds anything (most steps drop nothing: no pass over it)
+        self.grad_views = _views(self.send, self.params)
+        self.chunk_views = [self.send[s:s + n] for s, n in zip(self.plan.starts, self.plan.sizes)]
+        self.magnitudes = [0.0] * self.plan.count  # of the last applied gradient, the same on every rank
+        self.pending_magnitudes = [0.0] * self.plan.count  # this rank's; rank 0's go out in the next control round
+        self.ages = [0] * self.plan.count
+        self.deadline = Deadline(opts.deadline_slack)
+        n, count = ctx.world_size, opts.streams
+        self.n_buffers = sum(b.numel() for b in self.buffers)
+        self.control = torch.zeros(self.plan.count + self.n_buffers, dtype=dtype, device=ctx.device)
+        prefix = self.prefix = f"lossy/{next(_instances)}"
+        self.store = ctx.private_store()  # the main thread's proposals and their waits
+        self._published: deque[str] = deque()
+
+        def group(name: str) -> dist.ProcessGroup:
+            return backend_group(ctx, dist.PrefixStore(f"{prefix}/{name}", ctx.store), ctx.rank, n, ctx.timeout)
+
+        groups = [group(f"stream{s}") for s in range(count)]
+        self.control_group = group("control")
+        sync: Callable[[], None] = (lambda: torch.cuda.current_stream().synchronize()) \
+            if ctx.device.type == "cuda" else (lambda: None)
+        self.streams = ChunkStreams(groups, sync)
+        self.resources.callback(self._release, groups)
+        return model
+
+    def _release(self, groups: list[dist.ProcessGroup]) -> None:
+        streams, self.streams = self.streams, None
+        if streams is not None and streams.close(0.0 if self.failed else 5.0):
+            for g in groups:  # a thread still in a collective after a failure keeps its group
+                shutdown_group(g)
+            shutdown_group(self.control_group)
+        streams = None
+        del self.control_group
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        streams = self.streams
+        if streams is None:
+            return
+        ctx, plan, opts = self.ctx, self.plan, self.options
+        self._gather_grads()
+        if self.carrying:
+            self.send.add_(self.residual)
+        side = self._side_round()
+        order = priority_order(plan, self.magnitudes, self.ages)
+        queues = stream_queues(order, opts.streams)
+        lengths = [len(q) for q in queues]
+        streams.begin([[self.chunk_views[c] for c in q] for q in queues])
+        first_s = streams.wait_first(ctx.timeout_s)
+        budget = self.deadline.budget_s(plan.total - plan.sizes[order[0]])
+        if budget is not None:
+            self.deadlines_s.append(budget)
+        streams.wait_all(None if budget is None else first_s + budget, ctx.timeout_s)
+        t_agree = time.perf_counter()
+        stops = self._agree(step, streams.freeze(), required_count(plan, order, opts.max_loss), lengths)
+        self.control_s += time.perf_counter() - t_agree
+        streams.release(stops)
+        streams.wait_stops(ctx.timeout_s)
+        dropped = dropped_chunks(queues, stops)
+        moved = plan.total - plan.sizes[order[0]] - sum(plan.sizes[c] for c in dropped)
+        self.deadline.observe(moved, time.perf_counter() - first_s)
+        side.wait()
+        self._take_side()
+        times.dropped = self._settle(step, dropped)
+
+    def _agree(self, step: int, proposal: list[int], required: int, lengths: list[int]) -> list[int]:
+        """Every rank's stops for this step, the same everywhere (see :func:`.decisions.stop_points`).
+
+        No message when nothing is late: a rank whose chunks are all in knows that every rank entered
+        every chunk, so nothing is dropped. A rank stopped by its deadline publishes its proposal in the
+        store and waits until either its chunks are all in (then every rank entered every chunk) or every
+        rank's proposal is there. It must not wait for its own started chunks alone: one of them may wait
+        for a rank that has stopped before it, itself waiting on a chunk of another stream that this
+        rank has not started. Each rank either completes every chunk or reaches its deadline and
+        publishes, so the wait ends. One store request per stopped rank (and a look per
+        :data:`_POLL_S` while it waits), not a collective over the congested links."""
+        streams = self.streams
+        assert streams is not None
+        if streams.all_done():
+            return lengths
+        key = f"{self.prefix}/p/{step}/"
+        self.store.set(key + str(self.ctx.rank), ",".join(map(str, proposal)))
+        self._published.append(key + str(self.ctx.rank))
+        keys = [key + str(r) for r in range(self.ctx.world_size)]
+        limit = time.monotonic() + self.ctx.timeout_s
+        while not streams.all_done():
+            if self.store.check(keys):
+                proposals = [[int(v) for v in raw.decode().split(",")] for raw in self.store.multi_get(keys)]
+                return stop_points(proposals, required, lengths)
+            if time.monotonic() > limit:
+                raise CommError(f"lossy: not every rank stopped or completed step {step} within "
+                                f"{self.ctx.timeout_s:g} s")
+            streams.wait_change(_POLL_S)
+        return lengths
+
+    def _side_round(self) -> Any:
+        """Start this step's side all-reduce on the control communicator: the mean of the floating buffers
+        (BatchNorm statistics) and rank 0's chunk magnitudes for the next order; it travels beside the
+        chunks and is waited for at the end of the step. Also forgets this rank's proposal of two steps
+        ago (every rank has read it: all have finished that step)."""
+        while len(self._published) > 1:
+            self.store.delete_key(self._published.popleft())
+        ctl, n = self.control, self.ctx.world_size
+        chunks = self.plan.count
+        if self.ctx.rank == 0:
+            ctl[:chunks] = torch.tensor(self.pending_magnitudes, dtype=ctl.dtype)
+        else:
+            ctl[:chunks].zero_()
+        offset = chunks
+        for b in self.buffers:
+            ctl[offset:offset + b.numel()].copy_(b.reshape(-1))
+            offset += b.numel()
+        return self.control_group.allreduce([ctl])
+
+    def _take_side(self) -> None:
+        ctl, n, chunks = self.control, self.ctx.world_size, self.plan.count
+        self.magnitudes = ctl[:chunks].tolist()  # rank 0's: exactly the same everywhere
+        offset = chunks
+        for b in self.buffers:
+            b.copy_(ctl[offset:offset + b.numel()].view_as(b)).div_(n)
+            offset += b.numel()
+
+    def _gather_grads(self) -> None:
+        """Make ``send`` hold this step's gradient. Each ``p.grad`` is a view of ``send`` (bound at the
+        first step, like DDP's gradient-as-bucket-view), so backward has written it there already; a
+        gradient set to None or replaced since (``zero_grad(set_to_none=True)``) is copied in and
+        bound again."""
+        for p, view in zip(self.params, self.grad_views):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            else:
+                continue
+            p.grad = view
+
+    def _settle(self, step: int, dropped: list[int]) -> float:
+        """Carry the dropped chunks, average the sent ones (the parameters' gradients are views of
+        ``send``); the dropped share."""
+        plan = self.plan
+        if self.carrying:
+            self.residual.zero_()
+        for c in dropped:
+            self.residual[plan.starts[c]:plan.starts[c] + plan.sizes[c]].copy_(self.chunk_views[c])
+            self.chunk_views[c].zero_()
+        self.carrying = bool(dropped)
+        self.send.div_(self.ctx.world_size)
+        if self.ctx.rank == 0:  # only rank 0's magnitudes travel (the order must be the same everywhere)
+            self.pending_magnitudes = [float(v[::_SAMPLE].abs().mean()) if v.numel() else 0.0
+                                       for v in self.chunk_views]
+        self.ages = next_ages(self.ages, dropped)
+        share = dropped_share(plan, dropped)
+        self.shares.append(share)
+        if self.decisions is not None:
+            self.decisions.write(Decision.of_drop(step, tuple(dropped), share))
+        return share
+
+    def stats(self) -> dict[str, Any]:
+        return drops_report(self.options, chunks=self.plan.count, shares=self.shares, deadlines_s=self.deadlines_s,
+                            control_s=self.control_s)
