@@ -26,7 +26,7 @@ class LossyOptions(Options):
     max_loss: float = option(0.1, "lossy: the largest share of the gradient's elements one step may drop; a "
                              "dropped chunk is carried into the next step (error feedback), in 0..0.5")
     streams: int = option(4, "lossy: communicators the chunks are spread over (parallel connections)")
-    chunk_mb: float = option(1.0, "lossy: largest chunk in MB (each stream gets at least 4 chunks)")
+    chunk_mb: float = option(4.0, "lossy: largest chunk in MB (each stream gets at least 4 chunks)")
     deadline_slack: float = option(1.0, "lossy: a step stops starting chunks after this multiple of the time its "
                                    "chunks take at the median rate of the last 16 steps")
     priority_tiers: int = option(4, "lossy: layer tiers of the send order (the first layers of the next forward "

@@ -19,6 +19,7 @@ makes the runtime's choices. No torch, no clock (times come in as arguments), no
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -45,7 +46,7 @@ class ChunkPlan:
 
 
 def plan_chunks(total: int, chunk_elements: int, streams: int, tiers: int) -> ChunkPlan:
-    """Cut ``total`` elements into equal contiguous chunks (the last may be shorter): at most
+    """Cut ``total`` elements into contiguous chunks of equal size (give or take one element): at most
     ``chunk_elements`` each, at least ``MIN_CHUNKS_PER_STREAM x streams`` of them (fewer only when
     there are fewer elements). Chunk ``c`` of ``C`` is in tier ``c x tiers // C``: the flat gradient is
     in the parameters' order, which is the order the forward pass uses them."""
@@ -55,10 +56,9 @@ def plan_chunks(total: int, chunk_elements: int, streams: int, tiers: int) -> Ch
     if total == 0:
         return ChunkPlan((), (), (), 0)
     count = max(math.ceil(total / chunk_elements), min(total, MIN_CHUNKS_PER_STREAM * streams))
-    size = math.ceil(total / count)
-    count = math.ceil(total / size)
-    starts = tuple(c * size for c in range(count))
-    sizes = tuple(min(size, total - s) for s in starts)
+    base, extra = divmod(total, count)
+    sizes = tuple(base + 1 if c < extra else base for c in range(count))
+    starts = tuple(itertools.accumulate(sizes, initial=0))[:-1]
     return ChunkPlan(starts, sizes, tuple(c * tiers // count for c in range(count)), total)
 
 
