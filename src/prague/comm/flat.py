@@ -7,6 +7,8 @@ buffer over a backend that cannot reach its memory (gloo and a CUDA buffer) go t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -77,6 +79,16 @@ def state_tensors(module: nn.Module) -> list[torch.Tensor]:
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate ``tensors`` into one new 1-D buffer."""
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def views_of(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like the tensors of ``like`` (no copies)."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset:offset + n].view_as(t))
+        offset += n
+    return out
 
 
 def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

@@ -63,7 +63,7 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
 from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
-from prague.comm.flat import bind_flat
+from prague.comm.flat import bind_flat, views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
@@ -139,7 +139,7 @@ class RoundThread:
         with self._cond:
             self._raise_if_failed()
             acc = self.acc
-            views = _views(acc, grads)
+            views = views_of(acc, grads)
             if self.ledger.pending:
                 torch._foreach_add_(views, grads)
             else:  # the first gradient since the last round: the buffer holds an old round's values
@@ -378,16 +378,6 @@ class _Broken(CommError):
     """A round could not run because a rank taking part failed (or its communicator broke)."""
 
 
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` shaped like ``like``."""
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset:offset + n].view_as(t))
-        offset += n
-    return out
-
-
 class EagerSGD(Algorithm):
     """See the module docstring."""
 
@@ -466,7 +456,7 @@ class EagerSGD(Algorithm):
             return
         divisor = count if self.options.renormalize == "on" else n
         grads = result[:p].div_(divisor)
-        for param, g in zip(self.params, _views(grads, self.params)):
+        for param, g in zip(self.params, views_of(grads, self.params)):
             if param.grad is None:
                 param.grad = g.clone()
             else:

@@ -46,6 +46,7 @@ from prague.algorithms.lossy.decisions import (
     ChunkPlan, Deadline, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count,
     stop_points, stream_queues,
 )
+from prague.comm.flat import views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
@@ -205,14 +206,6 @@ class ChunkStreams:
         return not any(t.is_alive() for t in self._threads)
 
 
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
-
-
 class Lossy(Algorithm):
     """See the module docstring."""
 
@@ -237,7 +230,7 @@ class Lossy(Algorithm):
         self.send = torch.zeros(total, dtype=dtype, device=ctx.device)
         self.residual = torch.zeros_like(self.send)
         self.carrying = False  # whether residual holds anything (most steps drop nothing: no pass over it)
-        self.grad_views = _views(self.send, self.params)
+        self.grad_views = views_of(self.send, self.params)
         self.chunk_views = [self.send[s:s + n] for s, n in zip(self.plan.starts, self.plan.sizes)]
         self.magnitudes = [0.0] * self.plan.count  # of the last applied gradient, the same on every rank
         self.pending_magnitudes = [0.0] * self.plan.count  # this rank's; rank 0's go out in the next control round
@@ -267,7 +260,6 @@ class Lossy(Algorithm):
             for g in groups:  # a thread still in a collective after a failure keeps its group
                 shutdown_group(g)
             shutdown_group(self.control_group)
-        streams = None
         del self.control_group
 
     def after_backward(self, step: int, times: StepTimes) -> None:
