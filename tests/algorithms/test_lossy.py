@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.algorithms.lossy.decisions import (
-    Deadline, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count, stop_points,
+    IN_FLIGHT, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count, stop_points,
     stream_queues, MIN_CHUNKS_PER_STREAM,
 )
 from prague.algorithms.registry import get_method
@@ -101,8 +101,9 @@ def test_the_deadline_waits_for_warm_up_then_follows_the_median_rate() -> None:
 
 @pytest.mark.parametrize("flag,value", [("max_loss", 0.6), ("max_loss", -0.1), ("streams", 0), ("streams", 65),
                                         ("chunk_mb", 0.0), ("chunk_mb", float("inf")), ("deadline_slack", 0.0),
-                                        ("priority_tiers", 0)])
-def test_bad_options_are_refused_with_the_flag(flag: str, value: float) -> None:
+                                        ("priority_tiers", 0), ("deadline_quantile", 1.1),
+                                        ("deadline_quantile", float("nan")), ("hierarchy", "rings")])
+def test_bad_options_are_refused_with_the_flag(flag: str, value: object) -> None:
     with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
         get_method("lossy").make_options({flag: value})
 
@@ -119,6 +120,36 @@ def test_the_simulator_runs_lossy_beside_allreduce(tmp_path: Path) -> None:
     assert runs["lossy"]["throughput_samples_per_s"] > 0
 
 
+def test_hierarchy_groups_ranks_by_host_and_spreads_stream_leaders() -> None:
+    layout = Hierarchy.of(["b", "b", "a", "a", "c", "c", "a"])
+    assert layout.hosts == ((0, 1), (2, 3, 6), (4, 5)) and layout.two_level
+    assert layout.leaders(0) == (0, 2, 4) and layout.leaders(1) == (1, 3, 5) and layout.leaders(2) == (0, 6, 4)
+    assert [layout.host_of(r) for r in range(7)] == [0, 0, 1, 1, 2, 2, 1]
+    assert not Hierarchy.of(["x"] * 4).two_level  # one host: one ring is the same path
+    assert not Hierarchy.of(["a", "b", "c"]).two_level  # one rank per host: likewise
+    with pytest.raises(ValueError):
+        layout.host_of(7)
+
+
+def test_the_deadline_leaves_room_for_the_chunks_in_flight() -> None:
+    plan = plan_chunks(100, 10, 2, 1)  # 10 chunks of 10
+    order = list(range(10))
+    queues = stream_queues(order, 2)  # [0,2,4,6,8], [1,3,5,7,9]
+    # After chunk 0, the last IN_FLIGHT chunks of each stream start by the deadline: 100 - 10 - 4 x 10.
+    assert deadline_elements(plan, order, queues, 2) == 50
+    assert deadline_elements(plan, order, queues, 1) == 70
+    assert deadline_elements(plan, order, stream_queues(order, 10), IN_FLIGHT) == 0  # every chunk starts at once
+    fast_and_slow = Deadline(slack=1.0, quantile=1.0, window=4, warmup=1)
+    median = Deadline(slack=1.0, quantile=0.5, window=4, warmup=1)
+    for rate in (100.0, 200.0, 400.0):
+        fast_and_slow.observe(int(rate), 1.0)
+        median.observe(int(rate), 1.0)
+    assert fast_and_slow.budget_s(400) == pytest.approx(1.0)  # at the fastest recent rate
+    assert median.budget_s(400) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        Deadline(slack=1.0, quantile=1.5)
+
+
 # -- real processes ----------------------------------------------------------------------------------------
 SCRIPT = textwrap.dedent('''
     """Workers whose gradients are known integers; lossy drops as much as it may at every step."""
@@ -129,15 +160,18 @@ SCRIPT = textwrap.dedent('''
     import prague
     from prague.metrics.decisions import DecisionLog
 
-    out = sys.argv[1]
+    out, hierarchy = sys.argv[1], sys.argv[2]
     ctx = prague.init()
+    if hierarchy == "hosts":  # two hosts of two ranks: the two-level path (reduce, ring of leaders, broadcast)
+        import os
+        os.environ["PRAGUE_HOST_LABEL"] = f"host{ctx.rank // 2}"
     model = nn.Linear(64, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     log = DecisionLog(out + ".decisions", ctx.rank)
     trainer = prague.wrap(model, optimizer, algorithm="lossy", max_loss=0.5, deadline_slack=1e-6, streams=2,
-                          decisions=log)
+                          hierarchy=hierarchy, decisions=log)
     rng = random.Random(100 + ctx.rank)
     total = torch.zeros(64, dtype=torch.float64)
     for step in range(24):
@@ -169,11 +203,13 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.timeout(200)
-def test_real_workers_agree_on_every_mask_and_lose_no_gradient(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hierarchy", ["flat", "hosts"])
+def test_real_workers_agree_on_every_mask_and_lose_no_gradient(tmp_path: Path, hierarchy: str) -> None:
     script = tmp_path / "known_gradients.py"
     script.write_text(SCRIPT)
     out = tmp_path / "lossy.json"
-    res = run_cli("launch", "--nproc", "4", str(script), str(out), timeout_s=150.0, env={"PYTHONPATH": SRC})
+    res = run_cli("launch", "--nproc", "4", str(script), str(out), hierarchy, timeout_s=150.0,
+                  env={"PYTHONPATH": SRC})
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     finals, total, carried = result["finals"], result["total"], result["carried"]
@@ -187,3 +223,4 @@ def test_real_workers_agree_on_every_mask_and_lose_no_gradient(tmp_path: Path) -
     logs = [(tmp_path / "lossy.json.decisions" / f"rank{r}.jsonl").read_text() for r in range(4)]
     assert all(log == logs[0] for log in logs)  # the same chunks dropped at every step on every rank
     assert result["stats"]["carried_share_end"] == shares[0][-1]
+    assert result["stats"]["hierarchy"] == ("hosts (2 hosts)" if hierarchy == "hosts" else "flat")

@@ -17,6 +17,7 @@ from typing import Any
 from prague.algorithms.spec import Method, Options, option
 from prague.errors import ConfigError
 
+HIERARCHIES = ("hosts", "flat")
 MAX_LOSS = 0.5  # above it, a chunk dropped in one step could be dropped again in the next
 MAX_STREAMS = 64
 
@@ -29,6 +30,11 @@ class LossyOptions(Options):
     chunk_mb: float = option(4.0, "lossy: largest chunk in MB (each stream gets at least 4 chunks)")
     deadline_slack: float = option(1.0, "lossy: a step stops starting chunks after this multiple of the time its "
                                    "chunks take at the median rate of the last 16 steps")
+    hierarchy: str = option("hosts", "lossy: hosts: each chunk is reduced inside its host, all-reduced over a ring of "
+                            "one rank per host (stream s: each host's local rank s mod the host's ranks), then "
+                            "broadcast inside the host; flat: one ring over every rank", choices=HIERARCHIES)
+    deadline_quantile: float = option(0.5, "lossy: which of the last 16 steps' rates the deadline is measured at, "
+                                      "as a quantile (0.5: the median; 0.75: a faster step's, so more steps drop)")
     priority_tiers: int = option(4, "lossy: layer tiers of the send order (the first layers of the next forward "
                                  "pass first; by magnitude within a tier)")
 
@@ -42,6 +48,8 @@ class LossyOptions(Options):
             raise ConfigError(f"--chunk-mb must be a size in MB > 0 and at most {2**20}, got {self.chunk_mb!r}")
         if not (math.isfinite(self.deadline_slack) and 0 < self.deadline_slack <= 1e6):
             raise ConfigError(f"--deadline-slack must be a number > 0 and at most 1e6, got {self.deadline_slack!r}")
+        if not (math.isfinite(self.deadline_quantile) and 0 <= self.deadline_quantile <= 1):
+            raise ConfigError(f"--deadline-quantile must be in 0..1 (0.5: the median rate), got {self.deadline_quantile!r}")
         if not 1 <= self.priority_tiers <= 1024:
             raise ConfigError(f"--priority-tiers must be in 1..1024, got {self.priority_tiers!r}")
 
@@ -50,14 +58,16 @@ class LossyOptions(Options):
 
 
 def drops_report(options: LossyOptions, *, chunks: int, shares: list[float], deadlines_s: list[float],
-                 control_s: float) -> dict[str, Any]:
+                 control_s: float, hierarchy: str | None = None) -> dict[str, Any]:
     """``lossy``'s stats (the fields :data:`METHOD` reports) from what the runtime keeps per worker and the
     simulator for the job: each step's dropped share (the same on every rank), the deadline of every
-    step that had one, and the seconds spent agreeing on the masks."""
+    step that had one, the seconds spent agreeing on the masks, and the path the chunks took
+    (``hierarchy``: default ``--hierarchy`` itself)."""
     steps = len(shares)
     return {
         "max_loss": options.max_loss,
         "streams": options.streams,
+        "hierarchy": hierarchy or options.hierarchy,
         "chunks": chunks,
         "dropped_share": [round(s, 6) for s in shares],
         "mean_dropped_share": sum(shares) / steps if steps else 0.0,
@@ -85,6 +95,8 @@ METHOD = Method(
     reports={
         "max_loss": "the largest share of elements a step may drop",
         "streams": "communicators the chunks went over",
+        "hierarchy": "the path of a chunk: `hosts (H hosts)` (reduce inside a host, a ring of one rank per host, "
+                     "broadcast) or `flat` (one ring over every rank; also `hosts` on one host or one rank per host)",
         "chunks": "chunks the gradient is cut into",
         "dropped_share": "per step, the share of the gradient's elements dropped (carried to the next step); the "
                          "same on every rank",

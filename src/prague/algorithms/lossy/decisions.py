@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+#: Chunks a stream has in flight at once: while one crosses the hosts, the next is reduced inside its host.
+IN_FLIGHT = 2
 #: Each stream gets at least this many chunks, so a small model can still drop part of its gradient.
 MIN_CHUNKS_PER_STREAM = 4
 
@@ -116,19 +118,34 @@ def next_ages(ages: Sequence[int], dropped: Sequence[int]) -> list[int]:
     return [age + 1 if c in gone else 0 for c, age in enumerate(ages)]
 
 
+def deadline_elements(plan: ChunkPlan, order: Sequence[int], queues: Sequence[Sequence[int]],
+                      in_flight: int = IN_FLIGHT) -> int:
+    """The elements a step moves after its first chunk (``order[0]``) until the last ``in_flight``
+    chunks of every stream (the most a stream has in flight) have started: the deadline stops
+    *starting* chunks, and what has started must complete, so those must start by the deadline for
+    the step to end on time."""
+    if not order:
+        return 0
+    last = {c for q in queues for c in q[-in_flight:]} - {order[0]}
+    return plan.total - plan.sizes[order[0]] - sum(plan.sizes[c] for c in last)
+
+
 class Deadline:
-    """When a step stops starting chunks: ``slack`` x the time its remaining elements take at the median
-    rate of the last ``window`` steps. The clock starts when the step's first chunk has completed, a
+    """When a step stops starting chunks: ``slack`` x the time :func:`deadline_elements` take at the
+    ``quantile`` of the rates of the last ``window`` steps (0.5: the median; higher: a faster step's
+    pace, so more steps stop early). The clock starts when the step's first chunk has completed, a
     moment every rank reaches together (no rank completes a collective before all have entered it), so
     a rank that arrived late does not start its wait earlier than the others.
 
     ``observe`` one step's rate: elements moved after the first chunk, and the seconds that took.
     ``budget_s`` is None until ``warmup`` steps were observed: those send everything."""
 
-    def __init__(self, slack: float, window: int = 16, warmup: int = 3) -> None:
-        if not slack > 0 or window < 1 or warmup < 1:
-            raise ValueError(f"Deadline needs slack > 0, window >= 1, warmup >= 1; got {slack}, {window}, {warmup}")
+    def __init__(self, slack: float, quantile: float = 0.5, window: int = 16, warmup: int = 3) -> None:
+        if not slack > 0 or not 0 <= quantile <= 1 or window < 1 or warmup < 1:
+            raise ValueError(f"Deadline needs slack > 0, quantile in [0, 1], window >= 1, warmup >= 1; got {slack}, "
+                             f"{quantile}, {window}, {warmup}")
         self.slack = slack
+        self.quantile = quantile
         self.warmup = warmup
         self._rates: deque[float] = deque(maxlen=window)
         self.observed = 0
@@ -139,8 +156,58 @@ class Deadline:
         self._rates.append(elements / seconds)
         self.observed += 1
 
-    def budget_s(self, elements: int) -> float | None:
-        if self.observed < self.warmup:
-            return None
-        return self.slack * elements / statistics.median(self._rates)
+    def rate(self) -> float:
+        """The reference rate: the ``quantile`` of the recent rates (linear between neighbours)."""
+        rates = sorted(self._rates)
+        at = self.quantile * (len(rates) - 1)
+        low = math.floor(at)
+        high = min(low + 1, len(rates) - 1)
+        return rates[low] + (rates[high] - rates[low]) * (at - low)
 
+    def budget_s(self, elements: int) -> float | None:
+        if self.observed < self.warmup or not self._rates:
+            return None
+        return self.slack * max(0, elements) / self.rate()
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Which ranks share a host, and the two-level path a chunk of each stream takes with ``--hierarchy
+    hosts``: reduced inside its host, all-reduced over a ring of one rank per host (each host's
+    *leader* for that stream), then broadcast inside the host. Over H hosts the inter-host links then
+    carry 2(H-1)/H of a chunk's bytes in 2(H-1) ring steps, where one ring over all n ranks carries
+    2(n-1)/n in 2(n-1) steps, each waiting in the links' queues.
+
+    ``hosts`` lists each host's ranks, ascending, hosts ordered by their lowest rank. Stream ``s``'s
+    leader on a host is its ``s mod len(ranks)``-th rank, so the streams spread the inter-host rings
+    (and the reduce work) over every rank of a host."""
+
+    hosts: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, host_of_rank: Sequence[object]) -> Hierarchy:
+        """From each rank's host label (anything comparable for equality), in rank order."""
+        groups: dict[object, list[int]] = {}
+        for rank, label in enumerate(host_of_rank):
+            groups.setdefault(label, []).append(rank)
+        return cls(tuple(tuple(ranks) for ranks in groups.values()))
+
+    @property
+    def two_level(self) -> bool:
+        """Whether the two levels differ from one ring: more than one host, and some host with more than
+        one rank."""
+        return len(self.hosts) > 1 and any(len(ranks) > 1 for ranks in self.hosts)
+
+    def host_of(self, rank: int) -> int:
+        for h, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return h
+        raise ValueError(f"rank {rank} is on no host of {self.hosts}")
+
+    def leader(self, host: int, stream: int) -> int:
+        ranks = self.hosts[host]
+        return ranks[stream % len(ranks)]
+
+    def leaders(self, stream: int) -> tuple[int, ...]:
+        """Stream ``stream``'s inter-host ring: one rank per host, in host order."""
+        return tuple(self.leader(h, stream) for h in range(len(self.hosts)))

@@ -9,12 +9,16 @@ is spread over several paths. Here, on top of torch.distributed, one iteration o
    Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014), so nothing dropped is lost;
 2. **send**: the flat buffer is cut into chunks (:func:`.decisions.plan_chunks`), put in priority order
    (:func:`.decisions.priority_order`: chunks dropped last step, then the first layers, then large
-   magnitudes) and dealt round-robin to ``--streams`` communicators of all ranks, each with a thread
-   that all-reduces its chunks one after the other (its own connections: several TCP flows share a
-   congested link better than one);
+   magnitudes) and dealt round-robin to ``--streams`` streams, each with a thread that all-reduces its
+   chunks one after the other over communicators of its own (its own connections: several TCP flows
+   share a congested link better than one). With ``--hierarchy hosts`` and ranks on several hosts
+   (machines or network namespaces, :mod:`prague.comm.hostmap`) a chunk is reduced inside its host,
+   all-reduced over a ring of one rank per host and broadcast back (:class:`TwoLevel`,
+   :class:`.decisions.Hierarchy`); otherwise it is one ring all-reduce over every rank;
 3. **deadline**: once the first chunk is in (a moment all ranks reach together), the rank waits until
    every chunk is in or the deadline passes (:class:`.decisions.Deadline`: ``--deadline-slack`` x the
-   time the rest takes at the median rate of recent steps); then its threads start no new chunk;
+   time until the last chunk of every stream starts, at the ``--deadline-quantile`` of the rates of
+   recent steps); then its threads start no new chunk;
 4. **agree**: one small all-reduce on a control communicator carries every rank's count of chunks
    started per stream (and the mean of the floating buffers, and rank 0's magnitudes for the next
    order); every rank computes the same stops (:func:`.decisions.stop_points`: what any rank started
@@ -43,10 +47,11 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.lossy import LossyOptions, drops_report
 from prague.algorithms.lossy.decisions import (
-    ChunkPlan, Deadline, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count,
-    stop_points, stream_queues,
+    IN_FLIGHT, ChunkPlan, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks,
+    priority_order, required_count, stop_points, stream_queues,
 )
 from prague.comm.flat import views_of
+from prague.comm.hostmap import host_labels
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
@@ -55,24 +60,63 @@ from prague.metrics.decisions import Decision
 _instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 #: A chunk's magnitude is the mean |g| of every _SAMPLE-th element: the order needs a ranking, not the exact value.
 _SAMPLE = 16
+#: The longest a stream thread sleeps between looks at its phases (a completed phase wakes it at once).
+_PHASE_POLL_S = 0.05
 #: How often a rank stopped by its deadline looks for the other ranks' proposals.
 _POLL_S = 0.002
 
 
+#: A chunk's collective: the phases it goes through, in order; each issues one asynchronous collective on
+#: a communicator of its own and returns its handle (a rank that takes no part in a phase has none).
+Phases = Callable[[torch.Tensor], list[Callable[[], Any]]]
+
+
+class _InFlight:
+    """A chunk a stream has started: its phases, how many were issued, the last one's handle."""
+
+    def __init__(self, phases: list[Callable[[], Any]], wake: threading.Event) -> None:
+        self.phases = phases
+        self.issued = 0
+        self.work: Any = None
+        self._wake = wake
+
+    def issue(self) -> None:
+        self.work = self.phases[self.issued]()
+        self.issued += 1
+        self.work.get_future().add_done_callback(lambda _: self._wake.set())
+
+    def ready(self) -> bool:
+        """Whether its last issued phase has completed (raising if it failed)."""
+        if self.work is None or not self.work.is_completed():
+            return False
+        self.work.wait()
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self.issued == len(self.phases) and (not self.phases or self.ready())
+
+
 class ChunkStreams:
-    """One thread per communicator, each all-reducing its queue of chunks in order.
+    """One thread per stream, each passing its queue of chunks, in order, through the stream's chunk
+    collective (phases that leave the sum over every rank in the chunk), with up to ``depth`` chunks
+    in flight: while one chunk crosses the hosts, the next is reduced inside its host. Each phase has
+    a communicator of its own and is issued for chunk k+1 only after chunk k's, so every communicator
+    sees the chunks in queue order on every rank, however the phases interleave.
 
     The main thread calls :meth:`begin` with this step's queues, waits with :meth:`wait_first` and
     :meth:`wait_all`, stops new starts with :meth:`freeze` (which returns how many chunks each stream
     has started), then lets each stream go on to its agreed stop with :meth:`release` and waits with
-    :meth:`wait_stops`. A collective that fails ends every wait with :class:`CommError`.
+    :meth:`wait_stops`. What is in flight at the deadline cannot be dropped. A collective that fails
+    ends every wait with :class:`CommError`.
     """
 
-    def __init__(self, groups: list[dist.ProcessGroup], after_collective: Callable[[], None]) -> None:
-        self.groups = groups
+    def __init__(self, collectives: list[Phases], after_collective: Callable[[], None], depth: int = IN_FLIGHT) -> None:
+        self.collectives = collectives
         self._after = after_collective  # CUDA: wait for the collective's kernels before counting it in
+        self.depth = depth
         self._cond = threading.Condition()
-        count = len(groups)
+        count = len(collectives)
         self.queues: list[list[torch.Tensor]] = [[] for _ in range(count)]
         self.started = [0] * count
         self.completed = [0] * count
@@ -81,7 +125,6 @@ class ChunkStreams:
         self.first_done_s: float | None = None
         self.error: BaseException | None = None
         self._closing = False
-        self.depth = 1  # collectives in flight per stream: what is in flight at the deadline cannot be dropped
         self._threads = [threading.Thread(target=self._loop, args=(s,), name=f"lossy-stream-{s}", daemon=True)
                          for s in range(count)]
         for t in self._threads:
@@ -107,35 +150,56 @@ class ChunkStreams:
         return self.stops is not None and nxt < self.stops[s]
 
     def _loop(self, s: int) -> None:
-        group = self.groups[s]
-        pending: list[Any] = []  # collectives issued and not yet complete, oldest first
+        collective = self.collectives[s]
+        flying: deque[_InFlight] = deque()  # started, not completed, oldest first
+        wake = threading.Event()  # set when a phase of this stream completes
         while True:
             with self._cond:
-                while not (self._closing or self.error is not None or pending or self._may_start(s)):
+                while not (self._closing or self.error is not None or flying or self._may_start(s)):
                     self._cond.wait()
                 if self._closing or self.error is not None:
                     return
-                issue = len(pending) < self.depth and self._may_start(s)
-                if issue:
+                tensor = None
+                if len(flying) < self.depth and self._may_start(s):
                     tensor = self.queues[s][self.started[s]]
                     self.started[s] += 1
             try:
-                if issue:
-                    pending.append(group.allreduce([tensor]))
-                    if len(pending) < self.depth:
-                        continue
-                pending.pop(0).wait()
-                self._after()
+                if tensor is not None:
+                    flying.append(_InFlight(collective(tensor), wake))
+                issued = self._advance(flying)
+                finished = 0
+                while flying and flying[0].done:
+                    flying.popleft()
+                    finished += 1
+                if finished:
+                    self._after()
+                elif not issued and tensor is None:
+                    wake.wait(_PHASE_POLL_S)  # until a phase completes; cleared before looking again
+                    wake.clear()
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 with self._cond:
                     self.error = exc
                     self._cond.notify_all()
                 return
-            with self._cond:
-                self.completed[s] += 1
-                if s == 0 and self.completed[0] == 1:
-                    self.first_done_s = time.perf_counter()
-                self._cond.notify_all()
+            if finished:
+                with self._cond:
+                    self.completed[s] += finished
+                    if s == 0 and self.first_done_s is None:
+                        self.first_done_s = time.perf_counter()
+                    self._cond.notify_all()
+
+    @staticmethod
+    def _advance(flying: deque[_InFlight]) -> bool:
+        """Issue every next phase that may go: its chunk's previous phase has completed and the older
+        chunk has issued that phase already. True if anything was issued."""
+        issued = False
+        for i, chunk in enumerate(flying):
+            while chunk.issued < len(chunk.phases) and (chunk.issued == 0 or chunk.ready()):
+                if i > 0 and flying[i - 1].issued <= chunk.issued:
+                    break
+                chunk.issue()
+                issued = True
+        return issued
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -206,6 +270,40 @@ class ChunkStreams:
         return not any(t.is_alive() for t in self._threads)
 
 
+class Ring:
+    """A chunk's collective with ``--hierarchy flat``: one ring all-reduce over every rank."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, tensor: torch.Tensor) -> list[Callable[[], Any]]:
+        return [lambda: self.group.allreduce([tensor])]
+
+
+class TwoLevel:
+    """A chunk's collective with ``--hierarchy hosts`` (see :class:`.decisions.Hierarchy`): reduce to the
+    stream's leader inside the host (``reduce``; ``root`` is the leader's rank in it), all-reduce among
+    the hosts' leaders (``cross``: only a leader has it), broadcast back inside the host (``broadcast``:
+    a communicator of its own, so a chunk's broadcast and the next chunk's reduce never wait for each
+    other). ``reduce`` and ``broadcast`` are None when the host has one rank. Any rank completes a chunk
+    only after every rank has entered it (its leader's ring needs every leader, each leader's reduce
+    every rank of its host), as with one ring."""
+
+    def __init__(self, reduce: dist.ProcessGroup | None, broadcast: dist.ProcessGroup | None, root: int,
+                 cross: dist.ProcessGroup | None) -> None:
+        self.reduce, self.broadcast, self.root, self.cross = reduce, broadcast, root, cross
+
+    def __call__(self, tensor: torch.Tensor) -> list[Callable[[], Any]]:
+        phases: list[Callable[[], Any]] = []
+        if self.reduce is not None:
+            phases.append(lambda: self.reduce.reduce(tensor, self.root))  # type: ignore[union-attr]
+        if self.cross is not None:
+            phases.append(lambda: self.cross.allreduce([tensor]))  # type: ignore[union-attr]
+        if self.broadcast is not None:
+            phases.append(lambda: self.broadcast.broadcast(tensor, self.root))  # type: ignore[union-attr]
+        return phases
+
+
 class Lossy(Algorithm):
     """See the module docstring."""
 
@@ -224,6 +322,7 @@ class Lossy(Algorithm):
         self.deadlines_s: list[float] = []
         self.control_s = 0.0
         self.streams: ChunkStreams | None = None
+        self.hierarchy = "flat"
         self.residual = torch.zeros(0)  # what this rank carries into its next step (error feedback)
         if ctx.world_size == 1 or total == 0:
             return model
@@ -235,7 +334,7 @@ class Lossy(Algorithm):
         self.magnitudes = [0.0] * self.plan.count  # of the last applied gradient, the same on every rank
         self.pending_magnitudes = [0.0] * self.plan.count  # this rank's; rank 0's go out in the next control round
         self.ages = [0] * self.plan.count
-        self.deadline = Deadline(opts.deadline_slack)
+        self.deadline = Deadline(opts.deadline_slack, opts.deadline_quantile)
         n, count = ctx.world_size, opts.streams
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.control = torch.zeros(self.plan.count + self.n_buffers, dtype=dtype, device=ctx.device)
@@ -243,14 +342,36 @@ class Lossy(Algorithm):
         self.store = ctx.private_store()  # the main thread's proposals and their waits
         self._published: deque[str] = deque()
 
-        def group(name: str) -> dist.ProcessGroup:
-            return backend_group(ctx, dist.PrefixStore(f"{prefix}/{name}", ctx.store), ctx.rank, n, ctx.timeout)
+        def group(name: str, members: Sequence[int] = range(n)) -> dist.ProcessGroup:
+            return backend_group(ctx, dist.PrefixStore(f"{prefix}/{name}", ctx.store), list(members).index(ctx.rank),
+                                 len(members), ctx.timeout)
 
-        groups = [group(f"stream{s}") for s in range(count)]
+        layout = None
+        if opts.hierarchy == "hosts":
+            layout = Hierarchy.of(host_labels(ctx.store, f"{prefix}/host", ctx.rank, n, ctx.timeout))
+        groups: list[dist.ProcessGroup] = []
+        collectives: list[Phases] = []
+        if layout is not None and layout.two_level:
+            self.hierarchy = f"hosts ({len(layout.hosts)} hosts)"
+            host = layout.host_of(ctx.rank)
+            mates = layout.hosts[host]
+            for s in range(count):  # every rank creates its groups in this one order: no rendezvous waits in a circle
+                reduce = group(f"s{s}/host{host}/reduce", mates) if len(mates) > 1 else None
+                broadcast = group(f"s{s}/host{host}/broadcast", mates) if len(mates) > 1 else None
+                leaders = layout.leaders(s)
+                cross = group(f"s{s}/cross", leaders) if ctx.rank in leaders else None
+                collectives.append(TwoLevel(reduce, broadcast, mates.index(layout.leader(host, s)), cross))
+                groups += [g for g in (reduce, broadcast, cross) if g is not None]
+        else:
+            self.hierarchy = "flat"
+            for s in range(count):
+                ring = group(f"stream{s}")
+                collectives.append(Ring(ring))
+                groups.append(ring)
         self.control_group = group("control")
         sync: Callable[[], None] = (lambda: torch.cuda.current_stream().synchronize()) \
             if ctx.device.type == "cuda" else (lambda: None)
-        self.streams = ChunkStreams(groups, sync)
+        self.streams = ChunkStreams(collectives, sync, IN_FLIGHT)
         self.resources.callback(self._release, groups)
         return model
 
@@ -276,7 +397,7 @@ class Lossy(Algorithm):
         lengths = [len(q) for q in queues]
         streams.begin([[self.chunk_views[c] for c in q] for q in queues])
         first_s = streams.wait_first(ctx.timeout_s)
-        budget = self.deadline.budget_s(plan.total - plan.sizes[order[0]])
+        budget = self.deadline.budget_s(deadline_elements(plan, order, queues, streams.depth))
         if budget is not None:
             self.deadlines_s.append(budget)
         streams.wait_all(None if budget is None else first_s + budget, ctx.timeout_s)
@@ -387,4 +508,4 @@ class Lossy(Algorithm):
 
     def stats(self) -> dict[str, Any]:
         return drops_report(self.options, chunks=self.plan.count, shares=self.shares, deadlines_s=self.deadlines_s,
-                            control_s=self.control_s)
+                            control_s=self.control_s, hierarchy=self.hierarchy)
