@@ -16,7 +16,9 @@ Pure formulas first (they are what the tests check the simulator against):
 Contention (:class:`Fabric`): while k groups that cross nodes are running and use a node's network
 card, each gets ``1/k`` of its bandwidth (likewise for groups inside one node and its intra-node
 fabric). A group's share is fixed when it starts, from the groups running then: a static approximation
-of fair sharing that keeps one event per group.
+of fair sharing that keeps one event per group. Cross traffic (:mod:`prague.sim.traffic`, ``--cross-traffic``)
+slows a group that crosses nodes while a burst occupies one of its nodes' links: the fabric adds that
+delay to every transfer it times, so every method whose transfers cross nodes meets the bursts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 from prague.groups.api import Topology
 from prague.sim.cluster import Cluster, Link
+from prague.sim.traffic import Bursts, node_crossings
 
 BYTES_PER_FLOAT32 = 4
 
@@ -64,8 +67,13 @@ class Queue:
     jobs: int = 0
     queued_s: float = 0.0
 
-    def reserve(self, now: float, service_s: float) -> float:
+    def reserve(self, now: float, service_s: float,
+                delay_s: Callable[[float, float], float] | None = None) -> float:
+        """Queue a job arriving at ``now`` that needs ``service_s``; ``delay_s(start, service_s)``, when
+        given, adds the time the job loses once started (a message slowed by cross traffic)."""
         start = now if now >= self.free_at else self.free_at
+        if delay_s is not None:
+            service_s += delay_s(start, service_s)
         self.queued_s += start - now
         self.free_at = start + service_s
         self.busy_s += service_s
@@ -73,24 +81,46 @@ class Queue:
         return self.free_at
 
 
-class Fabric:
-    """Which node resources running groups use, to share bandwidth between concurrent groups."""
+@dataclass(frozen=True)
+class Transfer:
+    """A transfer running on the :class:`Fabric`, from :meth:`Fabric.begin` to :meth:`Fabric.end`: its
+    bottleneck ``link``, the ``share`` of it the transfer got when it began, the nodes whose network cards
+    (``kind`` ``"nic"``) or intra-node fabric (``"bus"``) it uses, and the cross traffic it meets."""
 
-    def __init__(self, topology: Topology, cluster: Cluster) -> None:
+    kind: str
+    nodes: tuple[int, ...]
+    link: Link
+    share: float
+    start_s: float
+    bursts: Bursts | None = None
+
+    def delay_s(self, work_s: float, start_s: float | None = None, flows: int = 1) -> float:
+        """What cross traffic adds to ``work_s`` seconds of this transfer's bytes (at its share) started at
+        ``start_s`` (default: when the transfer began) over ``flows`` flows; 0.0 inside one node or without
+        cross traffic (:meth:`prague.sim.traffic.Bursts.delay_s`)."""
+        if self.bursts is None or self.kind != "nic":
+            return 0.0
+        return self.bursts.delay_s(node_crossings(self.nodes), self.start_s if start_s is None else start_s, work_s,
+                                   flows, self.share)
+
+
+class Fabric:
+    """Which node resources running groups use, to share bandwidth between concurrent groups, and the cross
+    traffic on the nodes' links (``bursts``; ``clock`` gives the simulated time a transfer begins at)."""
+
+    def __init__(self, topology: Topology, cluster: Cluster, bursts: Bursts | None = None,
+                 clock: Callable[[], float] = lambda: 0.0) -> None:
         self.topology = topology
         self.cluster = cluster
+        self.bursts = bursts
+        self.clock = clock
         self.nic = [0] * topology.nodes  # running node-crossing groups using each node's network card
         self.bus = [0] * topology.nodes  # running single-node groups on each node's intra-node fabric
         self.max_share_denominator = 1
 
-    def start(self, members: tuple[int, ...], size_bytes: float,
-              cost: Callable[[int, float, Link, float], float] | None = None,
-              ) -> tuple[float, tuple[str, tuple[int, ...]]]:
-        """Begin a transfer among ``members``; return its duration and a token for :meth:`end`.
-
-        ``cost(members, size_bytes, link, bandwidth_share)`` gives the duration; the default is the ring
-        all-reduce, :func:`ring_allreduce_s`.
-        """
+    def begin(self, members: tuple[int, ...]) -> Transfer:
+        """Register a transfer among ``members`` now (it shares their links until :meth:`end`); the
+        returned :class:`Transfer` says its link and share, and times its bytes through the bursts."""
         wpn = self.topology.workers_per_node
         if spans_nodes(members, self.topology):
             nodes = tuple(sorted({m // wpn for m in members}))
@@ -105,11 +135,26 @@ class Fabric:
             worst = max(loads[node] for node in nodes)
             self.max_share_denominator = max(self.max_share_denominator, worst)
             share = 1.0 / worst
-        duration = (cost or ring_allreduce_s)(len(members), size_bytes, link, share)
-        return duration, (kind, nodes)
+        return Transfer(kind, nodes, link, share, self.clock(), self.bursts)
 
-    def end(self, token: tuple[str, tuple[int, ...]]) -> None:
-        kind, nodes = token
-        loads = self.nic if kind == "nic" else self.bus
-        for node in nodes:
+    def start(self, members: tuple[int, ...], size_bytes: float,
+              cost: Callable[[int, float, Link, float], float] | None = None,
+              ) -> tuple[float, Transfer]:
+        """Begin a transfer among ``members``; return its duration and the token for :meth:`end`.
+
+        ``cost(members, size_bytes, link, bandwidth_share)`` gives the duration; the default is the ring
+        all-reduce, :func:`ring_allreduce_s`. Its bytes' part (all but ``cost`` of 0 bytes) is slowed by
+        the bursts it meets (:meth:`Transfer.delay_s`).
+        """
+        transfer = self.begin(members)
+        cost = cost or ring_allreduce_s
+        duration = cost(len(members), size_bytes, transfer.link, transfer.share)
+        if transfer.bursts is not None and transfer.kind == "nic":
+            latency = cost(len(members), 0.0, transfer.link, 1.0)
+            duration += transfer.delay_s(duration - latency, transfer.start_s + latency)
+        return duration, transfer
+
+    def end(self, token: Transfer) -> None:
+        loads = self.nic if token.kind == "nic" else self.bus
+        for node in token.nodes:
             loads[node] -= 1

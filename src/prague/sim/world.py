@@ -12,6 +12,11 @@ is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same 
 real run). The jitter comes from one seeded generator per worker (all its steps drawn up front), so a
 worker's compute times depend only on (seed, rank, step), never on the order of events.
 
+Links: every transfer goes through :attr:`World.fabric` (:class:`~prague.sim.costs.Fabric`), which shares
+links among concurrent transfers and, with ``cross_traffic`` (``--cross-traffic``), slows the transfers
+that cross nodes while the seeded bursts of :mod:`prague.sim.traffic` (:attr:`World.bursts`) occupy
+their nodes' links.
+
 Decision log: with a ``decisions`` folder, :attr:`World.decisions` holds every simulated worker's
 :class:`~prague.metrics.decisions.DecisionLog` (the files a real run with ``--log-decisions`` writes)
 and methods open their services' traces there with :meth:`World.open_file`; :meth:`World.close`
@@ -34,10 +39,12 @@ from prague.hetero.spec import Scenario
 from prague.io import JsonLines
 from prague.metrics.decisions import DecisionLog
 from prague.metrics.summary import WorkerTiming
+from prague.net.traffic import CrossTraffic
 from prague.sim.cluster import Cluster
-from prague.sim.costs import Fabric
+from prague.sim.costs import Fabric, Transfer
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
+from prague.sim.traffic import Bursts
 
 
 DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
@@ -65,7 +72,8 @@ class World:
 
     def __init__(self, *, cluster: Cluster, topology: Topology, scenario: Scenario, steps: int,
                  state_bytes: float, seed: int, math: NoMath | None = None,
-                 trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None) -> None:
+                 trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None,
+                 cross_traffic: CrossTraffic | None = None) -> None:
         self.engine = Engine()
         self.cluster = cluster
         self.topology = topology
@@ -76,7 +84,9 @@ class World:
         self.seed = seed
         self.math = math if math is not None else NoMath()
         self.trace = trace  # when a list: every Group Generator call, in order (tests replay it)
-        self.fabric = Fabric(topology, cluster)
+        # Bursts on the links between nodes, at the inter-node link's rate (the emulated hosts' --link-rate).
+        self.bursts = None if cross_traffic is None else Bursts(cross_traffic, seed, cluster.inter)
+        self.fabric = Fabric(topology, cluster, self.bursts, clock=lambda: self.engine.now)
         self.end_s: list[list[float]] = [[] for _ in range(self.n)]
         self.compute_log: list[list[float]] = [[] for _ in range(self.n)]
         self.slowdown_log: list[list[float]] = [[] for _ in range(self.n)]
@@ -153,15 +163,19 @@ class World:
 
     def meet(self, key: Any, members: tuple[int, ...], size_bytes: float | None = None,
              on_done: Callable[[tuple[int, ...]], None] | None = None,
-             cost_s: Callable[[float], float] | None = None, setup: bool = True) -> Signal:
+             cost_s: Callable[[float], float] | None = None, setup: bool = True,
+             exchange_s: Callable[[Transfer], float] | None = None) -> Signal:
         """Join the ring all-reduce ``key`` over ``members``; the returned signal fires when it completes.
 
         Blocking semantics of the runtime: it starts when the last member joins and takes the ring's
         alpha-beta time on its bottleneck link, shared with groups already running on the same nodes
-        (:class:`~prague.sim.costs.Fabric`), plus (``setup``) communicator set-up for a member set new
-        to a member.
-        ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``on_done(members)``
-        runs at completion, before anyone resumes (the group average, in real-arithmetic mode).
+        and slowed by the cross traffic it meets (:class:`~prague.sim.costs.Fabric`), plus (``setup``)
+        communicator set-up for a member set new to a member.
+        ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``exchange_s``, for a
+        method that plays out a collective of its own, replaces the ring: it gets the group's
+        :class:`~prague.sim.costs.Transfer` (link, share, bursts) when the last member joins and returns
+        the duration. ``on_done(members)`` runs at completion, before anyone resumes (the group average,
+        in real-arithmetic mode).
         """
         entry = self._meetings.get(key)
         if entry is None:
@@ -171,15 +185,20 @@ class World:
         if entry[1] == len(members):
             del self._meetings[key]
             self._start_group(members, sig, self.state_bytes if size_bytes is None else size_bytes,
-                              on_done, cost_s, setup)
+                              on_done, cost_s, setup, exchange_s)
         return sig
 
     def _start_group(self, members: tuple[int, ...], sig: Signal, size_bytes: float,
                      on_done: Callable[[tuple[int, ...]], None] | None,
-                     cost_s: Callable[[float], float] | None, setup: bool) -> None:
-        ring_s, token = self.fabric.start(members, size_bytes)
-        if cost_s is not None:
-            ring_s = cost_s(ring_s)
+                     cost_s: Callable[[float], float] | None, setup: bool,
+                     exchange_s: Callable[[Transfer], float] | None = None) -> None:
+        if exchange_s is not None:
+            token = self.fabric.begin(members)
+            ring_s = exchange_s(token)
+        else:
+            ring_s, token = self.fabric.start(members, size_bytes)
+            if cost_s is not None:
+                ring_s = cost_s(ring_s)
         duration = ring_s + (self._setup_s(members) if setup else 0.0)
         self.groups_run += 1
         self.group_members += len(members)

@@ -5,12 +5,18 @@
     prague simulate --calibrate runs/bench/bench.json --out runs/cal        # fit, compare, write cluster.toml
     prague simulate --calibrate runs/bench/bench.json --algorithms prague:ready --nproc 256 --out runs/big
     prague simulate --algorithms prague:smart,allreduce --nproc 256 --math real --steps 400   # accuracy too
+    prague simulate --algorithms allreduce,lossy --nproc 8 --hosts 4 --link-rate 1gbit --cross-traffic bursts:0.3:20
 
 The run flags are ``prague bench``'s own (same names, same method options); cluster flags override
 single values of ``--cluster`` (a preset: ``paper``, ``local``; or a TOML file, see
 :mod:`prague.sim.cluster`). With ``--calibrate`` the cluster is fitted to that benchmark first
 (:mod:`prague.simulate.calibrate`), the comparison is printed and written to ``OUT/calibration.{md,json}``
 and the fitted cluster to ``OUT/cluster.toml``; methods are simulated only if ``--algorithms`` is given.
+
+Emulated hosts are modelled, with ``prague run``'s flags: ``--hosts H`` makes H nodes (ranks in
+contiguous blocks; ``--nodes`` follows), ``--link-rate`` (default 1gbit) is the inter-node bandwidth
+(the intra-node link stays the cluster's: a host's loopback), ``--cross-traffic bursts:P:MB`` loads
+every node's link with the runtime's seeded bursts (:mod:`prague.sim.traffic`).
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ if TYPE_CHECKING:
     from prague.simulate.run import SimConfig
 
 from prague.errors import ConfigError
+from prague.net.hosts import DEFAULT_LINK_RATE
 from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
 from prague.train.config import (
-    RunConfig, add_run_arguments, check_options_apply, check_out_folder, config_from_args, option_values, run_folder,
+    RunConfig, add_run_arguments, check_options_apply, check_out_folder, config_from_args, hosts_nodes, option_values,
+    run_folder,
 )
 from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 
@@ -146,11 +154,12 @@ def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) 
         run.check_data_source()
     options = {k: v for k, v in run.options.items() if k != "nodes"}
     decisions = run_folder(run.out, run.algorithm, run.scenario) / DECISIONS_DIR if run.log_decisions else None
+    link_rate = None if run.hosts is None else run.link_rate or DEFAULT_LINK_RATE
     return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
                      batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
                      warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
                      momentum=run.momentum, eval_every=run.eval_every, target_accuracy=run.target_accuracy,
-                     decisions=decisions)
+                     decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic)
 
 
 def _line(r: RunRecord) -> str:
@@ -168,13 +177,22 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
     if not algorithms or not scenarios:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
     check_options_apply(args, algorithms, topology=("nodes",))
-    given = [f"--{n.replace('_', '-')}" for n in ("hosts", "link_rate", "cross_traffic") if getattr(args, n, None)
-             is not None]
-    if given:
-        raise ConfigError(f"prague simulate does not model emulated hosts ({', '.join(given)}); describe the "
-                          "network with --cluster and --nodes instead, or drop them")
+    if getattr(args, "hosts", None) is not None and args.inter_gbps is not None:
+        raise ConfigError(f"--inter-gbps {args.inter_gbps} and --hosts both set the inter-node bandwidth; with "
+                          "emulated hosts it is --link-rate (default 1gbit): drop --inter-gbps")
+    sim_nodes(args)  # --nodes against --hosts, for every method (runs check it only for methods with --nodes)
     return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
             for s in scenarios for a in algorithms]
+
+
+def sim_nodes(args: argparse.Namespace) -> int:
+    """The simulated topology's nodes, for every method: ``--hosts`` when given (a different ``--nodes``
+    is an error), else ``--nodes`` (default 1)."""
+    given = option_values(args).get("nodes")
+    hosts = getattr(args, "hosts", None)
+    if hosts is not None:
+        return hosts_nodes(None if given is None else int(given), int(hosts))
+    return 1 if given is None else int(given)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -192,7 +210,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # settings, the cluster flags (on the preset, until calibration replaces it), the simulations.
     calibrate_only = args.calibrate is not None and args.algorithms is None
     runs = [] if calibrate_only else _run_configs(args, out)
-    nodes = int(option_values(args).get("nodes", 1))  # the simulated topology, for every method
+    nodes = sim_nodes(args)  # the simulated topology, for every method
     cluster = cluster_from_args(args, base)
     configs = [sim_config(run, cluster=cluster, math_mode=args.math, nodes=nodes) for run in runs]
     if args.calibrate is not None:

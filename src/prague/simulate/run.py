@@ -25,7 +25,9 @@ from prague.groups.api import Topology
 from prague.hetero.spec import parse_scenario
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import warmup_steps
-from prague.sim.cluster import PAPER, Cluster
+from prague.net.hosts import parse_rate
+from prague.net.traffic import CrossTraffic, parse_cross_traffic
+from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
 from prague.sim.world import World
 from prague.workload.catalog import dataset_info
@@ -50,7 +52,10 @@ class SimConfig:
     nodes. ``compute_s`` overrides the cluster's nominal compute time when given. ``trace`` records
     every Group Generator call (tests). ``decisions``: a folder to write every simulated worker's
     decision log to (``rankR.jsonl``) and the services' traces, as a real run with ``--log-decisions``
-    does (:mod:`prague.metrics.decisions`).
+    does (:mod:`prague.metrics.decisions`). Emulated hosts (``prague simulate --hosts H``, with ``nodes``
+    = H): ``link_rate`` (``--link-rate``, like ``1gbit``) replaces the cluster's inter-node bandwidth,
+    and ``cross_traffic`` (``--cross-traffic bursts:P:MB``) loads every node's link with the runtime's
+    seeded bursts (:mod:`prague.sim.traffic`, seeded by ``seed``).
     """
 
     algorithm: str = "allreduce"
@@ -73,6 +78,8 @@ class SimConfig:
     target_accuracy: float | None = None
     trace: bool = False
     decisions: Path | None = None
+    link_rate: str | None = None
+    cross_traffic: str | None = None
 
     def __post_init__(self) -> None:
         method, variant = parse_method(self.algorithm)
@@ -92,6 +99,10 @@ class SimConfig:
             raise ConfigError(f"--compute-ms must be >= 0, got {self.compute_s * 1e3}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.link_rate is not None:
+            parse_rate(self.link_rate)
+        if self.cross_traffic is not None:
+            parse_cross_traffic(self.cross_traffic)
         scenario = parse_scenario(self.scenario)
         scenario.check_world(self.nproc)
         if scenario.faults:
@@ -104,7 +115,16 @@ class SimConfig:
 
     @property
     def effective_cluster(self) -> Cluster:
-        return self.cluster.replace_fields(compute_s=self.compute_s)
+        """The cluster with ``compute_s`` and the emulated hosts' ``link_rate`` (inter-node bandwidth, bits
+        per second / 8) applied; the intra-node link stays the cluster's (a host's loopback)."""
+        inter = None
+        if self.link_rate is not None:
+            inter = Link(self.cluster.inter.latency_s, parse_rate(self.link_rate) / 8.0)
+        return self.cluster.replace_fields(compute_s=self.compute_s, inter=inter)
+
+    @property
+    def traffic(self) -> CrossTraffic | None:
+        return None if self.cross_traffic is None else parse_cross_traffic(self.cross_traffic)
 
 
 def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tuple[World, Any]:
@@ -121,7 +141,8 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     ))
     world = World(cluster=cluster, topology=config.topology,
                   scenario=parse_scenario(config.scenario, seed=config.seed), steps=config.steps,
-                  state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions)
+                  state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions,
+                  cross_traffic=config.traffic)
     try:
         return world, method.sim_class()(world, options)
     except BaseException:
@@ -168,6 +189,8 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         "run_s": run_s,
         "groups": world.groups_run,  # ring all-reduces and P-Reduces run (all members at once)
         "max_link_sharing": world.fabric.max_share_denominator,
+        "link_rate": config.link_rate,
+        "cross_traffic": None if world.bursts is None else world.bursts.report(),
     }
     if trace is not None:
         sim["trace"] = trace

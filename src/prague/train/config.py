@@ -84,7 +84,8 @@ class RunConfig:
                                          "decisions/rankR.jsonl in the run's folder, the services' traces "
                                          "beside them")
     hosts: int | None = setting(None, "place the workers on H emulated hosts: Linux network namespaces linked to "
-                                      "a bridge through shaped links (needs root); --nodes follows")
+                                      "a bridge through shaped links (needs root; simulate: H simulated nodes); "
+                                      "--nodes follows")
     link_rate: str | None = setting(None, "with --hosts: each host's link rate each way, like 1gbit or 100mbit "
                                           "(default 1gbit)")
     cross_traffic: str | None = setting(None, "with --hosts: congestion on every link, bursts:P:MB (every 100 ms "
@@ -265,11 +266,16 @@ def follow_hosts(method: Any, values: dict[str, Any], hosts: int) -> dict[str, A
     something else is an error."""
     if "nodes" not in {o.name for o in method.option_infos}:
         return values
-    given = values.get("nodes")
+    return {**values, "nodes": hosts_nodes(values.get("nodes"), hosts)}
+
+
+def hosts_nodes(given: int | None, hosts: int) -> int:
+    """The nodes of a job on ``hosts`` emulated hosts: the hosts; a ``--nodes`` that says otherwise
+    (``given``) is an error. Serves runs (:func:`follow_hosts`) and the simulated topology alike."""
     if given is not None and given != hosts:
         raise ConfigError(f"--nodes {given} differs from --hosts {hosts}; with emulated hosts the nodes are the "
                           "hosts: drop --nodes")
-    return {**values, "nodes": hosts}
+    return hosts
 
 
 def check_options_apply(args: argparse.Namespace, algorithms: list[str], topology: tuple[str, ...] = ()) -> None:

@@ -1,35 +1,56 @@
 """``lossy`` in simulated time: chunked all-reduce over parallel streams, a deadline, an agreed mask.
 
 Mirrors :mod:`prague.algorithms.lossy.runtime` with its decision code (:mod:`.decisions`: the chunk
-plan, the priority order, the deadline, the stop rule). Every iteration all n workers meet, as for
-``allreduce``; when the last one arrives the exchange is played out chunk by chunk:
+plan, the priority order, the deadline, the stop rule, the two-level :class:`.decisions.Hierarchy`).
+Every iteration all n workers meet, as for ``allreduce``; when the last one arrives the exchange is
+played out chunk by chunk on the group's :class:`~prague.sim.costs.Transfer` (its link, its share of
+it, the cross traffic it meets):
 
-* the ``--streams`` streams share the ring's bottleneck link (the inter-host link with ``--hosts``):
-  each chunk on a stream takes the alpha-beta ring time of its bytes at ``1/streams`` of the bandwidth,
-  times ``cluster.allreduce_exposed`` (the gloo all-reduce's measured distance from the ideal ring),
-  one chunk after the other per stream;
-* the deadline starts when stream 0's first chunk completes; a stream stops at the chunks it had
-  started by then, or at its share of the ``1 - --max-loss`` prefix (:func:`.decisions.stop_points`,
-  every worker's proposal the same here, since all start together);
-* the exchange ends when the last stream reaches its stop, plus one small control all-reduce; the
-  deadline observes the step's rate as the runtime's does.
+* the ``--streams`` streams share the links: each chunk on a stream moves at ``1/streams`` of the
+  group's bandwidth, each phase's alpha-beta time times ``cluster.allreduce_exposed`` (the gloo
+  all-reduce's measured distance from the ideal ring). As in the runtime's stream threads, a stream
+  has up to :data:`.decisions.IN_FLIGHT` chunks in flight and each phase runs on a communicator of
+  its own, one chunk at a time in queue order: while one chunk crosses the nodes the next is reduced
+  inside its node (:meth:`SimLossy.stream_times`);
+* a chunk's path is the runtime's. ``--hierarchy flat`` (or ``hosts`` on one node, or with one rank per
+  node): one ring all-reduce over every rank, on the inter-node link as soon as the ranks span nodes
+  (``2(n-1)`` steps, ``2(n-1)/n`` of the chunk's bytes on each node's link). ``hosts`` with several
+  ranks on a node and several nodes: a reduce inside the node (half a ring over its k ranks on the
+  intra-node link), a ring over stream s's leaders, one rank per node (each node's local rank ``s mod
+  k``: ``2(H-1)`` steps, ``2(H-1)/H`` of the bytes on the inter-node link), then a broadcast inside the
+  node (the other half ring). Every rank of a node shares the node's link, so which local rank leads a
+  stream does not change its time here (in the runtime it spreads the streams' work over the ranks);
+  the hosts are the simulated nodes (``--nodes``, or ``--hosts``), as the runtime finds them from the
+  ranks' host labels;
+* cross traffic (``--cross-traffic``) slows the stages on the inter-node link while a burst occupies a
+  link they cross (:meth:`~prague.sim.costs.Transfer.delay_s`; the ``--streams`` flows compete with the
+  burst's one), so chunks started during a burst take longer: this is where the deadline drops;
+* the deadline starts when stream 0's first chunk completes and lasts ``--deadline-slack`` x the time
+  :func:`.decisions.deadline_elements` take at the ``--deadline-quantile`` of recent steps' rates
+  (:class:`.decisions.Deadline`); a stream stops at the chunks it had started by then, or at its share
+  of the ``1 - --max-loss`` prefix (:func:`.decisions.stop_points`, every worker's proposal the same
+  here, since all start together);
+* the exchange ends when the last stream reaches its stop, plus one small control all-reduce over every
+  rank; the deadline observes the step's rate as the runtime's does.
 
-With links of constant speed every chunk takes its expected time, so steps drop only when the rate
-changes (contention with concurrent transfers); the runtime's drops come from queues on real links.
-With ``--math real`` the arithmetic applies the full average every step (drops are not modelled in it).
+With links of constant speed and no cross traffic every chunk takes its expected time, so steps drop
+only when the rate changes (contention with concurrent transfers, bursts); the runtime's drops come
+from queues on real links. With ``--math real`` the arithmetic applies the full average every step
+(drops are not modelled in it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prague.algorithms.lossy import drops_report
 from prague.algorithms.lossy.decisions import (
-    Deadline, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count, stop_points,
-    stream_queues,
+    IN_FLIGHT, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks,
+    priority_order, required_count, stop_points, stream_queues,
 )
 from prague.metrics.decisions import Decision
-from prague.sim.costs import BYTES_PER_FLOAT32, group_link
+from prague.sim.costs import BYTES_PER_FLOAT32, Transfer, group_link, ring_allreduce_s
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
 
@@ -43,36 +64,75 @@ class SimLossy(SimMethod):
         self.plan = plan_chunks(elements, options.chunk_elements(), options.streams, options.priority_tiers)
         self.magnitudes = [0.0] * self.plan.count  # no gradient values are simulated: the order is by tier
         self.ages = [0] * self.plan.count
-        self.deadline = Deadline(options.deadline_slack)
+        self.deadline = Deadline(options.deadline_slack, options.deadline_quantile)
         self.shares: list[float] = []
         self.deadlines_s: list[float] = []
         self.control_s = 0.0
+        # The simulated nodes are the hosts: the runtime finds them from each rank's host label.
+        self.layout = Hierarchy.of([world.topology.node_of(r) for r in range(world.n)])
+        self.two_level = options.hierarchy == "hosts" and self.layout.two_level
+        self.hierarchy = f"hosts ({len(self.layout.hosts)} hosts)" if self.two_level else "flat"
 
-    def exchange_s(self, step: int, full_ring_s: float) -> float:
-        """Play out step ``step``'s exchange (``full_ring_s``: the ring time of the whole state on the
-        bottleneck link at the bandwidth share it starts with); returns its duration."""
-        world, plan, opts = self.world, self.plan, self.options
-        n = world.n
-        everyone = tuple(range(n))
-        alpha = 2 * (n - 1) * group_link(everyone, world.topology, world.cluster).latency_s
-        per_element = max(0.0, full_ring_s - alpha) / max(1, plan.total)
+    def phases(self, transfer: Transfer, stream: int) -> list[Callable[[float, int], float]]:
+        """``stream``'s chunk collective as its phases, in order, each a function of (the time it starts,
+        the chunk's elements) to the time it completes on every rank, along the path of the module
+        docstring: one ring, or a reduce inside the node, a ring over the stream's leaders, a broadcast."""
+        world, streams = self.world, self.options.streams
         exposed = world.cluster.allreduce_exposed
+        intra = world.cluster.intra
+
+        def ring(members: int) -> Callable[[float, int], float]:
+            latency_s = ring_allreduce_s(members, 0.0, transfer.link)
+
+            def run(t: float, elements: int) -> float:
+                size = elements * BYTES_PER_FLOAT32
+                work_s = exposed * (ring_allreduce_s(members, size, transfer.link, transfer.share / streams)
+                                    - latency_s)
+                t += exposed * latency_s
+                return t + work_s + transfer.delay_s(work_s, t, flows=streams)
+
+            return run
+
+        if not self.two_level:
+            return [ring(world.n)]
+        node_ranks = len(self.layout.hosts[0])  # every node holds as many
+
+        def half_ring(t: float, elements: int) -> float:  # a reduce, or a broadcast, inside the node
+            return t + exposed * ring_allreduce_s(node_ranks, elements * BYTES_PER_FLOAT32, intra, 1.0 / streams) / 2
+
+        return [half_ring, ring(len(self.layout.leaders(stream))), half_ring]
+
+    def stream_times(self, transfer: Transfer, stream: int, chunks: list[int]) -> tuple[list[float], list[float]]:
+        """When each of ``stream``'s ``chunks`` starts and completes, from the exchange's start, as the
+        runtime's stream thread runs them: up to :data:`.decisions.IN_FLIGHT` chunks in flight (a chunk
+        starts when the one that many places before it has completed), each phase on a communicator of
+        its own that takes the chunks one at a time, in order (while one chunk crosses the nodes, the
+        next is reduced inside its node)."""
+        phases = self.phases(transfer, stream)
+        t0 = transfer.start_s
+        free = [t0] * len(phases)  # when each phase's communicator is done with the previous chunk
+        starts: list[float] = []
+        ends: list[float] = []
+        for k, c in enumerate(chunks):
+            t = start = t0 if k < IN_FLIGHT else ends[k - IN_FLIGHT]
+            for p, phase in enumerate(phases):
+                t = free[p] = phase(max(t, free[p]), self.plan.sizes[c])
+            starts.append(start)
+            ends.append(t)
+        return [t - t0 for t in starts], [t - t0 for t in ends]
+
+    def exchange_s(self, step: int, transfer: Transfer) -> float:
+        """Play out step ``step``'s exchange over ``transfer`` (the group of every rank, begun now); returns
+        its duration."""
+        world, plan, opts = self.world, self.plan, self.options
+        everyone = tuple(range(world.n))
         order = priority_order(plan, self.magnitudes, self.ages)
         queues = stream_queues(order, opts.streams)
-        # Each stream's chunks back to back, each at 1/streams of the link: start and end times.
-        starts: list[list[float]] = []
-        ends: list[list[float]] = []
-        for q in queues:
-            t, s_times, e_times = 0.0, [], []
-            for c in q:
-                s_times.append(t)
-                t += exposed * (alpha + opts.streams * per_element * plan.sizes[c])
-                e_times.append(t)
-            starts.append(s_times)
-            ends.append(e_times)
+        times = [self.stream_times(transfer, s, q) for s, q in enumerate(queues)]
+        starts = [t[0] for t in times]
+        ends = [t[1] for t in times]
         first_s = ends[0][0]
-        rest = plan.total - plan.sizes[order[0]]
-        budget = self.deadline.budget_s(rest)
+        budget = self.deadline.budget_s(deadline_elements(plan, order, queues, IN_FLIGHT))
         if budget is None:
             proposal = [len(q) for q in queues]
         else:
@@ -80,10 +140,12 @@ class SimLossy(SimMethod):
             proposal = [sum(1 for t in s_times if t < first_s + budget) for s_times in starts]
         stops = stop_points([proposal], required_count(plan, order, opts.max_loss), [len(q) for q in queues])
         done_s = max((e[stop - 1] for e, stop in zip(ends, stops) if stop), default=first_s)
-        control = exposed * alpha
+        control = world.cluster.allreduce_exposed * ring_allreduce_s(
+            world.n, 0.0, group_link(everyone, world.topology, world.cluster))
         self.control_s += control
         dropped = dropped_chunks(queues, stops)
-        self.deadline.observe(rest - sum(plan.sizes[c] for c in dropped), done_s - first_s)
+        self.deadline.observe(plan.total - plan.sizes[order[0]] - sum(plan.sizes[c] for c in dropped),
+                              done_s - first_s)
         self.ages = next_ages(self.ages, dropped)
         share = dropped_share(plan, dropped)
         self.shares.append(share)
@@ -104,12 +166,12 @@ class SimLossy(SimMethod):
             def update(members: tuple[int, ...], k: int = k) -> None:
                 math.allreduce_step(members, k)
 
-            def cost(ring_s: float, k: int = k) -> float:
-                return self.exchange_s(k, ring_s)
+            def exchange(transfer: Transfer, k: int = k) -> float:
+                return self.exchange_s(k, transfer)
 
-            yield world.meet(("lossy", k), everyone, cost_s=cost, setup=False, on_done=update)
+            yield world.meet(("lossy", k), everyone, exchange_s=exchange, setup=False, on_done=update)
             world.record(w, compute, engine.now - t0, 0.0)
 
     def stats(self) -> dict[str, Any]:
         return drops_report(self.options, chunks=self.plan.count, shares=self.shares, deadlines_s=self.deadlines_s,
-                            control_s=self.control_s)
+                            control_s=self.control_s, hierarchy=self.hierarchy)

@@ -6,7 +6,10 @@ FIFO stages in a row: receiving on its network card (``cluster.server_link``, on
 full bandwidth, so n pushes arriving together are served one after another: the incast), applying the
 update under the shard's lock (``cluster.ps_apply_s``), sending the values back. With
 ``cluster.ps_full_duplex`` false, receiving and sending share one queue (one machine, where both are
-memory copies by the same CPUs). The update rules are the runtime's own (:mod:`prague.algorithms.ps.rules`):
+memory copies by the same CPUs). Messages between nodes meet the cross traffic (``--cross-traffic``,
+:mod:`prague.sim.traffic`) on the worker's node link: a push on its way out, the values on their way in
+(:meth:`prague.sim.traffic.Bursts.delay_s`, a message one flow). The update rules are the runtime's own
+(:mod:`prague.algorithms.ps.rules`):
 :func:`~prague.algorithms.ps.rules.staleness_scale`, :func:`~prague.algorithms.ps.rules.accepts`, and
 the shards' SGD step (:class:`prague.optim.SGDRule`): ``sync`` takes the run's optimizer rule with one
 server momentum buffer; ``async`` one momentum buffer per worker, or ``--ps-momentum folded``.
@@ -24,6 +27,7 @@ shard writes ``ps-shardK.jsonl`` as a real shard does (:class:`~prague.metrics.d
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +77,9 @@ class Shards:
         # both, as on one machine where every transfer is a memory copy by the same CPUs.
         self.send = [Queue() for _ in range(shards)] if world.cluster.ps_full_duplex else self.receive
         self.lock = [Queue() for _ in range(shards)]
+        # A worker's messages cross its node's link when the shards are on another node (several nodes).
+        self.bursts = world.bursts if world.topology.nodes > 1 else None
+        self.node_of = world.topology.node_of
         self.version = 0
         self.histogram: Counter[int] = Counter()
         self.rejected = 0
@@ -86,17 +93,27 @@ class Shards:
             for trace in self.traces:
                 trace.write(push.to_dict())
 
-    def push(self, now: float) -> list[float]:
-        """A push sent now: when each shard has received it."""
-        return [q.reserve(now + self.latency_s, self.message_s) for q in self.receive]
+    def _bursts(self, w: int, direction: str) -> Callable[[float, float], float] | None:
+        """What cross traffic adds to a message of worker ``w`` crossing its node's link in ``direction``."""
+        bursts = self.bursts
+        if bursts is None:
+            return None
+        crossing = ((self.node_of(w), direction),)
+        return lambda start_s, service_s: bursts.delay_s(crossing, start_s, service_s)
+
+    def push(self, now: float, w: int) -> list[float]:
+        """A push sent now by worker ``w``: when each shard has received it."""
+        delay = self._bursts(w, "out")
+        return [q.reserve(now + self.latency_s, self.message_s, delay) for q in self.receive]
 
     def apply(self, received: list[float]) -> list[float]:
         """One update per shard, under its lock, once the payload is in: when each is applied."""
         return [q.reserve(t, self.apply_s) for q, t in zip(self.lock, received)]
 
-    def reply(self, ready: list[float]) -> float:
-        """Values leaving shard s at ``ready[s]``: when the last of them reaches the worker."""
-        return max(q.reserve(t, self.message_s) for q, t in zip(self.send, ready)) + self.latency_s
+    def reply(self, ready: list[float], w: int) -> float:
+        """Values leaving shard s at ``ready[s]`` for worker ``w``: when the last of them reaches it."""
+        delay = self._bursts(w, "in")
+        return max(q.reserve(t, self.message_s, delay) for q, t in zip(self.send, ready)) + self.latency_s
 
     def push_async(self, world: World, w: int, grad: Any, base_version: int, now: float, step: int = 0) -> Answer:
         """Apply worker ``w``'s push of ``step`` at once (in push order, which is receive order), as an
@@ -104,7 +121,7 @@ class Shards:
 
         Every shard sees pushes in the same order, so one version counter stands for all of them.
         """
-        received = self.apply(self.push(now))
+        received = self.apply(self.push(now, w))
         tau = self.version - base_version
         ok = accepts(tau, self.max_staleness)
         scale = update_scale("async", self.staleness_lr, tau, world.n, ok)
@@ -116,7 +133,7 @@ class Shards:
             self.rejected += 1
         if self.traces is not None:
             self.trace(ShardPush(w, step, base_version, tau, scale, ok, self.version))
-        return Answer(self.reply(received), self.version, tau, ok, scale, world.math.server_values())
+        return Answer(self.reply(received, w), self.version, tau, ok, scale, world.math.server_values())
 
     def stats(self, world: World) -> dict[str, Any]:
         wall = world.engine.now
@@ -155,7 +172,7 @@ class SimPS(SimMethod):
         if self.shards.traces is not None:
             version = self.shards.version
             self.shards.trace(ShardPush(w, step, version, 0, self.sync_scale, True, version + 1))
-        self._round.append((w, self.shards.push(now), grad, sig))
+        self._round.append((w, self.shards.push(now, w), grad, sig))
         if len(self._round) == self.world.n:
             members, self._round = self._round, []
             done = self.shards.apply([max(arrived[s] for _, arrived, _, _ in members)
@@ -166,7 +183,7 @@ class SimPS(SimMethod):
             self.shards.histogram[0] += self.world.n
             values = math.server_values()
             for v, arrived, _, s in sorted(members, key=lambda m: (m[1][0], m[0])):
-                reply_at = self.shards.reply(done)
+                reply_at = self.shards.reply(done, v)
                 math.install(v, values)
                 s.fire_after(reply_at - now, max(d - a for d, a in zip(done, arrived)))
         return sig
