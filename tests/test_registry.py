@@ -52,7 +52,7 @@ def test_bad_names_list_the_valid_ones() -> None:
         parse_method("nosuch")
     with pytest.raises(ConfigError, match="no variants"):
         parse_method("allreduce:fast")
-    with pytest.raises(ConfigError, match="random, ready, smart, static"):
+    with pytest.raises(ConfigError, match="random, ready, smart, smart-blind, static, static-blind"):
         parse_method("prague:fast")
 
 

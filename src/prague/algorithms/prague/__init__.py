@@ -21,11 +21,21 @@ OVERLAP_MODES = ("on", "off")
 #: The ready window of a blocking worker (``--overlap off``) when ``--window-ms`` is left at 0.
 BLOCKING_WINDOW_S = 0.05
 WHEN_BUSY = ("wait", "local")
+#: The generators that follow the topology (``--nodes``: alternating intra- and inter-node groups). Each
+#: also runs blind, as ``NAME-blind``: the same generator given one node holding every rank, while the
+#: job's ``--nodes`` (its physical layout: the simulator's costs, ``--hosts``) stays, so one bench can
+#: measure what the alternation buys.
+TOPOLOGY_AWARE = ("static", "smart")
+BLIND = "-blind"
+#: ``--generator``'s choices (the ``prague:VARIANT`` names): every registered policy, each topology-aware
+#: one followed by its blind version.
+GENERATOR_CHOICES = tuple(name for g in GENERATORS for name in ((g, g + BLIND) if g in TOPOLOGY_AWARE else (g,)))
 
 
 @dataclass(frozen=True)
 class PragueOptions(Options):
-    generator: str = option("ready", "group generator", choices=tuple(GENERATORS))
+    generator: str = option("ready", "group generator (NAME-blind: NAME given one node holding every rank, "
+                            "whatever --nodes)", choices=GENERATOR_CHOICES)
     group_size: int = option(3, "workers per group (prague: smart, random, ready; dssync: k)")
     delta_c: int = option(4, "smart's threshold: join only if c_w > c_i - delta_c")
     nodes: int = option(1, "topology: nodes (nproc must be a multiple)")
@@ -65,17 +75,39 @@ class PragueOptions(Options):
         self.topology(nproc)
         check_group_size(self, nproc)
 
+    @property
+    def base_generator(self) -> str:
+        """The policy's name in :data:`prague.groups.GENERATORS`: ``generator`` without ``-blind``."""
+        return self.generator.removesuffix(BLIND)
+
+    @property
+    def blind(self) -> bool:
+        """Whether the generator is given one node holding every rank instead of the job's ``--nodes``."""
+        return self.generator.endswith(BLIND)
+
+    @property
+    def is_static(self) -> bool:
+        """The static schedule (blind or not): each worker computes its groups itself, no service."""
+        return self.base_generator == "static"
+
     def topology(self, nproc: int) -> Topology:
+        """The topology the generator gets for a job of ``nproc`` workers (ConfigError unless ``--nodes``
+        divides ``nproc``, blind or not): ``--nodes`` nodes, or one node when blind."""
         if nproc % self.nodes:
             raise ConfigError(f"--nproc {nproc} is not a multiple of --nodes {self.nodes}; use a divisor of {nproc}")
-        return Topology(self.nodes, nproc // self.nodes)
+        return self.generator_topology(Topology(self.nodes, nproc // self.nodes))
+
+    def generator_topology(self, physical: Topology) -> Topology:
+        """The topology the generator gets on a cluster laid out as ``physical``: it, or one node holding
+        every rank when blind (the simulator keeps ``physical`` for its costs)."""
+        return Topology.flat(physical.size) if self.blind else physical
 
     @property
     def busy_policy(self) -> str:
         """What a worker does with ``max_in_flight`` averages out: ``when_busy``, except that the static
         schedule pairs every worker's k-th request with its partners' k-th, so skipping one would leave
-        a partner waiting for ever; static always waits."""
-        return "wait" if self.generator == "static" else self.when_busy
+        a partner waiting for ever; static (blind too) always waits."""
+        return "wait" if self.is_static else self.when_busy
 
     @property
     def window_s(self) -> float:
@@ -87,9 +119,9 @@ class PragueOptions(Options):
 
     @property
     def uses_service(self) -> bool:
-        """Whether this job needs a Group Generator service of its own (``static`` needs none; with
-        ``--gg-address`` the user runs it)."""
-        return self.generator != "static" and not self.gg_address
+        """Whether this job needs a Group Generator service of its own (``static`` and ``static-blind``
+        need none; with ``--gg-address`` the user runs it)."""
+        return not self.is_static and not self.gg_address
 
 
 def overlap_report(options: PragueOptions, *, steps: int, local_steps: int, busy_local_steps: int,
@@ -119,7 +151,9 @@ METHOD = Method(
              "alternating intra-/inter-node, through per-worker FIFOs in one global order, with the threshold rule "
              "`--delta-c`), `random` (one random group per request: the naive generator), `ready` (ours: groups "
              "formed only from workers already waiting, within a window (adaptive by default), preferring partners not met "
-             "recently). By default (`--overlap on`) the Group Generator call and P-Reduce run on a background thread on a "
+             "recently); `static-blind` and `smart-blind` (the same generators given one node holding every rank, "
+             "while `--nodes` still lays out the job: what their intra-/inter-node alternation buys). By default "
+             "(`--overlap on`) the Group Generator call and P-Reduce run on a background thread on a "
              "snapshot of the parameters while the next iteration computes, and the worker adds the group's correction "
              "(average minus snapshot) when it arrives: delayed averaging (CoCoD-SGD, IJCAI 2019; Overlap-SGP, ICML "
              "2019); with `--max-in-flight` averages already out a worker takes a local step (`--when-busy local`, default; "

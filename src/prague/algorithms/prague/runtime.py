@@ -16,8 +16,9 @@ the worker waits for the oldest (``--when-busy wait``) or takes a local step (``
 Generators (``--generator``): ``static`` (a conflict-free schedule computed locally, no round trip),
 ``smart`` (the paper's: random divisions under a threshold rule, through a group buffer), ``random``
 (one random group per request: the naive baseline) and ``ready`` (groups formed only from workers
-already waiting at the service). Where the groups come from (and where the service runs) is
-:mod:`.source`; the policies themselves are :mod:`prague.groups`.
+already waiting at the service); ``static-blind`` and ``smart-blind`` are ``static`` and ``smart`` given one
+node holding every rank (:meth:`PragueOptions.topology`), whatever ``--nodes``. Where the groups come
+from (and where the service runs) is :mod:`.source`; the policies themselves are :mod:`prague.groups`.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Prague(Algorithm):
         self.blocking_s = 0.0  # overlap off: asking plus P-Reduce, all of it on the worker's thread
         self.exposed_s = 0.0  # overlap on: waiting for an earlier average
         self.source: GroupSource
-        if self.options.generator == "static":
+        if self.options.is_static:
             self.source = StaticSource(topology)
         else:
             trace = None if self.decisions is None else gg_trace_path(self.decisions.folder)

@@ -2,7 +2,8 @@
 
 The decisions are the runtime's: the policy object is :func:`prague.groups.make_generator` with the
 same :class:`~prague.groups.GeneratorConfig` the service would build (generator, group size, delta_c,
-window, seed ``--gg-seed``, which is the run's ``--seed`` unless given), topology from ``--nodes``), driven through the
+window, seed ``--gg-seed``, which is the run's ``--seed`` unless given), topology from ``--nodes``, or one node
+for a ``-blind`` generator, whose cluster keeps its ``--nodes`` for the costs), driven through the
 :class:`~prague.groups.GroupPolicy` protocol with the simulated clock as ``now_s``. Only time is
 modelled:
 
@@ -11,8 +12,9 @@ modelled:
   policy call at the start of service, the answer back after the other half;
 * ``poll`` at :meth:`~prague.groups.GroupPolicy.next_deadline` (the ready window), as the service's
   timer thread does;
-* ``static`` makes no round trip: the runtime computes :func:`~prague.groups.static_group` locally, so
-  the simulated worker asks its own :class:`~prague.groups.StaticGenerator` at no cost;
+* ``static`` (and ``static-blind``) makes no round trip: the runtime computes
+  :func:`~prague.groups.static_group` locally, so the simulated worker asks its own
+  :class:`~prague.groups.StaticGenerator` at no cost;
 * a worker executes the group it was given, blocking until every member has arrived (groups of one are
   a local step); after its last iteration it calls ``finish`` and executes the groups it is still
   committed to, like :meth:`prague.algorithms.prague.runtime.Prague.close`.
@@ -58,12 +60,13 @@ class SimPrague(SimMethod):
         super().__init__(world, options)
         world.use_comm_cache(options.comm_cache)
         o = options
+        # Blind generators see one node; the cluster's costs keep world.topology.
         self.config = GeneratorConfig(
-            nproc=world.n, topology=world.topology, group_size=o.group_size, delta_c=o.delta_c,
-            seed=o.gg_seed, window_s=o.window_s,
+            nproc=world.n, topology=o.generator_topology(world.topology), group_size=o.group_size,
+            delta_c=o.delta_c, seed=o.gg_seed, window_s=o.window_s,
         )
-        self.policy = make_generator(o.generator, self.config)
-        self.remote = o.generator != "static"
+        self.policy = make_generator(o.base_generator, self.config)
+        self.remote = not o.is_static
         # Policies that never set a deadline (the buffered ones) need no poll timer.
         self._timers = not isinstance(self.policy, (BufferedPolicy, StaticGenerator))
         self.queue = Queue()

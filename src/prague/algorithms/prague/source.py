@@ -1,4 +1,4 @@
-"""Where a ``prague`` worker gets its next group: computed locally (``static``) or asked of the Group
+"""Where a ``prague`` worker gets its next group: computed locally (``static[-blind]``) or asked of the Group
 Generator service, which this module also finds (or, under torchrun, starts from rank 0).
 
 The service is its own process: started by ``prague run``'s launcher (see
@@ -42,10 +42,11 @@ MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
 
 def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1") -> list[str]:
-    """The command that runs this job's Group Generator service on ``host`` (token from ``$PRAGUE_GG_TOKEN``)."""
+    """The command that runs this job's Group Generator service on ``host`` (token from ``$PRAGUE_GG_TOKEN``):
+    the base policy with the generator's topology (``smart-blind``: ``--generator smart --nodes 1``)."""
     return [
         sys.executable, "-m", "prague.groups.service", "--host", host, "--port", "0",
-        "--nproc", str(nproc), "--generator", options.generator, "--nodes", str(options.nodes),
+        "--nproc", str(nproc), "--generator", options.base_generator, "--nodes", str(options.topology(nproc).nodes),
         "--group-size", str(options.group_size), "--delta-c", str(options.delta_c),
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
     ]
