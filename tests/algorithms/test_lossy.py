@@ -4,6 +4,7 @@ that agree on every mask, stay bit-identical and lose no gradient (applied + car
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,28 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 # -- decisions ------------------------------------------------------------------------------------------
-@given(st.integers(1, 5000), st.integers(1, 700), st.integers(1, 8), st.integers(1, 6))
-def test_the_plan_covers_the_gradient_once_in_order(total: int, chunk: int, streams: int, tiers: int) -> None:
-    plan = plan_chunks(total, chunk, streams, tiers)
+@given(st.integers(1, 5000), st.integers(1, 700), st.integers(1, 8), st.integers(1, 6), st.integers(1, 900))
+def test_the_plan_covers_the_gradient_once_in_order(total: int, chunk: int, streams: int, tiers: int,
+                                                    smallest: int) -> None:
+    smallest = min(smallest, chunk)
+    plan = plan_chunks(total, chunk, streams, tiers, smallest)
     assert sum(plan.sizes) == total and plan.starts[0] == 0
     assert all(a + n == b for a, n, b in zip(plan.starts, plan.sizes, plan.starts[1:]))
     assert all(n >= 1 for n in plan.sizes)
-    assert plan.count >= min(total, MIN_CHUNKS_PER_STREAM * streams)
+    assert plan.count >= min(max(1, total // smallest), MIN_CHUNKS_PER_STREAM * streams)
+    if plan.count > math.ceil(total / chunk):  # cut finer than chunk for the streams: never below the smallest
+        assert min(plan.sizes) >= smallest
     if total >= MIN_CHUNKS_PER_STREAM * streams * chunk:
         assert max(plan.sizes) <= chunk
+    assert max(plan.sizes) <= max(chunk, total // plan.count + 1)
     assert list(plan.tiers) == sorted(plan.tiers) and plan.tiers[0] == 0 and plan.tiers[-1] < tiers
+
+
+def test_a_small_gradient_gets_fewer_chunks_not_smaller_ones() -> None:
+    assert plan_chunks(1000, 400, 4, 1).count == 16  # at least 4 per stream by default
+    assert plan_chunks(1000, 400, 4, 1, min_elements=100).count == 10
+    assert plan_chunks(1000, 400, 4, 1, min_elements=400).count == 3  # never above chunk_elements either
+    assert plan_chunks(50, 400, 4, 1, min_elements=400).count == 1
 
 
 def test_order_puts_dropped_chunks_first_then_front_layers_then_large_magnitudes() -> None:
@@ -102,7 +115,8 @@ def test_the_deadline_waits_for_warm_up_then_follows_the_median_rate() -> None:
 @pytest.mark.parametrize("flag,value", [("max_loss", 0.6), ("max_loss", -0.1), ("streams", 0), ("streams", 65),
                                         ("chunk_mb", 0.0), ("chunk_mb", float("inf")), ("deadline_slack", 0.0),
                                         ("priority_tiers", 0), ("deadline_quantile", 1.1),
-                                        ("deadline_quantile", float("nan")), ("hierarchy", "rings")])
+                                        ("deadline_quantile", float("nan")), ("hierarchy", "rings"),
+                                        ("min_chunk_kb", 0.0), ("min_chunk_kb", 5000.0)])
 def test_bad_options_are_refused_with_the_flag(flag: str, value: object) -> None:
     with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
         get_method("lossy").make_options({flag: value})
@@ -171,7 +185,7 @@ SCRIPT = textwrap.dedent('''
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     log = DecisionLog(out + ".decisions", ctx.rank)
     trainer = prague.wrap(model, optimizer, algorithm="lossy", max_loss=0.5, deadline_slack=1e-6, streams=2,
-                          hierarchy=hierarchy, decisions=log)
+                          min_chunk_kb=0.001, hierarchy=hierarchy, decisions=log)
     rng = random.Random(100 + ctx.rank)
     total = torch.zeros(64, dtype=torch.float64)
     for step in range(24):

@@ -28,6 +28,8 @@ class LossyOptions(Options):
                              "dropped chunk is carried into the next step (error feedback), in 0..0.5")
     streams: int = option(4, "lossy: communicators the chunks are spread over (parallel connections)")
     chunk_mb: float = option(4.0, "lossy: largest chunk in MB (each stream gets at least 4 chunks)")
+    min_chunk_kb: float = option(256.0, "lossy: smallest chunk in KB: a gradient under 4 x --streams x this is cut "
+                                 "into fewer chunks (a small exchange is bound by round trips, not bytes)")
     deadline_slack: float = option(1.0, "lossy: a step stops starting chunks after this multiple of the time its "
                                    "chunks take at the median rate of the last 16 steps")
     hierarchy: str = option("hosts", "lossy: hosts: each chunk is reduced inside its host, all-reduced over a ring of "
@@ -46,6 +48,9 @@ class LossyOptions(Options):
             raise ConfigError(f"--streams must be in 1..{MAX_STREAMS}, got {self.streams!r}")
         if not (math.isfinite(self.chunk_mb) and 0 < self.chunk_mb <= 2**20):
             raise ConfigError(f"--chunk-mb must be a size in MB > 0 and at most {2**20}, got {self.chunk_mb!r}")
+        if not (math.isfinite(self.min_chunk_kb) and 0 < self.min_chunk_kb <= 1024 * self.chunk_mb):
+            raise ConfigError(f"--min-chunk-kb must be a size in KB > 0 and at most --chunk-mb x 1024 "
+                              f"({1024 * self.chunk_mb:g}), got {self.min_chunk_kb!r}")
         if not (math.isfinite(self.deadline_slack) and 0 < self.deadline_slack <= 1e6):
             raise ConfigError(f"--deadline-slack must be a number > 0 and at most 1e6, got {self.deadline_slack!r}")
         if not (math.isfinite(self.deadline_quantile) and 0 <= self.deadline_quantile <= 1):
@@ -55,6 +60,9 @@ class LossyOptions(Options):
 
     def chunk_elements(self, element_bytes: int = 4) -> int:
         return max(1, int(self.chunk_mb * 2**20) // element_bytes)
+
+    def min_chunk_elements(self, element_bytes: int = 4) -> int:
+        return max(1, int(self.min_chunk_kb * 2**10) // element_bytes)
 
 
 def drops_report(options: LossyOptions, *, chunks: int, shares: list[float], deadlines_s: list[float],
@@ -82,9 +90,11 @@ def drops_report(options: LossyOptions, *, chunks: int, shares: list[float], dea
 METHOD = Method(
     name="lossy",
     summary=("DLCP-style bounded-loss gradient all-reduce: the flat gradient, plus what earlier steps dropped, goes "
-             "in chunks over `--streams` communicators, in priority order (chunks dropped last step, then the first "
-             "layers of the next forward pass, then large magnitudes); at a deadline derived from the measured rate "
-             "of recent steps every rank stops starting chunks and all agree on one mask, dropping at most "
+             "in chunks over `--streams` streams, in priority order (chunks dropped last step, then the first "
+             "layers of the next forward pass, then large magnitudes); on several hosts a chunk is reduced inside its "
+             "host, all-reduced over a ring of one rank per host and broadcast back (`--hierarchy hosts`); at a "
+             "deadline derived from the measured rate of recent steps every rank stops starting chunks and all agree "
+             "on one mask, dropping at most "
              "`--max-loss` of the elements; dropped chunks are carried into the next step (error feedback), and "
              "every rank applies the same averaged gradient."),
     paper=("Wang, Chen, Wan, Tian, Xia, Zeng, Wang, Chen, Bai, Jiang, Domain-specific Communication Optimization for "

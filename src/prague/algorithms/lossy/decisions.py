@@ -5,7 +5,8 @@ Shared by the runtime (:mod:`.runtime`) and the simulator model (:mod:`.sim`), s
 makes the runtime's choices. No torch, no clock (times come in as arguments), no I/O.
 
 * :func:`plan_chunks`: contiguous slices of the flat gradient (forward order of the parameters), at
-  most ``chunk_elements`` long and at least :data:`MIN_CHUNKS_PER_STREAM` per stream.
+  most ``chunk_elements`` long and at least :data:`MIN_CHUNKS_PER_STREAM` per stream (fewer for a
+  gradient too small to cut that finely).
 * :func:`priority_order`: the order chunks are sent in; every rank computes it from values all ranks
   share (the last *applied* gradient, identical everywhere), never from its own gradient, so every
   stream runs the same collectives in the same order on every rank.
@@ -47,17 +48,19 @@ class ChunkPlan:
         return len(self.sizes)
 
 
-def plan_chunks(total: int, chunk_elements: int, streams: int, tiers: int) -> ChunkPlan:
+def plan_chunks(total: int, chunk_elements: int, streams: int, tiers: int, min_elements: int = 1) -> ChunkPlan:
     """Cut ``total`` elements into contiguous chunks of equal size (give or take one element): at most
-    ``chunk_elements`` each, at least ``MIN_CHUNKS_PER_STREAM x streams`` of them (fewer only when
-    there are fewer elements). Chunk ``c`` of ``C`` is in tier ``c x tiers // C``: the flat gradient is
-    in the parameters' order, which is the order the forward pass uses them."""
-    if total < 0 or chunk_elements < 1 or streams < 1 or tiers < 1:
-        raise ValueError(f"plan_chunks needs total >= 0 and chunk_elements, streams, tiers >= 1; got "
-                         f"{total}, {chunk_elements}, {streams}, {tiers}")
+    ``chunk_elements`` each, at least ``MIN_CHUNKS_PER_STREAM x streams`` of them unless that would
+    make chunks smaller than ``min_elements`` (a small gradient is bound by the collectives' latency,
+    not its bytes: more chunks only add round trips), and at least one. Chunk ``c`` of ``C`` is in
+    tier ``c x tiers // C``: the flat gradient is in the parameters' order, which is the order the
+    forward pass uses them."""
+    if total < 0 or chunk_elements < 1 or streams < 1 or tiers < 1 or min_elements < 1:
+        raise ValueError(f"plan_chunks needs total >= 0 and chunk_elements, streams, tiers, min_elements >= 1; got "
+                         f"{total}, {chunk_elements}, {streams}, {tiers}, {min_elements}")
     if total == 0:
         return ChunkPlan((), (), (), 0)
-    count = max(math.ceil(total / chunk_elements), min(total, MIN_CHUNKS_PER_STREAM * streams))
+    count = max(math.ceil(total / chunk_elements), min(max(1, total // min_elements), MIN_CHUNKS_PER_STREAM * streams))
     base, extra = divmod(total, count)
     sizes = tuple(base + 1 if c < extra else base for c in range(count))
     starts = tuple(itertools.accumulate(sizes, initial=0))[:-1]

@@ -316,8 +316,9 @@ class Lossy(Algorithm):
         total = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype if self.params else torch.float32
         opts = self.options
-        self.plan: ChunkPlan = plan_chunks(total, opts.chunk_elements(torch.finfo(dtype).bits // 8), opts.streams,
-                                           opts.priority_tiers)
+        element_bytes = torch.finfo(dtype).bits // 8
+        self.plan: ChunkPlan = plan_chunks(total, opts.chunk_elements(element_bytes), opts.streams,
+                                           opts.priority_tiers, opts.min_chunk_elements(element_bytes))
         self.shares: list[float] = []
         self.deadlines_s: list[float] = []
         self.control_s = 0.0

@@ -61,7 +61,8 @@ class SimLossy(SimMethod):
     def __init__(self, world: Any, options: Any) -> None:
         super().__init__(world, options)
         elements = int(world.state_bytes // BYTES_PER_FLOAT32)
-        self.plan = plan_chunks(elements, options.chunk_elements(), options.streams, options.priority_tiers)
+        self.plan = plan_chunks(elements, options.chunk_elements(), options.streams, options.priority_tiers,
+                                options.min_chunk_elements())
         self.magnitudes = [0.0] * self.plan.count  # no gradient values are simulated: the order is by tier
         self.ages = [0] * self.plan.count
         self.deadline = Deadline(options.deadline_slack, options.deadline_quantile)
