@@ -90,6 +90,13 @@ class Workers:
                 last = group.seq
                 self.execution.run(worker, group)
 
+    def wait_for_first(self, timeout_s: float) -> None:
+        """Until some worker has got a group (a replay needs one to replay)."""
+        limit = time.monotonic() + timeout_s
+        while not self.asked:
+            assert time.monotonic() < limit, f"no worker got a group within {timeout_s:g} s"
+            time.sleep(0.01)
+
     def stop(self) -> None:
         """Let every worker finish; re-raise a worker's failure."""
         self._stop.set()
@@ -180,8 +187,6 @@ def _send(channel: grpc.Channel, call: Call, workers: Workers) -> tuple[grpc.Sta
     replayed request got)."""
     payloads, group = list(call.payloads), None
     if call.replay is not None:
-        if not workers.asked:
-            return Code.OK, [], None
         worker, iteration, group = workers.asked[call.replay % len(workers.asked)]
         payloads = [_message(call.method, token=TOKEN, worker=worker, iteration=iteration)]
         if call.then == "switch":
@@ -229,6 +234,7 @@ def test_bad_calls_get_clear_statuses_while_workers_get_correct_groups(
                 assert "requests" in json.loads(pb.StatsReply.FromString(replies[0]).json)
 
         try:
+            workers.wait_for_first(30.0)  # else a first replay would have nothing to replay
             fuzz()
         finally:
             workers.stop()
