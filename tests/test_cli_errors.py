@@ -173,6 +173,10 @@ def test_more_ps_shards_than_model_elements_is_a_usage_error(tmp_path: Path, unt
     code, err = _run_until_launch([*common, "--ps-shards", "100000"], capsys)
     assert code == 2 and err.count("\n") == 1 and "--ps-shards 100000" in err and "use at most" in err, err
     assert _run_until_launch([*common, "--ps-shards", "3"], capsys) == (None, "")
+    # A model with millions of elements still gets at most MAX_SHARDS processes (a bench of such a
+    # value spent minutes describing millions of shard services before this limit).
+    code, err = _run_until_launch([*common, "--model", "resnet18", "--ps-shards", "5000000"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "use at most 1024" in err, err
 
 
 def _idx(dims: tuple[int, ...], payload: bytes, type_byte: int = 0x08) -> bytes:

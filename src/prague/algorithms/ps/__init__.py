@@ -22,6 +22,10 @@ MOMENTUM_HELP = ("async shards: worker (a momentum buffer per worker; ps default
                  "lr/(1-momentum); ps-eager default)")
 
 
+#: The most shard processes one job may start (each is a process of its own on the launching machine).
+MAX_SHARDS = 1024
+
+
 def check_shards(shards: int, total: int) -> None:
     """Raise ConfigError unless ``shards`` shards can split a flat state of ``total`` elements (each
     shard owns a slice of at least one element)."""
@@ -46,6 +50,9 @@ class ShardOptions(Options):
         super().__post_init__()
         if self.ps_shards < 1:
             raise ConfigError(f"--ps-shards must be >= 1, got {self.ps_shards}")
+        if self.ps_shards > MAX_SHARDS:
+            raise ConfigError(f"--ps-shards {self.ps_shards} is more than {MAX_SHARDS} server processes; use at most "
+                              f"{MAX_SHARDS}")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (0: no bound), got {self.max_staleness}")
         check_seconds("--ps-timeout-s", self.ps_timeout_s)
