@@ -179,19 +179,20 @@ SCRIPT = textwrap.dedent('''
     if hierarchy == "hosts":  # two hosts of two ranks: the two-level path (reduce, ring of leaders, broadcast)
         import os
         os.environ["PRAGUE_HOST_LABEL"] = f"host{ctx.rank // 2}"
-    model = nn.Linear(256, 1, bias=False)
+    SIZE = 256  # elements of the gradient
+    model = nn.Linear(SIZE, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     log = DecisionLog(out + ".decisions", ctx.rank)
-    # chunks of 8 elements: 16 per stream, so a stream has started only a few (2 in flight) when the
-    # deadline (1e-6 x the step) stops it, and every step past the warm-up drops up to --max-loss
+    # chunks of 8 float32 elements: 16 per stream, so a stream has started only a few (2 in flight) when
+    # the deadline (1e-6 x the step) stops it, and every step past the warm-up drops up to --max-loss
     trainer = prague.wrap(model, optimizer, algorithm="lossy", max_loss=0.5, deadline_slack=1e-6, streams=2,
-                          chunk_mb=32 / 2**20, min_chunk_kb=0.001, hierarchy=hierarchy, decisions=log)
+                          chunk_mb=8 * 4 / 2**20, min_chunk_kb=0.001, hierarchy=hierarchy, decisions=log)
     rng = random.Random(100 + ctx.rank)
-    total = torch.zeros(256, dtype=torch.float64)
+    total = torch.zeros(SIZE, dtype=torch.float64)
     for step in range(24):
-        c = torch.tensor([float(rng.randint(-40, 40)) for _ in range(256)])
+        c = torch.tensor([float(rng.randint(-40, 40)) for _ in range(SIZE)])
         total += c.double()
         pause = rng.random() * 0.02
 
@@ -205,7 +206,7 @@ SCRIPT = textwrap.dedent('''
     log.close()
     stats = trainer.stats()
     final = model.weight.detach().view(-1).clone()
-    finals = [torch.zeros(256) for _ in range(ctx.world_size)]
+    finals = [torch.zeros(SIZE) for _ in range(ctx.world_size)]
     dist.all_gather(finals, final)
     dist.all_reduce(total)
     dist.all_reduce(carried)
