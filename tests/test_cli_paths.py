@@ -173,7 +173,10 @@ def test_a_short_real_run_on_each_data_set_gives_a_sane_summary(tmp_path: Path, 
     assert s["no_wait_limit_samples_per_s"] == pytest.approx(nproc * batch / s["base_compute_s"])
     assert s["throughput_samples_per_s"] > 0
     assert 0.0 <= s["test_accuracy"] <= 1.0
-    assert s["eval_history"] == [{"wall_s": s["wall_s"], "step": steps, "accuracy": s["test_accuracy"]}]
+    # The common clock's grid from 0, then the job's end: the averaged final states.
+    assert s["eval_history"][0]["wall_s"] == 0.0
+    assert s["eval_history"][-1] == {"wall_s": s["job_s"], "accuracy": s["test_accuracy"]}
+    assert s["job_s"] == s["wall_s"] and s["samples"] == nproc * steps * batch
     if data == "mnist":
         assert s["test_accuracy"] > 0.2  # 8 steps of 2 x 16 images: well above chance (0.1)
     assert f"test accuracy {100 * s['test_accuracy']:.2f}%" in res.stdout
@@ -184,35 +187,41 @@ def test_a_short_real_run_on_each_data_set_gives_a_sane_summary(tmp_path: Path, 
 
 @pytest.mark.slow
 def test_target_accuracy_records_when_it_was_reached_and_when_not(tmp_path: Path) -> None:
-    """``--target-accuracy`` records the training time at which the averaged model first reached the
-    target (it does not stop the run: every worker trains all its steps); the history has every
-    evaluation. Both runs train the same model the same way: the target changes nothing else."""
-    run = ["run", "--nproc", "2", "--steps", "30", "--data", "digits", "--model", "mlp", "--quiet"]
+    """``--target-accuracy`` records the time on the common clock at which the average of the replicas
+    first reached the target (it does not stop the run: every worker trains all its steps). The history
+    holds the grid points every ``--eval-every-s`` (all of them: fewer than the curve's limit) and the
+    job's end; paced steps of 20 ms make the 30 steps last about 0.6 s."""
+    from prague.train.evaluation import CURVE_POINTS
+
+    run = ["run", "--nproc", "2", "--steps", "30", "--data", "digits", "--model", "mlp", "--quiet",
+           "--compute", "paced", "--compute-ms", "20", "--eval-every-s", "0.1"]
     reached, missed = tmp_path / "reached", tmp_path / "missed"
-    res = run_cli(*run, "--eval-every", "6", "--target-accuracy", "0.7", "--out", str(reached), timeout_s=120)
+    res = run_cli(*run, "--target-accuracy", "0.7", "--out", str(reached), timeout_s=120)
     assert res.returncode == 0, res.stderr
     s = _summary(reached)
     history = s["eval_history"]
-    assert [h["step"] for h in history] == [6, 12, 18, 24, 30]
-    assert all(a["wall_s"] <= b["wall_s"] for a, b in zip(history, history[1:]))
-    assert history[-1]["accuracy"] == s["test_accuracy"] and history[-1]["wall_s"] == s["wall_s"]
+    assert 0.6 <= s["job_s"] < 0.6 * CURVE_POINTS / 6  # 30 paced steps, and few enough points to score all
+    times = [h["wall_s"] for h in history]
+    assert times[:-1] == pytest.approx([0.1 * j for j in range(len(times) - 1)])
+    assert times[-1] == s["job_s"] and times[-2] <= s["job_s"] < times[-2] + 0.1
+    assert history[-1]["accuracy"] == s["test_accuracy"] and history[0]["accuracy"] < 0.5  # the initial model
     first = next(h for h in history if h["accuracy"] >= 0.7)
-    assert 6 < first["step"] < 30  # reached after the first evaluation and before the end
-    assert s["target_accuracy"] == 0.7 and s["time_to_target_s"] == first["wall_s"] < s["wall_s"]
+    assert s["target_accuracy"] == 0.7 and s["time_to_target_s"] == first["wall_s"]
     assert s["steps"] == 30 and s["completed_steps"] == [30, 30]
     assert f"time to target {first['wall_s']:.1f} s" in res.stdout
 
-    # Without --eval-every the run evaluates every steps // 10 steps.
     res = run_cli(*run, "--target-accuracy", "1.0", "--out", str(missed), timeout_s=120)
     assert res.returncode == 0, res.stderr
     m = _summary(missed)
-    assert [h["step"] for h in m["eval_history"]] == list(range(3, 31, 3))
     assert all(h["accuracy"] < 1.0 for h in m["eval_history"])
     assert m["time_to_target_s"] is None and m["target_accuracy"] == 1.0
-    assert m["steps"] == 30 and m["completed_steps"] == [30, 30]
+    assert m["completed_steps"] == [30, 30]
     assert "time to target - s" in res.stdout
-    same = {h["step"]: h["accuracy"] for h in m["eval_history"]}
-    assert all(same[h["step"]] == h["accuracy"] for h in history)
+
+
+def test_eval_every_in_steps_is_refused_for_real_runs(tmp_path: Path) -> None:
+    res = run_cli("run", *TINY, "--steps", "2", "--eval-every", "5", "--out", str(tmp_path / "r"), timeout_s=60)
+    assert res.returncode == 2 and "--eval-every-s" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 # The progress bar

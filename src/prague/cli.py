@@ -48,6 +48,9 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
     from prague.train.config import config_from_args
 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
+    if cfg.eval_every is not None:
+        raise ConfigError("--eval-every counts steps, which only `prague simulate` uses; real runs evaluate on the "
+                          "common clock: give --eval-every-s SECONDS")
     cfg.check_data_source()
     check_backend(cfg)
     method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts
@@ -184,6 +187,15 @@ def _cross_traffic_service(cfg: Any, network: Any) -> Any:
     return ServiceSpec("cross-traffic", [*argv, "--ready-file", str(ready)], ready_file=ready)
 
 
+def usage_error(exc: WorkerFailed) -> str | None:
+    """The message of a worker that exited because its settings cannot work (a ConfigError, exit code
+    2), or None for any other failure."""
+    if exc.exitcode != EXIT_USAGE:
+        return None
+    lines = [line for line in exc.detail.splitlines() if "ConfigError: " in line]
+    return lines[-1].split("ConfigError: ", 1)[1] if lines else None
+
+
 def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -298,6 +310,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             records.append(run_config(cfg, quiet=args.quiet))
             print(_summary_line(records[-1]), flush=True)
         except WorkerFailed as exc:
+            if usage_error(exc) is not None:  # the settings every cell shares cannot work (the pace...)
+                raise
             failures.append(f"{cfg.algorithm} / {cfg.scenario}: {exc}")
             print(f"FAILED {cfg.algorithm} / {cfg.scenario}: {exc}", file=sys.stderr, flush=True)
         if records:
@@ -433,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except WorkerFailed as exc:
         where = f"worker rank {exc.rank}" if exc.rank >= 0 else "a service process"
+        usage = usage_error(exc)
+        if usage is not None:  # the worker found its settings cannot work: one line, as for bad flags
+            print(f"prague {args.command}: error: {where}: {usage}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"prague {args.command}: {where} failed (exit code {exc.exitcode}):\n{exc.detail}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

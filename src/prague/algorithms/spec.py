@@ -59,6 +59,13 @@ class Options:
         larger than the job, ranks outside it...). Called before any process starts; a method whose
         options depend on the job's size overrides it."""
 
+    def equal_shares(self) -> bool:
+        """Whether every rank must run every step (a collective over all ranks, a fixed schedule), so that
+        under a job-wide ``--budget`` each rank takes the same share of the batches; False for a method
+        whose workers may run different numbers of steps, which then take batches from a shared counter
+        and a fast worker does more of the work (:mod:`prague.train.budget`). True unless overridden."""
+        return True
+
     def check_model(self, state_elements: Callable[[], int]) -> None:
         """Raise ConfigError unless these options fit the model to be trained, whose flat state has
         ``state_elements()`` elements. Called by the launcher once the data set is loaded, before any

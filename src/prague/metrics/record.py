@@ -25,7 +25,7 @@ from prague.metrics.summary import (
     worker_rate,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -46,13 +46,19 @@ class RunRecord:
     schema_version: int = _doc("version of this layout", SCHEMA_VERSION)
     variant: str | None = _doc("the method's variant (`ready`), or null")
     nproc: int | None = _doc("number of workers")
-    compute_mode: str | None = _doc("`real` or `emulated`")
-    compute_ms: float | None = _doc("emulated (or simulated) compute time per iteration, ms")
+    compute_mode: str | None = _doc("`real`, `paced` or `emulated`")
+    compute_ms: float | None = _doc("nominal compute time per iteration (paced, emulated, simulated, or given), ms")
     model: str | None = _doc("model name")
     parameters: int | None = _doc("trainable parameters of the model")
     data: str | None = _doc("data set name")
     batch_size: int | None = _doc("per-worker batch size")
-    steps: int | None = _doc("iterations per worker")
+    steps: int | None = _doc("iterations per worker (under a `--budget`: the most any worker ran)")
+    budget: str | None = _doc("the job-wide `--budget` (`epochs:3`), or null for per-worker `--steps`/`--epochs`")
+    shares: str | None = _doc("under a budget: `claimed` (batches from a shared counter: fast workers take more) "
+                              "or `equal` (the method runs every rank in every step)")
+    job_s: float | None = _doc("job completion time: from the common start to the last worker's finish, s")
+    samples: int | None = _doc("training samples processed by all workers together")
+    worker_samples: list[int] = _doc_list("per rank: the training samples it processed")
     warmup_steps: int | None = _doc("iterations left out of the throughput window")
     seed: int | None = _doc("the run's seed")
     backend: str | None = _doc("`gloo`, `nccl`, or `sim`")
@@ -63,8 +69,11 @@ class RunRecord:
     wall_s: float | None = _doc("training time of the slowest worker (simulated time when simulated), s")
     test_accuracy: float | None = _doc("test accuracy of the average of all replicas (null without real compute)")
     target_accuracy: float | None = _doc("the `--target-accuracy`, or null")
-    time_to_target_s: float | None = _doc("training time until the averaged model first reached the target")
-    eval_history: list[dict[str, float]] = _doc_list("`{wall_s, step, accuracy}` of every evaluation")
+    time_to_target_s: float | None = _doc("time on the common clock until the average of the replicas first "
+                                          "reached the target")
+    eval_history: list[dict[str, float]] = _doc_list(
+        "`{wall_s, accuracy}` of the average of the replicas' states at `wall_s` on the common clock, the job's "
+        "end last (simulated: `{wall_s, step, accuracy}`)")
     consensus_distance: float | None = _doc("mean distance of the replicas from their average at the end")
     mean_compute_s: list[float] = _doc_list("per worker: mean compute time per iteration after warm-up, s")
     mean_comm_s: list[float] = _doc_list("per worker: mean communication time per iteration, s")

@@ -8,12 +8,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from prague.errors import ConfigError
 from prague.runtime.context import DistContext, init, report_failure, shutdown
+
+#: A worker's exit code when its settings cannot work (a ConfigError: the pace cannot be held...), as the
+#: command line's own for bad input.
+EXIT_USAGE = 2
 
 
 def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
     """Join the job and run ``body(ctx)``; on any exception publish the traceback for the launcher,
-    print it, and exit 1 at once (peers blocked in a collective are stopped by the launcher)."""
+    print it, and exit at once (peers blocked in a collective are stopped by the launcher): with 2 for a
+    :class:`~prague.errors.ConfigError` (settings that cannot work), 130 when interrupted, else 1."""
     ctx: DistContext | None = None
     try:
         ctx = init(backend=backend, timeout_s=timeout_s)
@@ -24,7 +30,7 @@ def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeou
         sys.stderr.write(f"[rank {rank}] " + "".join(traceback.format_exception(exc)))
         sys.stderr.flush()
         sys.stdout.flush()
-        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else EXIT_USAGE if isinstance(exc, ConfigError) else 1)
     shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

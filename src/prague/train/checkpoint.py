@@ -90,7 +90,7 @@ class WorkerState:
     optimizer: dict[str, Any] | None
     trainer: dict[str, Any]
     records: list[dict[str, Any]]
-    snapshots: list[tuple[int, float, torch.Tensor]]
+    snapshots: list[tuple[int, torch.Tensor]]  # (grid index, flat state): train/evaluation.py SnapshotLog
     wall_s: float
     rng: dict[str, Any]
 

@@ -31,6 +31,9 @@ from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
 from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
+#: The nominal step time of paced and emulated compute when --compute-ms is not given.
+DEFAULT_COMPUTE_MS = 100.0
+
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, exclusive: str | None = None) -> Any:
     """Declare a run flag: its default, help text, valid names (if any) and the group of flags it
@@ -56,18 +59,28 @@ class RunConfig:
 
     epochs: float | None = setting(None, "passes over each worker's shard (default 1)", exclusive="length")
     steps: int | None = setting(None, "iterations per worker", exclusive="length")
+    budget: str | None = setting(None, "work of the whole job: epochs:E (every sample E times across all workers), "
+                                       "samples:N or seconds:T; fast workers take more batches where the method "
+                                       "allows (`prague methods` says which take equal shares)", exclusive="length")
     batch_size: int = setting(32, "per-worker batch size")
     lr: float = setting(0.05, "learning rate of SGD")
     momentum: float = setting(0.9, "momentum of SGD")
     model: str = setting("mlp", "model to train", choices=MODELS)
     data: str = setting("digits", "data set", choices=tuple(DATASETS))
     data_dir: Path | None = setting(None, "directory of the data set's files (mnist)")
-    compute: str = setting("real", "real: train the model; emulated: a --compute-ms wait instead of the arithmetic",
+    compute: str = setting("real", "real: train the model; paced: train it, each step padded to --compute-ms "
+                                   "(times its slowdown), as if every worker had an accelerator of its own; "
+                                   "emulated: a --compute-ms wait instead of the arithmetic (nothing is learnt)",
                            choices=COMPUTE_MODES)
-    compute_ms: float = setting(100.0, "emulated compute time per iteration, in ms")
+    compute_ms: float | None = setting(None, "nominal compute time per iteration, ms: what paced and emulated steps "
+                                             "take and what injected slowdowns multiply in every mode (paced, "
+                                             "emulated: default 100; real: default each worker's measured average)")
     seed: int = setting(0, "seed of the model, the data order and every scenario draw")
     target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
-    eval_every: int | None = setting(None, "evaluate the averaged model every K steps")
+    eval_every: int | None = setting(None, "prague simulate: evaluate the averaged model every K steps")
+    eval_every_s: float | None = setting(None, "evaluate the average of the replicas' states every S seconds of the "
+                                               "common clock (default 1; the interval doubles each time the job "
+                                               "has run 64 of them)")
     warmup_steps: int | None = setting(None, "steps left out of the throughput window")
     timeout_s: float = setting(300.0, "collective and rendezvous timeout, in s")
     lease_s: float = setting(10.0, "a worker whose heartbeat stops this long has hung: methods that survive "
@@ -102,8 +115,10 @@ class RunConfig:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs is not None and not 0 < self.epochs < math.inf:
             raise ConfigError(f"--epochs must be a finite number > 0, got {self.epochs}")
-        if self.steps is not None and self.epochs is not None:
-            raise ConfigError("give either --steps or --epochs, not both")
+        given = [flag for flag, v in (("--steps", self.steps), ("--epochs", self.epochs), ("--budget", self.budget))
+                 if v is not None]
+        if len(given) > 1:
+            raise ConfigError(f"give one of --steps, --epochs and --budget, not {' and '.join(given)}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 0 < self.lr < math.inf:
@@ -114,9 +129,20 @@ class RunConfig:
             choices = f.metadata["choices"]
             if choices is not None and getattr(self, f.name) not in choices:
                 raise unknown_choice(_what(f.name), getattr(self, f.name), choices)
-        if not 0 <= self.compute_ms / 1e3 <= threading.TIMEOUT_MAX:
+        if self.compute_ms is not None and not 0 <= self.compute_ms / 1e3 <= threading.TIMEOUT_MAX:
             raise ConfigError(f"--compute-ms must be a number of ms in 0..{threading.TIMEOUT_MAX * 1000:.3g}, "
                               f"got {self.compute_ms}")
+        if self.compute == "paced" and self.compute_ms == 0:
+            raise ConfigError("--compute paced needs a pace: give --compute-ms above 0 (the nominal step time)")
+        if self.budget is not None:
+            from prague.train.budget import parse_budget
+
+            parse_budget(self.budget)
+            if self.checkpoint_every is not None:
+                raise ConfigError("--checkpoint-every with --budget: a job-wide budget's shared batch counter "
+                                  "is not checkpointed yet; use --steps or --epochs to checkpoint")
+        if self.eval_every_s is not None and not 0 < self.eval_every_s <= 1e6:
+            raise ConfigError(f"--eval-every-s must be a number of seconds in (0, 1e6], got {self.eval_every_s}")
         check_seed(self.seed)
         check_out_folder(Path(self.out))
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
@@ -149,6 +175,14 @@ class RunConfig:
     @property
     def emulated(self) -> bool:
         return self.compute == "emulated"
+
+    @property
+    def nominal_compute_ms(self) -> float | None:
+        """The nominal compute time per step, ms: ``--compute-ms``, 100 by default when paced or emulated,
+        None under real compute without it (each worker then scales slowdowns by its measured average)."""
+        if self.compute_ms is not None:
+            return self.compute_ms
+        return None if self.compute == "real" else DEFAULT_COMPUTE_MS
 
     def check_data_source(self) -> None:
         """Raise unless the data set can be loaded from what was given (MNIST needs ``--data-dir``).

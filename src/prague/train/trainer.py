@@ -41,6 +41,52 @@ from prague.runtime.stall import StallWatch
 Closure = Callable[[nn.Module], torch.Tensor]
 
 
+class Pace:
+    """Paced compute: each step's forward and backward pass, real, padded to the nominal time ``pace_s``
+    times the step's slowdown factor, so that a worker sharing this machine's cores behaves like one with
+    an accelerator of its own (its step takes the nominal time, and background communication runs in the
+    padding instead of taking compute from it).
+
+    The padding comes before the real pass: :meth:`before` sleeps the nominal time less the real pass's
+    recent median, :meth:`pad_rest` whatever is still short. So the gradients are ready at the step's end, as
+    on an accelerator, and communication that starts from them (DDP's buckets) is not hidden in the
+    padding. After :data:`FIT_STEPS` steps, a median real pass (without what the method communicated inside
+    the backward pass, as DDP does) longer than ``pace_s`` means the pace cannot
+    be held: :class:`~prague.errors.ConfigError` naming the measured time."""
+
+    FIT_STEPS = 8
+
+    def __init__(self, pace_s: float, rank: int) -> None:
+        self.pace_s, self.rank = pace_s, rank
+        self._real: list[float] = []
+
+    def _median(self) -> float:
+        recent = sorted(self._real[-self.FIT_STEPS:])
+        return recent[len(recent) // 2] if recent else 0.0
+
+    def before(self, factor: float) -> None:
+        pad = self.pace_s * factor - self._median()
+        if pad > 0:
+            time.sleep(pad)
+
+    def pad_rest(self, t0: float, factor: float) -> None:
+        """Sleep until the step started at ``t0`` (``time.perf_counter``) has taken its nominal time."""
+        rest = t0 + self.pace_s * factor - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+
+    def record(self, real_s: float) -> None:
+        """The step's real forward and backward pass took ``real_s``; raise once the first steps show
+        that the pace cannot be held."""
+        self._real.append(real_s)
+        if len(self._real) == self.FIT_STEPS and self._median() > self.pace_s:
+            raise ConfigError(
+                f"--compute paced: rank {self.rank}'s real forward and backward pass takes "
+                f"{self._median() * 1e3:.1f} ms (median of its first {self.FIT_STEPS} steps), more than the pace "
+                f"of {self.pace_s * 1e3:g} ms; raise --compute-ms to at least {self._median() * 1.2e3:.0f} or run "
+                "fewer workers on this machine")
+
+
 def step_clock(device: torch.device,
                synchronize: Callable[[torch.device], None] | None = None) -> Callable[[], float]:
     """The clock that times a step's phases on ``device``: ``time.perf_counter``, and on CUDA
@@ -71,11 +117,13 @@ class StepRecord:
     slowdown: float
     loss: float | None
     dropped: float | None = None  # share of the gradient dropped (lossy), else None and not written
+    batch: int | None = None  # the job-wide batch index under a --budget (set by the loop), else not written
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if self.dropped is None:
-            del out["dropped"]
+        for optional in ("dropped", "batch"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -106,6 +154,8 @@ class DistributedTrainer:
         seed: int | None = None,
         decisions: DecisionLog | None = None,
         stall_warn_s: float | None = None,
+        compute_ms: float | None = None,
+        paced: bool = False,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
@@ -137,9 +187,15 @@ class DistributedTrainer:
             self.stall_watch = StallWatch(self.ctx.private_store(), self.ctx.rank, self.ctx.world_size, self.phase,
                                           self.algorithm.peers, stall_warn_s,
                                           background=self.algorithm.background_phase)
-        # Nominal per-iteration compute time that slowdowns scale: known for emulated compute,
-        # otherwise an exponential moving average of measured compute.
+        # Nominal per-iteration compute time that slowdowns scale: known for emulated compute and given
+        # (compute_ms) for paced; otherwise given, or an exponential moving average of measured compute.
+        self._emulated = getattr(model, "nominal_compute_s", None) is not None
         self._nominal_s: float | None = getattr(model, "nominal_compute_s", None)
+        if self._nominal_s is None and compute_ms is not None:
+            self._nominal_s = compute_ms / 1e3
+        if paced and not self._nominal_s:
+            raise ConfigError("paced compute needs compute_ms > 0: the nominal step time each step is padded to")
+        self._pace = Pace(self._nominal_s, self.ctx.rank) if paced and self._nominal_s else None
         self._ema_s: float | None = None
 
     def _slowdown_delay_s(self, factor: float) -> float:
@@ -169,21 +225,28 @@ class DistributedTrainer:
         t0 = self._clock()
         self.phase.compute(step)
         delay = self._slowdown_delay_s(factor)
-        if delay > 0:
+        if self._pace is not None:
+            self._pace.before(factor)
+        elif delay > 0:
             time.sleep(delay)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=False)
+        real_start = self._clock()
         loss = closure(self.module)
         loss.backward()
-        t1 = self._clock()
+        real_end = t1 = self._clock()
         self.phase.communicate()
         self.algorithm.after_backward(step, times)
         t2 = self._clock()
+        if self._pace is not None:  # after the method's hook, which measures what it waited for since backward
+            self._pace.pad_rest(t0, factor)
         self.algorithm.apply_update(self.optimizer, step)
         t3 = self._clock()
         self.algorithm.after_step(step, times)
         t4 = self._clock()
 
+        if self._pace is not None:  # the real pass, less what the method communicated inside backward (DDP)
+            self._pace.record(real_end - real_start - times.inner_comm_s)
         hooks_s = (t2 - t1) + (t4 - t3)
         compute_s = (t1 - t0) + (t3 - t2) - times.inner_comm_s
         comm_s = hooks_s + times.inner_comm_s - times.wait_s
@@ -192,7 +255,7 @@ class DistributedTrainer:
         self.steps_done += 1
         if self.stall_watch is not None:
             self.stall_watch.step_done(t4 - t0)
-        loss_value = float(loss.detach()) if self._nominal_s is None else None
+        loss_value = None if self._emulated else float(loss.detach())
         return StepRecord(step, rank, time.time(), compute_s, comm_s, times.wait_s, factor, loss_value, times.dropped)
 
     def state_dict(self) -> dict[str, Any]:

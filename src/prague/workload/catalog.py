@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prague.errors import ConfigError, unknown_choice
 
 MODELS = ("mlp", "cnn", "resnet18")
-COMPUTE_MODES = ("real", "emulated")
+COMPUTE_MODES = ("real", "paced", "emulated")
 
 
 @dataclass(frozen=True)

@@ -317,6 +317,52 @@ class ShardLoader:
         return self.x[rows], self.y[rows]
 
 
+class GlobalBatches:
+    """Mini-batches of the whole training set, addressed by a job-wide batch index (the job-wide budget,
+    :mod:`prague.train.budget`).
+
+    Epoch e is a permutation of every training sample drawn from ``(seed, e)``, cut into
+    ``batches_per_epoch = n_samples // batch_size`` full batches (the incomplete tail is left out, a
+    different one each epoch); batch ``g`` is batch ``g mod batches_per_epoch`` of epoch ``g div
+    batches_per_epoch``. Whichever worker takes batch g gets the same samples, so the workers of a job
+    together use every sample once per epoch however unequally they share the batches.
+
+    Raises (at construction): ConfigError when ``x`` and ``y`` disagree, ``batch_size`` < 1 or larger
+    than the training set, or ``seed`` is invalid.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0) -> None:
+        if x.dim() < 1 or y.dim() < 1 or x.shape[0] != y.shape[0]:
+            raise ConfigError(f"GlobalBatches: inputs of shape {tuple(x.shape)} and labels of shape "
+                              f"{tuple(y.shape)} must have the same number of samples (first dimension)")
+        check_seed(seed)
+        if not 1 <= batch_size <= x.shape[0]:
+            raise ConfigError(f"batch size {batch_size!r} must be in 1..{x.shape[0]} (the training samples); "
+                              "pass another --batch-size")
+        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
+        self.batches_per_epoch = int(x.shape[0]) // batch_size
+        self._cached_epoch = -1
+        self._order = torch.arange(0)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Every training sample's index, in the order of ``epoch``."""
+        if epoch < 0:
+            raise ConfigError(f"epoch {epoch!r} must be >= 0")
+        if epoch != self._cached_epoch:
+            gen = torch.Generator().manual_seed(_mix_seed(self.seed, 1 << 30, epoch))
+            self._order = torch.randperm(int(self.x.shape[0]), generator=gen)
+            self._cached_epoch = epoch
+        return self._order
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of job-wide batch ``index`` (0-based), ``batch_size`` long."""
+        if index < 0:
+            raise ConfigError(f"batch index {index!r} must be >= 0")
+        epoch, i = divmod(index, self.batches_per_epoch)
+        rows = self.epoch_order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
+        return self.x[rows], self.y[rows]
+
+
 def _mix_seed(seed: int, rank: int, epoch: int) -> int:
     """A 63-bit seed that differs for every ``(seed, rank, epoch)``, well mixed (NumPy's SeedSequence)."""
     state = np.random.SeedSequence([seed, rank, epoch]).generate_state(2, dtype=np.uint32)

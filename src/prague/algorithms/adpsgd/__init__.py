@@ -21,6 +21,9 @@ class ADPSGDOptions(Options):
         super().__post_init__()
         parse_ranks(self.adpsgd_active)
 
+    def equal_shares(self) -> bool:
+        return False  # actives average with whichever passive they draw; passives serve until all actives end
+
     def check_job(self, nproc: int) -> None:
         bipartite_split(nproc, self.adpsgd_active)  # ranks outside the job, or no passive left
 

@@ -102,6 +102,11 @@ class PragueOptions(Options):
         every rank when blind (the simulator keeps ``physical`` for its costs)."""
         return Topology.flat(physical.size) if self.blind else physical
 
+    def equal_shares(self) -> bool:
+        """Only the static schedule needs every worker's every request; the service's generators group
+        whoever asks and let a finished worker leave."""
+        return self.is_static
+
     @property
     def busy_policy(self) -> str:
         """What a worker does with ``max_in_flight`` averages out: ``when_busy``, except that the static

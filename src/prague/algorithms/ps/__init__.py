@@ -60,10 +60,16 @@ class ShardOptions(Options):
     def check_model(self, state_elements: Callable[[], int]) -> None:
         check_shards(self.ps_shards, state_elements())
 
+    def equal_shares(self) -> bool:
+        return False  # asynchronous shards apply each push on arrival (ps:sync overrides)
+
 
 @dataclass(frozen=True)
 class PSOptions(ShardOptions):
     ps_mode: str = option("sync", "sync: apply the mean of all n pushes; async: apply each on arrival", choices=MODES)
+
+    def equal_shares(self) -> bool:
+        return self.ps_mode == "sync"  # a sync version waits for every worker's push
 
 
 #: What both parameter-server methods report.

@@ -1,0 +1,226 @@
+"""Evaluation on the common clock: the model at time t is the average of every replica's state at t.
+
+All workers start training at one agreed instant (:func:`start_together`), so their training clocks
+agree. Each keeps its model state at the points of one grid on that clock (:class:`SnapshotLog`): the
+state kept for t is the one after its last step that ended before t, whatever its speed. After training the states of each
+point are averaged over the ranks and scored (:func:`accuracy_history`): what a user would have got by
+stopping the job at t. Evaluation runs after training, so it never takes time from it, and the same
+procedure serves every method: the time to a target accuracy no longer waits for the slowest worker to
+reach some step.
+
+The grid is every ``--eval-every-s`` seconds; once a job has run :data:`MAX_POINTS` intervals the
+interval doubles and the points off the coarser grid are dropped (the same on every rank, from the time
+alone), so memory stays bounded however long the job runs. Scoring a point costs a pass over the test
+set, so the history scores at most :data:`CURVE_POINTS` of them evenly, and then refines the time to the
+target by bisection among the kept points between the last scored point below the target and the first
+at or above it (assuming the accuracy rises in between).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from prague.comm.flat import flatten, state_tensors, unflatten_into
+from prague.train.closing import Closing
+from prague.workload.data import Dataset
+
+#: The most grid points a rank keeps states for, and the memory their states may take at most (for
+#: models too large for both, fewer points, at least 8).
+MAX_POINTS = 64
+SNAPSHOT_BYTES = 256 << 20
+#: The grid's first interval (``--eval-every-s``), s.
+DEFAULT_EVAL_EVERY_S = 1.0
+#: The most points the accuracy curve scores (plus the final state and the refinement).
+CURVE_POINTS = 12
+CLOCK_READY_KEY = "prague/clock/ready"
+CLOCK_START_KEY = "prague/clock/t0"
+#: Time between the last rank's arrival and the common start, s: enough for every rank to read it.
+START_MARGIN_S = 0.05
+
+
+def start_together(store: Any, rank: int, nproc: int, *, poll_s: float = 0.005) -> float:
+    """Block until every rank has called this, then until one agreed wall-clock instant, which it
+    returns (``time.time()`` seconds). Rank 0 picks the instant once all have arrived; across machines the
+    instant is as common as their clocks (NTP: milliseconds)."""
+    store.add(CLOCK_READY_KEY, 1)
+    if rank == 0:
+        while store.add(CLOCK_READY_KEY, 0) < nproc:
+            time.sleep(poll_s)
+        store.set(CLOCK_START_KEY, repr(time.time() + START_MARGIN_S))
+    start = float(store.get(CLOCK_START_KEY))
+    delay = start - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    return start
+
+
+class TrainClock:
+    """Training time since the common start (plus ``offset_s``, the time a resumed run had already
+    trained). Never paused: it is the job's clock, the same on every rank, and what a rank spends on a
+    checkpoint is time the user waits too."""
+
+    def __init__(self, offset_s: float = 0.0) -> None:
+        self._start = time.perf_counter() - offset_s
+
+    def now(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def grid_level(now_s: float, every_s: float, max_points: int = MAX_POINTS) -> int:
+    """How many times the grid's interval has doubled by ``now_s``: the least L with at most
+    ``max_points`` intervals of ``every_s * 2**L`` in ``now_s``."""
+    level = 0
+    while now_s / (every_s * 2 ** level) > max_points:
+        level += 1
+    return level
+
+
+class SnapshotLog:
+    """This rank's model states at the grid points of the common clock (see the module docstring).
+
+    ``entries`` maps a grid point's index j (its time is ``j * every_s``) to a CPU copy of the flat
+    state; points with the same state share one copy. The rank calls :meth:`observe` before each step and
+    once after its last. A model changes at its steps' ends, so the state at a point that passed during a
+    step is the one the step started from: a copy taken at that step's start when a point may pass
+    before it ends (judged from the recent time between calls, with a margin of two); a point that passes
+    in a step longer than that gets the state after it."""
+
+    def __init__(self, every_s: float, max_points: int = MAX_POINTS) -> None:
+        self.every_s = every_s
+        self.max_points = max_points
+        self.entries: dict[int, torch.Tensor] = {}
+        self._next = 0  # the next grid index not yet recorded
+        self._held: torch.Tensor | None = None  # the state at the last call, when a point may pass after it
+        self._last_s: float | None = None
+        self._gaps: list[float] = []
+
+    def observe(self, model: nn.Module, now_s: float) -> None:
+        """Record the state of every grid point passed since the last call, and hold a copy of the current
+        state if the next point may pass before the next call."""
+        level = grid_level(now_s, self.every_s, self.max_points)
+        last = int(math.floor(now_s / self.every_s))
+        due = [j for j in range(self._next, last + 1) if j % 2 ** level == 0]
+        self._next = max(self._next, last + 1)
+        if due:
+            held = self._held
+            for j in due:
+                if held is None or j * self.every_s == now_s:  # no copy held, or the point is now
+                    held = self._copy(model)
+                self.entries[j] = held
+        self.thin(level)
+        if self._last_s is not None:
+            self._gaps = (self._gaps + [now_s - self._last_s])[-3:]
+        self._last_s = now_s
+        ahead = 2 * max(self._gaps, default=math.inf)
+        self._held = self._copy(model) if self._next * self.every_s <= now_s + ahead else None
+
+    @staticmethod
+    def _copy(model: nn.Module) -> torch.Tensor:
+        # Kept on the host: a CUDA model's snapshots would otherwise hold device memory until the end.
+        return flatten(state_tensors(model)).to("cpu", copy=True)
+
+    def thin(self, level: int) -> None:
+        """Drop the points off the grid of ``level``."""
+        step = 2 ** level
+        for j in [j for j in self.entries if j % step]:
+            del self.entries[j]
+
+    def states(self, points: list[int], final: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's state at each grid index of ``points``: the recorded one, or ``final`` (this rank's
+        state at the end) for points after it stopped."""
+        return [self.entries.get(j, final) for j in points]
+
+
+def common_points(job_s: float, every_s: float, max_points: int = MAX_POINTS) -> list[int]:
+    """The grid indices every rank scores: the grid of the job's end, from 0 to ``job_s``."""
+    step = 2 ** grid_level(job_s, every_s, max_points)
+    return list(range(0, int(math.floor(job_s / every_s)) + 1, step))
+
+
+def curve_indices(n: int, most: int = CURVE_POINTS) -> list[int]:
+    """At most ``most`` positions of ``0..n-1``, evenly spread, the first and the last included."""
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
+
+
+def first_reaching(accuracy: Callable[[int], float], n: int, target: float | None,
+                   most: int = CURVE_POINTS) -> tuple[dict[int, float], int | None]:
+    """Score positions ``0..n-1`` with ``accuracy`` (each at most once): the curve's positions, then a
+    bisection between the last one below ``target`` and the first at or above it. Returns every score
+    taken and the first position found at or above the target (None if none). Every rank calls it with
+    the same scores, so every rank scores the same positions (``accuracy`` is collective)."""
+    scores: dict[int, float] = {}
+
+    def score(i: int) -> float:
+        if i not in scores:
+            scores[i] = accuracy(i)
+        return scores[i]
+
+    curve = curve_indices(n, most)
+    for i in curve:
+        score(i)
+    if target is None:
+        return scores, None
+    hit = next((i for i in curve if scores[i] >= target), None)
+    if hit is None:
+        return scores, None
+    lo = max((i for i in curve if i < hit), default=-1)  # below the target (or before the first point)
+    while hit - lo > 1:
+        mid = (lo + hit) // 2
+        if score(mid) >= target:
+            hit = mid
+        else:
+            lo = mid
+    return scores, hit
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Dataset, closing: Closing, batch_size: int = 1000) -> float:
+    """Test accuracy of ``model`` (the same on every closing rank); each scores a slice, counts are summed.
+    Collective."""
+    model.eval()
+    ctx = closing.ctx
+    n = len(data.test_y)
+    index, size = closing.ranks.index(ctx.rank), closing.size
+    lo, hi = n * index // size, n * (index + 1) // size
+    correct = 0
+    for i in range(lo, hi, batch_size):
+        x = data.test_x[i : min(i + batch_size, hi)].to(ctx.device)
+        y = data.test_y[i : min(i + batch_size, hi)].to(ctx.device)
+        correct += int((model(x).argmax(dim=1) == y).sum())
+    counts = torch.tensor([correct], dtype=torch.float64, device=ctx.device)
+    closing.all_reduce(counts)
+    return float(counts.item()) / n
+
+
+def accuracy_history(model: nn.Module, log: SnapshotLog, final: nn.Module, end_s: float, data: Dataset,
+                     closing: Closing, target: float | None) -> tuple[list[dict[str, float]], float | None, float]:
+    """(history, time to target, job time) of the replicas' average on the common clock. ``final`` is
+    this rank's model at its end (``end_s`` on its clock). The history holds ``{wall_s, accuracy}`` of the
+    scored grid points and of the job's end (the average of every rank's final state), in time order.
+    Collective over the closing ranks."""
+    job_s = max(closing.all_gather_floats(end_s))
+    points = common_points(job_s, log.every_s, log.max_points)
+    final_flat = flatten(state_tensors(final)).to("cpu", copy=True)
+    states = log.states(points, final_flat) + [final_flat]
+    times = [j * log.every_s for j in points] + [job_s]
+    probe = copy.deepcopy(model)
+
+    def accuracy(i: int) -> float:
+        flat = states[i].to(closing.ctx.device, copy=True)  # the backend's device (NCCL: the GPU)
+        closing.all_reduce(flat)
+        flat /= closing.size
+        unflatten_into(flat, state_tensors(probe))
+        return evaluate(probe, data, closing)
+
+    scores, hit = first_reaching(accuracy, len(states), target)
+    history = [{"wall_s": times[i], "accuracy": scores[i]} for i in sorted(scores)]
+    return history, None if hit is None else times[hit], job_s
