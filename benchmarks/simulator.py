@@ -128,7 +128,7 @@ def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
     variants: dict[str, dict[str, Any]] = {
         "paper preset": {},
         "no link sharing": {"contention": False},
-        "all-reduce half hidden": {"allreduce_exposed": 0.5},
+        "all-reduce not overlapped": {"backward_share": 0.0},
     }
     rows = []
     for variant, changes in variants.items():

@@ -150,6 +150,7 @@ def special_values(root: Path) -> dict[str, st.SearchStrategy[str]]:
         "resume": _paths(root, *(f"resume/{n}" for n in ("garbage", "list", "types", "options", "unknown", "inf")),
                          "empty", "missing"),
         "calibrate": _paths(root, *(f"bench/{n}" for n in os.listdir(root / "bench")), "missing", "empty"),
+        "check": _paths(root, *(f"bench/{n}" for n in os.listdir(root / "bench")), "missing", "empty"),
         "cluster": st.one_of(st.sampled_from(sorted(PRESETS)), _paths(root, "cluster.toml", "file.txt", "missing")),
         "gg_address": ADDRESS, "adpsgd_active": RANKS, "math": st.one_of(st.sampled_from(["none", "real"]), TEXT),
         "compute_dist": st.one_of(st.sampled_from(DISTRIBUTIONS), TEXT),

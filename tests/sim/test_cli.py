@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from prague_testing import bench_records
+
 from prague.cli import _Parser
 from prague.errors import ConfigError
 from prague.metrics.record import RunRecord
@@ -33,7 +35,7 @@ def test_simulate_writes_bench_files_with_runtime_fields(tmp_path: Path, capsys:
                    "--inter-gbps", "10", "--out", str(out)])
     assert cmd_simulate(args) == 0
     assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "throughput.png", "accuracy.png"}
-    records = json.loads((out / "bench.json").read_text())
+    records = bench_records(out)
     assert len(records) == 6
     keys = record_keys()
     for record in records:
@@ -47,23 +49,59 @@ def test_simulate_writes_bench_files_with_runtime_fields(tmp_path: Path, capsys:
     assert "prague:smart [paper:5, simulated]" in capsys.readouterr().out
 
 
-def test_calibrate_writes_report_and_a_reusable_cluster(tmp_path: Path) -> None:
-    bench = tmp_path / "bench"
-    assert cmd_simulate(_parse(["--algorithms", "allreduce,prague:ready", "--scenarios", "homogeneous",
+def _real_bench(folder: Path, scenarios: str) -> Path:
+    """A simulated benchmark passed off as a real one (records marked not simulated)."""
+    assert cmd_simulate(_parse(["--algorithms", "allreduce,prague:ready", "--scenarios", scenarios,
                                 "--nproc", "4", "--model", "mlp", "--steps", "10", "--cluster", "local",
-                                "--compute-ms", "300", "--out", str(bench), "--quiet"])) == 0
-    records = json.loads((bench / "bench.json").read_text())
+                                "--compute-ms", "300", "--out", str(folder), "--quiet"])) == 0
+    records = bench_records(folder)
     for r in records:
         r["simulated"] = False
-    (bench / "bench.json").write_text(json.dumps(records))
+    (folder / "bench.json").write_text(json.dumps(records))
+    return folder / "bench.json"
+
+
+def test_calibrate_writes_report_and_a_reusable_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _real_bench(tmp_path / "bench", "homogeneous,straggler:1:2")
     out = tmp_path / "cal"
-    assert cmd_simulate(_parse(["--calibrate", str(bench / "bench.json"), "--out", str(out)])) == 0
+    assert cmd_simulate(_parse(["--calibrate", str(bench), "--out", str(out)])) == 0
     report = json.loads((out / "calibration.json").read_text())
-    assert [row["method"] for row in report["rows"]] == ["allreduce", "prague:ready"]
+    methods = ["allreduce", "prague:ready"] * 2
+    assert [row["method"] for row in report["in_sample"]["rows"]] == methods
+    assert [row["method"] for row in report["out_of_sample"]["rows"]] == methods
+    assert report["out_of_sample"]["how"].startswith("leave-one-scenario-out") and report["check"] is None
+    row = report["out_of_sample"]["rows"][0]
+    assert row["fitted_on"] == "scenarios straggler:1:2" and row["scenario"] == "homogeneous"
+    assert row["error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+    printed = capsys.readouterr().out
+    assert "In-sample" in printed and "Out-of-sample" in printed
+    assert "Out-of-sample" in (out / "calibration.md").read_text()
     again = tmp_path / "again"
     assert cmd_simulate(_parse(["--algorithms", "prague:ready", "--scenarios", "homogeneous", "--nproc", "4",
                                 "--model", "mlp", "--steps", "10", "--cluster", str(out / "cluster.toml"),
                                 "--out", str(again), "--quiet"])) == 0
+
+
+def test_calibrate_checks_against_a_second_benchmark(tmp_path: Path) -> None:
+    fit_on = _real_bench(tmp_path / "fit", "homogeneous")
+    other = _real_bench(tmp_path / "other", "straggler:1:2")
+    with pytest.raises(ConfigError, match="--check OTHER/bench.json"):  # one scenario: nothing to hold out
+        cmd_simulate(_parse(["--calibrate", str(fit_on), "--out", str(tmp_path / "no")]))
+    with pytest.raises(ConfigError, match="add --calibrate"):
+        cmd_simulate(_parse(["--check", str(other), "--out", str(tmp_path / "no")]))
+    out = tmp_path / "cal"
+    assert cmd_simulate(_parse(["--calibrate", str(fit_on), "--check", str(other), "--out", str(out)])) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["check"] == str(other) and report["out_of_sample"]["runs"] == 2
+    assert {row["scenario"] for row in report["out_of_sample"]["rows"]} == {"straggler:1:2"}
+    assert {row["scenario"] for row in report["in_sample"]["rows"]} == {"homogeneous"}
+
+
+def test_removed_allreduce_exposed_says_what_replaced_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--backward-share"):
+        cmd_simulate(_parse(["--allreduce-exposed", "0.5", "--out", str(tmp_path)]))
+    with pytest.raises(ConfigError, match="--backward-share .* between 0 and 1, got 1.5"):
+        cmd_simulate(_parse(["--backward-share", "1.5", "--out", str(tmp_path)]))
 
 
 def test_bad_input_is_a_config_error(tmp_path: Path) -> None:

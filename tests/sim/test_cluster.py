@@ -35,6 +35,8 @@ def test_toml_file_with_base_and_units(tmp_path: Path) -> None:
     ("[compute]\ndistribution = 'weird'\n", "valid choices: constant, lognormal, normal, uniform"),
     ("base = 'nope'\n", "valid choices: local, paper"),
     ("[compute\n", "cannot read cluster file"),
+    ("[compute]\nbackward_share = 1.5\n", "between 0 and 1, got 1.5"),
+    ("[allreduce]\nexposed_fraction = 0.5\n", r"no longer a cluster key.*backward_share.*ring_factor"),
 ])
 def test_bad_files_say_what_and_where(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "bad.toml"
@@ -56,7 +58,8 @@ def test_validation_quotes_the_value() -> None:
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    c = PAPER.replace_fields(name="x", speeds=(1.0, 2.0), server=Link.of(30, 10), compute_overhead_s=0.004)
+    c = PAPER.replace_fields(name="x", speeds=(1.0, 2.0), server=Link.of(30, 10), compute_overhead_s=0.004,
+                             backward_share=0.5, allreduce_ring_factor=1.7)
     path = tmp_path / "x.toml"
     path.write_text(cluster_to_toml(c))
     back = load_cluster(path)

@@ -10,16 +10,19 @@ from typing import Any
 
 import pytest
 
+from prague_testing import bench_records
+
 from prague.cli import build_parser
 from prague.errors import ConfigError
 from prague.net.traffic import PERIOD_S, CrossTraffic, burst_plan
 from prague.sim.cluster import Cluster, Link
 from prague.sim.traffic import Bursts, node_crossings
 from prague.simulate.cli import cmd_simulate
-from prague.simulate.run import SimConfig, model_size, simulate
+from prague.sim.costs import MIB, ddp_buckets
+from prague.simulate.run import SimConfig, gradient_sizes, simulate
 
-# Constant compute, no jitter: every difference below is the network's.
-CLUSTER = Cluster(compute_s=0.05, intra=Link.of(10, 64), inter=Link.of(25, 45), allreduce_exposed=1.0)
+# Constant compute, no jitter, no backward to hide the all-reduce behind: every difference below is the network's.
+CLUSTER = Cluster(compute_s=0.05, intra=Link.of(10, 64), inter=Link.of(25, 45), backward_share=0.0)
 INTER_METHODS = ["allreduce", "lossy", "prague:static", "dssync", "adpsgd", "ps:sync"]
 
 
@@ -70,7 +73,7 @@ def test_hosts_and_link_rate_make_the_topology_and_the_inter_node_link(tmp_path:
                    "--hosts", "4", "--link-rate", "200mbit", "--model", "mlp", "--steps", "5", "--out", str(out),
                    "--quiet"])
     assert cmd_simulate(args) == 0
-    records = json.loads((out / "bench.json").read_text())
+    records = bench_records(out)
     for record in records:
         assert record["sim"]["nodes"] == 4 and record["sim"]["workers_per_node"] == 2
         assert record["sim"]["cluster"]["inter"]["bandwidth_gbps"] == pytest.approx(0.2)
@@ -80,18 +83,19 @@ def test_hosts_and_link_rate_make_the_topology_and_the_inter_node_link(tmp_path:
                       "--cross-traffic", "bursts:1:2", "--model", "mlp", "--steps", "3", "--out",
                       str(tmp_path / "default"), "--quiet"])
     assert cmd_simulate(default) == 0
-    record = json.loads((tmp_path / "default" / "bench.json").read_text())[0]
+    record = bench_records(tmp_path / "default")[0]
     assert record["sim"]["nodes"] == 2 and record["sim"]["cluster"]["inter"]["bandwidth_gbps"] == pytest.approx(1)
     assert record["sim"]["link_rate"] == "1gbit" and record["sim"]["cross_traffic"]["traffic"] == "bursts:1:2"
 
 
 def test_allreduce_step_grows_as_bytes_over_the_link_rate() -> None:
     fast, slow = _sim("allreduce", link_rate="1gbit"), _sim("allreduce", link_rate="250mbit")
-    _, state_bytes = model_size("resnet18", "synthetic")
-    ring_bytes = 2 * 7 / 8 * state_bytes  # each host's link carries 2(n-1)/n of the state each way
+    gradients = gradient_sizes("resnet18", "synthetic")
+    buckets = len(ddp_buckets(gradients, 25 * MIB))  # DDP's, one ring each, one after the other
+    ring_bytes = 2 * 7 / 8 * sum(gradients)  # each host's link carries 2(n-1)/n of the gradients each way
     per_step = ring_bytes * 8 * (1 / 250e6 - 1 / 1e9)
     assert slow["wall_s"] - fast["wall_s"] == pytest.approx(20 * per_step, rel=1e-6)
-    assert fast["wall_s"] == pytest.approx(20 * (0.05 + 14 * 25e-6 + ring_bytes * 8 / 1e9), rel=1e-6)
+    assert fast["wall_s"] == pytest.approx(20 * (0.05 + buckets * 14 * 25e-6 + ring_bytes * 8 / 1e9), rel=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", INTER_METHODS)

@@ -10,6 +10,13 @@ Pure formulas first (they are what the tests check the simulator against):
   The slowest link is the inter-node one as soon as the members span two nodes (a ring ordered by node
   crosses each node's network card once in each direction), the intra-node one otherwise;
 * a point-to-point transfer: ``alpha + m / beta`` (AD-PSGD's exchange is two of them, one each way);
+* DDP's all-reduce overlapped with backward (:func:`ddp_buckets`, :func:`bucket_ready_s`,
+  :func:`overlapped_allreduce_s`, :func:`exposed_allreduce_s`): the gradients, in the order backward
+  produces them, are cut into buckets of ``--bucket-cap-mb``; backward produces the bytes at an even
+  rate, a bucket is ready when its last gradient is, and its ring all-reduce starts when it is ready on
+  every member and the previous bucket's is done (one communication stream). What is left after
+  backward ends is the step's exposed communication: with buckets whose all-reduce is shorter than the
+  backward between them, only the last bucket's;
 * a queue with one server (the PS's network card, the Group Generator's thread): a job that arrives at
   ``t`` starts at ``max(t, free_at)``; this is where parameter-server incast and GG load come from.
 
@@ -23,7 +30,8 @@ delay to every transfer it times, so every method whose transfers cross nodes me
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prague.groups.api import Topology
@@ -31,6 +39,73 @@ from prague.sim.cluster import Cluster, Link
 from prague.sim.traffic import Bursts, node_crossings
 
 BYTES_PER_FLOAT32 = 4
+MIB = 2**20  # DDP's "MB" of --bucket-cap-mb
+
+
+def ddp_buckets(tensor_bytes: Sequence[float], bucket_cap_bytes: float) -> list[float]:
+    """The bytes of each of DDP's gradient buckets, in the order backward fills them.
+
+    ``tensor_bytes``: the gradients' sizes in the order backward produces them (the reverse of
+    ``model.parameters()``). As DDP's reducer once it has rebuilt its buckets after the first iteration
+    (``torch.distributed._compute_bucket_assignment_by_size``): tensors stay whole, and a bucket closes
+    as soon as it holds ``bucket_cap_bytes`` or more, so a bucket may exceed the cap and the last one is
+    the rest. The runtime passes ``bucket_cap_mb`` to DDP explicitly, so its first bucket has the same
+    cap as the others (DDP's 1 MiB first bucket applies only when the cap is left at its default).
+    """
+    buckets: list[float] = []
+    filled = 0.0
+    for size in tensor_bytes:
+        filled += size
+        if filled >= bucket_cap_bytes:
+            buckets.append(filled)
+            filled = 0.0
+    if filled > 0 or not buckets:
+        buckets.append(filled)
+    return buckets
+
+
+def bucket_ready_s(backward_s: float, bucket_bytes: Sequence[float], start_s: float = 0.0) -> list[float]:
+    """When each bucket is ready on one worker whose backward starts at ``start_s`` and lasts
+    ``backward_s``: backward produces the gradient bytes at an even rate, so bucket i is ready once the
+    bytes of buckets 0..i are; the last is ready when backward ends."""
+    total = float(sum(bucket_bytes))
+    ready: list[float] = []
+    done = 0.0
+    for size in bucket_bytes:
+        done += size
+        ready.append(start_s + (backward_s * done / total if total > 0 else backward_s))
+    if ready:
+        ready[-1] = start_s + backward_s  # exactly, whatever the rounding
+    return ready
+
+
+def overlapped_allreduce_s(ready_s: Sequence[float], allreduce_s: Callable[[int, float], float]) -> list[float]:
+    """When each bucket's all-reduce completes, on one communication stream.
+
+    ``ready_s[i]``: when bucket i is ready on every member (the latest member's :func:`bucket_ready_s`);
+    ``allreduce_s(i, start_s)``: how long bucket i's collective takes when it starts at ``start_s``.
+    Bucket i starts at ``max(ready_s[i], done of bucket i - 1)``, as DDP launches a bucket's all-reduce
+    when it is full and the collectives of one process group run one after the other.
+    """
+    done: list[float] = []
+    free = -math.inf
+    for i, ready in enumerate(ready_s):
+        start = max(ready, free)
+        free = start + allreduce_s(i, start)
+        done.append(free)
+    return done
+
+
+def exposed_allreduce_s(backward_s: float, bucket_bytes: Sequence[float],
+                        bucket_allreduce_s: Callable[[float], float]) -> float:
+    """The communication one step leaves exposed when every worker's backward lasts ``backward_s``: how
+    long after backward ends the last bucket's all-reduce completes (``bucket_allreduce_s(bytes)`` is one
+    bucket's collective). 0 <= it <= the sum of the buckets' times; all of it with no backward."""
+    if not bucket_bytes:
+        return 0.0
+    done = overlapped_allreduce_s(bucket_ready_s(backward_s, bucket_bytes),
+                                  lambda i, _: bucket_allreduce_s(bucket_bytes[i]))
+    return max(0.0, done[-1] - backward_s)
 
 
 def ring_allreduce_s(members: int, size_bytes: float, link: Link, bandwidth_share: float = 1.0) -> float:

@@ -7,7 +7,8 @@ on ``world.engine``; each process calls :meth:`World.compute_s` for the length o
 throughput and no-wait limit of :mod:`prague.metrics.summary` apply unchanged.
 
 Compute: ``(cluster.compute_s x speed(rank) x scenario.slowdown(rank, step, n) + overhead) x jitter``
-(see :class:`~prague.sim.cluster.Cluster`). The slowdown
+(see :class:`~prague.sim.cluster.Cluster`); its last ``cluster.backward_share x compute_s x speed(rank) x
+jitter`` is backward (:meth:`World.backward_s`), which DDP's all-reduce overlaps with. The slowdown
 is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same slow iterations as a
 real run). The jitter comes from one seeded generator per worker (all its steps drawn up front), so a
 worker's compute times depend only on (seed, rank, step), never on the order of events.
@@ -26,7 +27,7 @@ closes them all. Without it :attr:`World.decisions` is None and nothing is logge
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
@@ -73,7 +74,7 @@ class World:
     def __init__(self, *, cluster: Cluster, topology: Topology, scenario: Scenario, steps: int,
                  state_bytes: float, seed: int, math: NoMath | None = None,
                  trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None,
-                 cross_traffic: CrossTraffic | None = None) -> None:
+                 cross_traffic: CrossTraffic | None = None, gradient_bytes: Sequence[float] | None = None) -> None:
         self.engine = Engine()
         self.cluster = cluster
         self.topology = topology
@@ -81,6 +82,9 @@ class World:
         self.scenario = scenario
         self.steps = steps
         self.state_bytes = float(state_bytes)
+        # The gradients' sizes in the order backward produces them (DDP's buckets are cut from them); one
+        # tensor of the whole state when not given.
+        self.gradient_bytes = tuple(float(b) for b in gradient_bytes) if gradient_bytes else (self.state_bytes,)
         self.seed = seed
         self.math = math if math is not None else NoMath()
         self.trace = trace  # when a list: every Group Generator call, in order (tests replay it)
@@ -101,6 +105,7 @@ class World:
         self.communicators_created = 0
         self.communicators_evicted = 0
         self._base_s = [cluster.compute_s * cluster.speed(w) for w in range(self.n)]
+        self._backward_share = cluster.backward_share
         self._overhead_s = cluster.compute_overhead_s
         self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
         self._slow = not scenario.is_homogeneous
@@ -126,6 +131,14 @@ class World:
         if self._slow:
             t *= self.scenario.slowdown(rank, step, self.n)
         t += self._overhead_s
+        jitter = self._jitter[rank]
+        return t if jitter is None else t * jitter[step]
+
+    def backward_s(self, rank: int, step: int) -> float:
+        """The backward at the end of :meth:`compute_s` (rank, step): ``cluster.backward_share`` of the nominal
+        compute, with its speed and jitter. The scenario's extra time and the overhead are not in it: the
+        runtime sleeps a slowdown's extra time before forward."""
+        t = self._backward_share * self._base_s[rank]
         jitter = self._jitter[rank]
         return t if jitter is None else t * jitter[step]
 

@@ -3,6 +3,7 @@
     prague simulate --algorithms allreduce,prague:smart,prague:ready --scenarios homogeneous,paper:5 \\
         --nproc 16 --nodes 4 --model resnet18 --cluster paper --steps 300 --out runs/sim
     prague simulate --calibrate runs/bench/bench.json --out runs/cal        # fit, compare, write cluster.toml
+    prague simulate --calibrate runs/bench/bench.json --check runs/bench2/bench.json --out runs/cal
     prague simulate --calibrate runs/bench/bench.json --algorithms prague:ready --nproc 256 --out runs/big
     prague simulate --algorithms prague:smart,allreduce --nproc 256 --math real --steps 400   # accuracy too
     prague simulate --algorithms allreduce,lossy --nproc 8 --hosts 4 --link-rate 1gbit --cross-traffic bursts:0.3:20
@@ -10,8 +11,9 @@
 The run flags are ``prague bench``'s own (same names, same method options); cluster flags override
 single values of ``--cluster`` (a preset: ``paper``, ``local``; or a TOML file, see
 :mod:`prague.sim.cluster`). With ``--calibrate`` the cluster is fitted to that benchmark first
-(:mod:`prague.simulate.calibrate`), the comparison is printed and written to ``OUT/calibration.{md,json}``
-and the fitted cluster to ``OUT/cluster.toml``; methods are simulated only if ``--algorithms`` is given.
+(:mod:`prague.simulate.calibrate`), the comparison, in-sample and out-of-sample (on the ``--check``
+benchmark, or leave-one-scenario-out), is printed and written to ``OUT/calibration.{md,json}`` and the
+fitted cluster to ``OUT/cluster.toml``; methods are simulated only if ``--algorithms`` is given.
 
 Emulated hosts are modelled, with ``prague run``'s flags: ``--hosts H`` makes H nodes (ranks in
 contiguous blocks; ``--nodes`` follows), ``--link-rate`` (default 1gbit) is the inter-node bandwidth
@@ -57,6 +59,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default="homogeneous,paper:5", help="comma-separated scenarios")
     p.add_argument("--calibrate", type=Path, metavar="BENCH_JSON",
                    help="fit the cluster to this real benchmark and compare simulated with measured throughput")
+    p.add_argument("--check", type=Path, metavar="BENCH_JSON",
+                   help="with --calibrate: the real benchmark the fitted cluster predicts (out-of-sample error); "
+                        "without it, leave-one-scenario-out on the --calibrate benchmark")
     p.add_argument("--math", default="none",
                    help="none (default): timing only; real: every simulated worker trains real parameters "
                         "(accuracy against simulated time)")
@@ -70,7 +75,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--intra-gbps", type=float, help="intra-node bandwidth, Gbit/s")
     c.add_argument("--inter-latency-us", type=float)
     c.add_argument("--inter-gbps", type=float, help="inter-node bandwidth, Gbit/s")
-    c.add_argument("--allreduce-exposed", type=float, help="share of the ring all-reduce not hidden by backward")
+    c.add_argument("--backward-share", type=float,
+                   help="share of the compute that is backward, which DDP's all-reduce overlaps with (0 to 1)")
+    c.add_argument("--allreduce-ring-factor", type=float,
+                   help="the all-reduce's time over the alpha-beta ring's (1: the ideal ring)")
+    c.add_argument("--allreduce-exposed", type=float, help=argparse.SUPPRESS)  # removed: a clear error
     c.add_argument("--gg-rtt-us", type=float, help="Group Generator RPC round trip")
     c.add_argument("--gg-service-us", type=float, help="Group Generator time per request")
     c.add_argument("--no-contention", action="store_true", help="concurrent transfers do not share links")
@@ -84,12 +93,18 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> Cluster:
     """``--cluster`` (or ``base``) with the single-value flags applied; ConfigError naming a bad flag."""
     cluster = base if base is not None else load_cluster(args.cluster or "paper")
-    for name in ("compute_cv", "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "allreduce_exposed",
-                 "gg_rtt_us", "gg_service_us"):
+    if getattr(args, "allreduce_exposed", None) is not None:
+        raise ConfigError("--allreduce-exposed is gone: the simulator plays out DDP's buckets (--bucket-cap-mb) "
+                          "against backward; set --backward-share (0: nothing hidden) and --allreduce-ring-factor")
+    for name in ("compute_cv", "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "backward_share",
+                 "allreduce_ring_factor", "gg_rtt_us", "gg_service_us"):
         value, zero = getattr(args, name), not name.endswith("gbps")  # a link needs some bandwidth
         if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>= 0' if zero else '> 0'}, "
                               f"got {value}")
+    if args.backward_share is not None and args.backward_share > 1:
+        raise ConfigError(f"--backward-share is backward's share of the compute, between 0 and 1, got "
+                          f"{args.backward_share}")
 
     def link(old: Link, latency_us: float | None, gbps: float | None) -> Link | None:
         if latency_us is None and gbps is None:
@@ -102,7 +117,7 @@ def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> 
         compute_cv=args.compute_cv, compute_dist=args.compute_dist,
         intra=link(cluster.intra, args.intra_latency_us, args.intra_gbps),
         inter=link(cluster.inter, args.inter_latency_us, args.inter_gbps),
-        allreduce_exposed=args.allreduce_exposed,
+        backward_share=args.backward_share, allreduce_ring_factor=args.allreduce_ring_factor,
         gg_rtt_s=None if args.gg_rtt_us is None else args.gg_rtt_us * 1e-6,
         gg_service_s=None if args.gg_service_us is None else args.gg_service_us * 1e-6,
         contention=False if args.no_contention else None,
@@ -117,12 +132,13 @@ def cluster_to_toml(cluster: Cluster) -> str:
 
     lines = [f"name = {json.dumps(cluster.name)}", "", "[compute]", f"time_ms = {cluster.compute_s * 1e3:.6g}",
              f"overhead_ms = {cluster.compute_overhead_s * 1e3:.6g}",
-             f"distribution = {json.dumps(cluster.compute_dist)}", f"cv = {cluster.compute_cv:.6g}"]
+             f"distribution = {json.dumps(cluster.compute_dist)}", f"cv = {cluster.compute_cv:.6g}",
+             f"backward_share = {cluster.backward_share:.6g}"]
     if cluster.speeds:
         lines.append(f"speeds = [{', '.join(f'{s:.6g}' for s in cluster.speeds)}]")
     lines.append("")
     lines += link("intra", cluster.intra) + link("inter", cluster.inter)
-    lines += ["[allreduce]", f"exposed_fraction = {cluster.allreduce_exposed:.6g}", "",
+    lines += ["[allreduce]", f"ring_factor = {cluster.allreduce_ring_factor:.6g}", "",
               "[preduce]", f"setup_ms = {cluster.preduce_setup_s * 1e3:.6g}", "",
               "[gg]", f"rtt_us = {cluster.gg_rtt_s * 1e6:.6g}", f"service_us = {cluster.gg_service_s * 1e6:.6g}", "",
               "[ps]", f"apply_ms = {cluster.ps_apply_s * 1e3:.6g}",
@@ -181,6 +197,11 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
         raise ConfigError(f"--inter-gbps {args.inter_gbps} and --hosts both set the inter-node bandwidth; with "
                           "emulated hosts it is --link-rate (default 1gbit): drop --inter-gbps")
     sim_nodes(args)  # --nodes against --hosts, for every method (runs check it only for methods with --nodes)
+    for flag, given in (("--budget", args.budget is not None), ("--eval-every-s", args.eval_every_s is not None),
+                        ("--compute paced", args.compute == "paced")):
+        if given:
+            raise ConfigError(f"{flag} is not modelled by the simulator yet; drop it (simulated runs use --steps "
+                              "or --epochs per worker and evaluate every --eval-every steps)")
     return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
             for s in scenarios for a in algorithms]
 
@@ -199,9 +220,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Handler of ``prague simulate`` (see the module docstring). Bad input raises ConfigError."""
     from prague.io import atomic_write_json, atomic_write_text
     from prague.metrics.report import bench_table
-    from prague.simulate.calibrate import calibrate, calibration_table
+    from prague.simulate.calibrate import calibrate, calibration_report, calibration_table
     from prague.simulate.run import simulate_bench
 
+    if args.check is not None and args.calibrate is None:
+        raise ConfigError(f"--check {str(args.check)!r} checks a calibration: add --calibrate FIT/bench.json, the "
+                          "benchmark to fit on")
     out = Path(args.out) if args.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     check_out_folder(out)
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -214,14 +238,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args, base)
     configs = [sim_config(run, cluster=cluster, math_mode=args.math, nodes=nodes) for run in runs]
     if args.calibrate is not None:
-        cal = calibrate(args.calibrate, base)
+        cal = calibrate(args.calibrate, base, args.check)
         table = calibration_table(cal)
         print(table)
         atomic_write_text(out / "calibration.md", f"# prague simulate --calibrate\n\n```\n{command}\n```\n\n{table}")
-        atomic_write_json(out / "calibration.json", {
-            "bench": str(args.calibrate), "cluster": cal.cluster.describe(), "sources": cal.sources,
-            "rows": [{k: v for k, v in row.items() if k != "record"} for row in cal.rows],
-        })
+        atomic_write_json(out / "calibration.json", calibration_report(cal, args.calibrate, args.check))
         atomic_write_text(out / "cluster.toml", cluster_to_toml(cal.cluster))
         print(f"wrote {out / 'calibration.md'}, {out / 'calibration.json'} and {out / 'cluster.toml'}")
         if calibrate_only:

@@ -33,14 +33,26 @@ from prague.sim.world import World
 from prague.workload.catalog import dataset_info
 
 
-@lru_cache(maxsize=None)
 def model_size(model: str, data: str) -> tuple[int, int]:
     """``(parameters, bytes of the flat state P-Reduce moves)`` of ``model`` on ``data`` (cached)."""
+    parameters, state_bytes, _ = _model_facts(model, data)
+    return parameters, state_bytes
+
+
+def gradient_sizes(model: str, data: str) -> tuple[int, ...]:
+    """The bytes of ``model``'s gradients on ``data`` in the order backward produces them (the reverse of
+    ``parameters()``, as DDP's buckets are filled), cached."""
+    return _model_facts(model, data)[2]
+
+
+@lru_cache(maxsize=None)
+def _model_facts(model: str, data: str) -> tuple[int, int, tuple[int, ...]]:
     from prague.workload.models import build_model, parameter_count, state_elements
 
     info = dataset_info(data)
     module = build_model(model, info.input_shape, info.num_classes)
-    return parameter_count(module), 4 * state_elements(module)
+    gradients = tuple(4 * p.numel() for p in reversed(list(module.parameters())) if p.requires_grad)
+    return parameter_count(module), 4 * state_elements(module), gradients
 
 
 @dataclass(frozen=True)
@@ -142,7 +154,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     world = World(cluster=cluster, topology=config.topology,
                   scenario=parse_scenario(config.scenario, seed=config.seed), steps=config.steps,
                   state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions,
-                  cross_traffic=config.traffic)
+                  cross_traffic=config.traffic, gradient_bytes=gradient_sizes(config.model, config.data))
     try:
         return world, method.sim_class()(world, options)
     except BaseException:

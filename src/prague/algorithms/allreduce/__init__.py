@@ -33,4 +33,7 @@ METHOD = Method(
     runtime="prague.algorithms.allreduce.runtime:AllReduce",
     sim="prague.algorithms.allreduce.sim:SimAllReduce",
     reports={"bucket_cap_mb": "DDP's gradient bucket size"},
+    sim_reports={"buckets": "DDP's gradient buckets the model's gradients fill",
+                 "exposed_fraction": "share of the buckets' all-reduce time left after the last worker's "
+                                     "backward (the rest hides behind backward)"},
 )

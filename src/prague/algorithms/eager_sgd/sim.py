@@ -10,8 +10,8 @@ worker's round thread (they move in lock step: each round is one all-reduce over
   never before round ``t - 1`` is done, nor while a worker holds as many unapplied results as the
   runtime allows;
 * it takes every worker's ledger (and, with ``--math real``, the gradient sum beside it) and lasts the
-  ring all-reduce of the model over all workers, charged like ``allreduce``'s
-  (``cluster.allreduce_exposed`` times the alpha-beta ring time, the collective the runtime runs);
+  ring all-reduce of the model over all workers (``cluster.allreduce_ring_factor`` times the alpha-beta
+  ring time, the collective the runtime runs on the flat gradient after backward: nothing to overlap);
 * a worker, after computing gradient ``t``, waits until round ``t`` is done, then applies every result
   it has not applied yet, in order; the time it waits is its wait time, as the runtime counts it;
 * after the last step a final synchronous round carries what is left.
@@ -64,7 +64,7 @@ class SimEagerSGD(SimMethod):
     def _rounds(self) -> Process:
         world = self.world
         everyone = tuple(range(world.n))
-        exposed = world.cluster.allreduce_exposed
+        factor = world.cluster.allreduce_ring_factor
         round_id = 0
         while True:
             final = round_id == world.steps
@@ -88,7 +88,7 @@ class SimEagerSGD(SimMethod):
                 if s is not None:
                     total = s if total is None else total + s
             for _ in everyone:  # every worker's round thread joins; the driver stands for all of them
-                joined = world.meet(("eager-sgd", round_id), everyone, cost_s=lambda ring_s: exposed * ring_s,
+                joined = world.meet(("eager-sgd", round_id), everyone, cost_s=lambda ring_s: factor * ring_s,
                                     setup=False)
             yield joined
             self._results[round_id] = (total, count)

@@ -7,7 +7,7 @@ played out chunk by chunk on the group's :class:`~prague.sim.costs.Transfer` (it
 it, the cross traffic it meets):
 
 * the ``--streams`` streams share the links: each chunk on a stream moves at ``1/streams`` of the
-  group's bandwidth, each phase's alpha-beta time times ``cluster.allreduce_exposed`` (the gloo
+  group's bandwidth, each phase's alpha-beta time times ``cluster.allreduce_ring_factor`` (the gloo
   all-reduce's measured distance from the ideal ring). As in the runtime's stream threads, a stream
   has up to :data:`.decisions.IN_FLIGHT` chunks in flight and each phase runs on a communicator of
   its own, one chunk at a time in queue order: while one chunk crosses the nodes the next is reduced
@@ -79,7 +79,7 @@ class SimLossy(SimMethod):
         the chunk's elements) to the time it completes on every rank, along the path of the module
         docstring: one ring, or a reduce inside the node, a ring over the stream's leaders, a broadcast."""
         world, streams = self.world, self.options.streams
-        exposed = world.cluster.allreduce_exposed
+        factor = world.cluster.allreduce_ring_factor
         intra = world.cluster.intra
 
         def ring(members: int) -> Callable[[float, int], float]:
@@ -87,9 +87,9 @@ class SimLossy(SimMethod):
 
             def run(t: float, elements: int) -> float:
                 size = elements * BYTES_PER_FLOAT32
-                work_s = exposed * (ring_allreduce_s(members, size, transfer.link, transfer.share / streams)
+                work_s = factor * (ring_allreduce_s(members, size, transfer.link, transfer.share / streams)
                                     - latency_s)
-                t += exposed * latency_s
+                t += factor * latency_s
                 return t + work_s + transfer.delay_s(work_s, t, flows=streams)
 
             return run
@@ -99,7 +99,7 @@ class SimLossy(SimMethod):
         node_ranks = len(self.layout.hosts[0])  # every node holds as many
 
         def half_ring(t: float, elements: int) -> float:  # a reduce, or a broadcast, inside the node
-            return t + exposed * ring_allreduce_s(node_ranks, elements * BYTES_PER_FLOAT32, intra, 1.0 / streams) / 2
+            return t + factor * ring_allreduce_s(node_ranks, elements * BYTES_PER_FLOAT32, intra, 1.0 / streams) / 2
 
         return [half_ring, ring(len(self.layout.leaders(stream))), half_ring]
 
@@ -141,7 +141,7 @@ class SimLossy(SimMethod):
             proposal = [sum(1 for t in s_times if t < first_s + budget) for s_times in starts]
         stops = stop_points([proposal], required_count(plan, order, opts.max_loss), [len(q) for q in queues])
         done_s = max((e[stop - 1] for e, stop in zip(ends, stops) if stop), default=first_s)
-        control = world.cluster.allreduce_exposed * ring_allreduce_s(
+        control = world.cluster.allreduce_ring_factor * ring_allreduce_s(
             world.n, 0.0, group_link(everyone, world.topology, world.cluster))
         self.control_s += control
         dropped = dropped_chunks(queues, stops)
