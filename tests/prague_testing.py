@@ -206,3 +206,10 @@ def join_all(threads: Sequence[CheckedThread], timeout_s: float | None) -> None:
     hung = [t.name for t in threads if t.is_alive()]
     if hung:
         pytest.fail(f"threads {hung} still running after {timeout_s} s", pytrace=False)
+
+
+def bench_records(folder: Path) -> list[dict[str, Any]]:
+    """The run records in ``folder/bench.json`` (``prague bench`` or ``prague simulate``)."""
+    import json
+
+    return list(json.loads((Path(folder) / "bench.json").read_text())["records"])

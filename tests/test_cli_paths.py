@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from prague_testing import run_cli
+from prague_testing import bench_records, run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,9 +40,18 @@ def _metrics(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
-def _table_rows(text: str) -> dict[tuple[str, str], dict[str, str]]:
-    """The rows of the bench table in ``text`` (stdout or bench.md), keyed (method, scenario)."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
+def _table_rows(text: str, table: int = 1) -> dict[tuple[str, str], dict[str, str]]:
+    """The rows of one of the bench's tables in ``text`` (stdout or bench.md), keyed (method, scenario):
+    0, time to accuracy; 1, throughput."""
+    tables: list[list[str]] = []
+    previous = False
+    for line in text.splitlines():  # a table is a run of lines starting with "|"
+        if line.startswith("|") and not previous:
+            tables.append([])
+        if line.startswith("|"):
+            tables[-1].append(line)
+        previous = line.startswith("|")
+    lines = [line for line in tables[table] if line.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
     return {(r["method"], r["scenario"]): r for r in rows}
@@ -61,7 +70,7 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
     pairs = [(a, s) for s in scenarios for a in algorithms]  # scenario by scenario, in the order given
     assert re.findall(r"^== (\S+) / (\S+)$", res.stdout, re.M) == pairs
 
-    records = json.loads((out / "bench.json").read_text())
+    records = bench_records(out)
     assert [(r["algorithm"], r["scenario"]) for r in records] == pairs
     for r in records:
         assert r["nproc"] == 2 and r["steps"] == 6 and r["compute_mode"] == "emulated" and r["compute_ms"] == 5
@@ -85,7 +94,10 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
     for r in records:
         key = (r["algorithm"], r["scenario"])
         row = rows[key]
-        assert row["mode"] == "emulated, 5 ms" and row["accuracy"] == "-" and row["time to target (s)"] == "n/a"
+        assert row["mode"] == "emulated, 5 ms" and row["local steps"] == "-"
+        tta = _table_rows(res.stdout, 0)[key]
+        assert tta["time to target (s)"] == "n/a" and tta["final accuracy"] == "-" and tta["seeds"] == "1"
+        assert tta["job time (s)"] == f"{r['job_s']:.1f}" and tta["samples"] == str(2 * 6 * 32)
         assert row["throughput (samples/s)"] == f"{rate[key]:.1f}"
         assert row["vs allreduce"] == f"{rate[key] / rate[('allreduce', key[1])]:.2f}x"
         assert row["vs homogeneous allreduce"] == f"{rate[key] / rate[('allreduce', 'homogeneous')]:.2f}x"
@@ -102,10 +114,30 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
                     "--out", str(out), "--quiet", timeout_s=120)
     assert again.returncode == 0, again.stderr
     assert {p: p.read_bytes() for p in kept} == kept
-    records = json.loads((out / "bench.json").read_text())
+    records = bench_records(out)
     assert [(r["algorithm"], r["scenario"]) for r in records] == [("dssync", "homogeneous")]
     assert records[0]["wall_s"] == _summary(out / "runs" / "dssync_homogeneous")["wall_s"]
     assert _table_rows((out / "bench.md").read_text())[("dssync", "homogeneous")]["vs allreduce"] == "n/a"
+
+
+@pytest.mark.slow
+def test_bench_repeat_runs_every_cell_with_each_seed(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = run_cli("bench", "--algorithms", "allreduce,prague", "--scenarios", "homogeneous", *TINY, "--steps", "4",
+                  "--seed", "5", "--repeat", "2", "--out", str(out), "--quiet", timeout_s=150)
+    assert res.returncode == 0, res.stderr
+    records = bench_records(out)
+    assert [(r["algorithm"], r["seed"]) for r in records] == [("allreduce", 5), ("prague", 5), ("allreduce", 6),
+                                                             ("prague", 6)]
+    for r in records:
+        assert _summary(out / "runs" / f"{r['algorithm']}_homogeneous_seed{r['seed']}")["seed"] == r["seed"]
+    cells = json.loads((out / "bench.json").read_text())["cells"]
+    assert [(c["method"], c["seeds"]) for c in cells] == [("allreduce", [5, 6]), ("prague:ready", [5, 6])]
+    jobs = sorted(r["job_s"] for r in records if r["algorithm"] == "allreduce")
+    assert cells[0]["job_s"] == {"median": jobs[0], "min": jobs[0], "max": jobs[1]}
+    assert _table_rows(res.stdout, 0)[("allreduce", "homogeneous")]["seeds"] == "2"
+    bad = run_cli("bench", *TINY, "--steps", "2", "--repeat", "0", "--out", str(tmp_path / "x"), timeout_s=60)
+    assert bad.returncode == 2 and "--repeat" in bad.stderr
 
 
 # --epochs

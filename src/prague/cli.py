@@ -203,10 +203,12 @@ def _fmt(v: Any, spec: str) -> str:
 def _summary_line(s: dict[str, Any]) -> str:
     name = s["algorithm"] + (f":{s['variant']}" if s.get("variant") else "")
     acc = "-" if s["test_accuracy"] is None else f"{100 * s['test_accuracy']:.2f}%"
+    samples = f", {s['samples']} samples" if s.get("samples") is not None else ""
     return (
         f"{name} [{s['scenario']}, {s['compute_mode']}] nproc={s['nproc']}: "
-        f"{s['throughput_samples_per_s']:.1f} samples/s ({100 * (s['fraction_of_limit'] or 0):.0f}% of no-wait limit), "
-        f"test accuracy {acc}, time to target {_fmt(s['time_to_target_s'], '.1f')} s, wall {s['wall_s']:.1f} s"
+        f"time to target {_fmt(s['time_to_target_s'], '.1f')} s, test accuracy {acc}, "
+        f"job {_fmt(s.get('job_s', s['wall_s']), '.1f')} s{samples}; "
+        f"{s['throughput_samples_per_s']:.1f} samples/s ({100 * (s['fraction_of_limit'] or 0):.0f}% of no-wait limit)"
     )
 
 
@@ -287,33 +289,43 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from prague.metrics.report import bench_table, write_bench
+    from prague.train.config import run_folder
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if not algorithms or not scenarios:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
+    if not 1 <= args.repeat <= 1000:
+        raise ConfigError(f"--repeat must be a number of seeds in 1..1000, got {args.repeat}")
     from prague.train.config import check_options_apply, check_out_folder
 
     check_options_apply(args, algorithms)
     out = args.out or _default_out("bench")
     check_out_folder(out)
+    first = _run_config(args, algorithms[0], scenarios[0], args.nproc, out)
+    seeds = [first.seed + i for i in range(args.repeat)]
+
+    def folder(a: str, s: str, seed: int) -> Path:
+        base = run_folder(out, a, s)
+        return base if args.repeat == 1 else base.with_name(f"{base.name}_seed{seed}")
+
     configs = [
-        _run_config(args, a, s, args.nproc, out / "runs" / f"{a.replace(':', '-')}_{s.replace(':', '-')}")
-        for s in scenarios for a in algorithms
-    ]  # validate every pair before running any
+        dataclasses.replace(_run_config(args, a, s, args.nproc, folder(a, s, seed)), seed=seed)
+        for seed in seeds for s in scenarios for a in algorithms
+    ]  # validate every pair before running any; the seeds one after another, so noise spreads over all cells
     records: list[dict[str, Any]] = []
     failures: list[str] = []
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for cfg in configs:
-        print(f"== {cfg.algorithm} / {cfg.scenario}", flush=True)
+        print(f"== {cfg.algorithm} / {cfg.scenario}" + (f" / seed {cfg.seed}" if args.repeat > 1 else ""), flush=True)
         try:
             records.append(run_config(cfg, quiet=args.quiet))
             print(_summary_line(records[-1]), flush=True)
         except WorkerFailed as exc:
             if usage_error(exc) is not None:  # the settings every cell shares cannot work (the pace...)
                 raise
-            failures.append(f"{cfg.algorithm} / {cfg.scenario}: {exc}")
-            print(f"FAILED {cfg.algorithm} / {cfg.scenario}: {exc}", file=sys.stderr, flush=True)
+            failures.append(f"{cfg.algorithm} / {cfg.scenario} / seed {cfg.seed}: {exc}")
+            print(f"FAILED {cfg.algorithm} / {cfg.scenario} / seed {cfg.seed}: {exc}", file=sys.stderr, flush=True)
         if records:
             write_bench(out, records, command=command)
     if records:
@@ -380,6 +392,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--scenarios", default="homogeneous,paper:5", help="comma-separated scenarios")
     b.add_argument("--nproc", type=int, default=4, help="number of worker processes (default 4)")
     b.add_argument("--out", type=Path, help="output directory (default runs/bench-<time>)")
+    b.add_argument("--repeat", type=int, default=1, help="run every (method, scenario) cell with K seeds: --seed, "
+                                                         "--seed + 1, ...; the tables give the median and the range "
+                                                         "(default 1)")
     add_run_arguments(b)
     b.add_argument("--quiet", action="store_true")
 

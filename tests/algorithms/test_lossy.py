@@ -19,7 +19,7 @@ from prague.algorithms.lossy.decisions import (
 )
 from prague.algorithms.registry import get_method
 from prague.errors import ConfigError
-from prague_testing import run_cli
+from prague_testing import bench_records, run_cli
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -127,7 +127,7 @@ def test_the_simulator_runs_lossy_beside_allreduce(tmp_path: Path) -> None:
                   "--nodes", "4", "--steps", "30", "--model", "resnet18", "--out", str(tmp_path / "sim"), "--quiet",
                   timeout_s=120.0, env={"PYTHONPATH": SRC})
     assert res.returncode == 0, res.stderr[-2000:]
-    runs = {r["algorithm"]: r for r in json.loads((tmp_path / "sim" / "bench.json").read_text())}
+    runs = {r["algorithm"]: r for r in bench_records(tmp_path / "sim")}
     stats = runs["lossy"]["algorithm_stats"][0]
     assert len(stats["dropped_share"]) == 30 and stats["chunks"] >= 16
     assert max(stats["dropped_share"]) <= 0.1  # constant-rate links: nothing late, nothing beyond the bound

@@ -54,9 +54,18 @@ def run(
     return record
 
 
-def rows(table: str) -> dict[tuple[str, str], dict[str, str]]:
-    """Parse the markdown table body into {(method, scenario): {column: cell}}."""
-    lines = [line for line in table.splitlines() if line.startswith("|")]
+def rows(table: str, which: int = 1) -> dict[tuple[str, str], dict[str, str]]:
+    """Parse one of the markdown tables' bodies into {(method, scenario): {column: cell}}: ``which`` 0 is
+    the time-to-accuracy table, 1 the throughput table."""
+    blocks: list[list[str]] = []
+    for line in table.splitlines():
+        if line.startswith("|"):
+            if not blocks or not blocks[-1] or not blocks[-1][-1].startswith("|"):
+                blocks.append([])
+            blocks[-1].append(line)
+        elif blocks and blocks[-1]:
+            blocks.append([])
+    lines = [b for b in blocks if b][which]
     columns = [c.strip() for c in lines[0].strip("|").split("|")]
     parsed = {}
     for line in lines[2:]:
@@ -174,7 +183,7 @@ def test_cells_format_throughput_fraction_accuracy_and_mode() -> None:
     row = rows(bench_table([record]))[("prague:smart", "homogeneous")]
     assert row["throughput (samples/s)"] == "1894.4"
     assert row["of no-wait limit"] == "74%"
-    assert row["accuracy"] == "91.23%"
+    assert rows(bench_table([record]), 0)[("prague:smart", "homogeneous")]["final accuracy"] == "91.23%"
     assert row["mode"] == "emulated, 50 ms (simulated)"
 
 
@@ -197,11 +206,11 @@ def test_accuracy_and_time_to_target_placeholders() -> None:
     reached = run(
         "adpsgd", "s", 1.0, test_accuracy=0.95, target_accuracy=0.9, time_to_target_s=12.34
     )
-    table = rows(bench_table([no_target, not_reached, reached]))
-    assert table[("allreduce", "s")]["accuracy"] == "-"
+    table = rows(bench_table([no_target, not_reached, reached]), 0)
+    assert table[("allreduce", "s")]["final accuracy"] == "-"
     assert table[("allreduce", "s")]["time to target (s)"] == "n/a"
     assert table[("prague", "s")]["time to target (s)"] == "-"
-    assert table[("adpsgd", "s")]["accuracy"] == "95.00%"
+    assert table[("adpsgd", "s")]["final accuracy"] == "95.00%"
     assert table[("adpsgd", "s")]["time to target (s)"] == "12.3"
 
 
@@ -214,8 +223,9 @@ def test_header_line_names_the_shared_settings(records: list[dict[str, Any]]) ->
 
 def test_table_shape_is_valid_markdown(records: list[dict[str, Any]]) -> None:
     lines = [line for line in bench_table(records).splitlines() if line.startswith("|")]
-    assert len(lines) == 2 + len(records)
-    assert {line.count("|") for line in lines} == {len(report._COLUMNS) + 1}
+    assert len(lines) == 2 * (2 + len(records))  # one row per cell (one seed each), then one per run
+    assert {line.count("|") for line in lines[:2 + len(records)]} == {len(report._TTA_COLUMNS) + 1}
+    assert {line.count("|") for line in lines[2 + len(records):]} == {len(report._COLUMNS) + 1}
 
 
 def test_bench_table_rejects_records_without_required_keys() -> None:
@@ -249,7 +259,12 @@ def test_write_bench_writes_all_files(tmp_path: Path, records: list[dict[str, An
         "throughput.png",
         "accuracy.png",
     }
-    assert json.loads(paths["json"].read_text()) == [RunRecord.from_dict(r).to_dict() for r in records]
+    written = json.loads(paths["json"].read_text())
+    assert written["records"] == [RunRecord.from_dict(r).to_dict() for r in records]
+    assert written["schema_version"] == SCHEMA_VERSION and written["command"] == "prague bench --nproc 4"
+    assert [(c["method"], c["scenario"]) for c in written["cells"]] == [
+        (report.method_label(r), r["scenario"]) for r in records]
+    assert [r.label for r in load_records(paths["json"])] == [report.method_label(r) for r in records]
     markdown = paths["md"].read_text()
     assert markdown.startswith("# ")
     assert "```\nprague bench --nproc 4\n```" in markdown
@@ -303,15 +318,28 @@ def test_accuracy_figure_one_line_per_run_with_history(records: list[dict[str, A
     ]
     records[3]["eval_history"] = [{"wall_s": 1.5, "step": 10, "accuracy": 0.4}]
     records[3]["target_accuracy"] = 0.5
-    ax = report._accuracy_figure(records).axes[0]
-    curves = [line for line in ax.lines if line.get_label() != "target"]
-    assert [line.get_label() for line in curves] == [
-        "allreduce / homogeneous",
-        "prague:smart / paper:5",
-    ]
-    assert np.asarray(curves[0].get_xdata()).tolist() == [1.0, 2.0]  # sorted by time
-    assert np.asarray(curves[0].get_ydata()).tolist() == pytest.approx([30.0, 60.0])  # percent
-    assert len(ax.texts) == 0
+    fig = report._accuracy_figure(records)
+    assert [ax.get_title() for ax in fig.axes] == ["homogeneous", "paper:5"]  # one panel per scenario
+    curves = [[line for line in ax.lines if line.get_label() != "target"] for ax in fig.axes]
+    assert [[line.get_label() for line in panel] for panel in curves] == [["allreduce"], ["prague:smart"]]
+    assert np.asarray(curves[0][0].get_xdata()).tolist() == [1.0, 2.0]  # sorted by time
+    assert np.asarray(curves[0][0].get_ydata()).tolist() == pytest.approx([30.0, 60.0])  # percent
+    assert all(len(ax.texts) == 0 for ax in fig.axes)
+
+
+def test_accuracy_figure_draws_the_median_seed_and_shades_the_range(records: list[dict[str, Any]]) -> None:
+    """Three seeds of one method: at each time the median of the seeds' accuracies (each seed holding its
+    last evaluation), the min-max shaded."""
+    seeds = [run("prague", "homogeneous", 1.0, seed=s, eval_history=[
+        {"wall_s": 0.0, "accuracy": 0.1}, {"wall_s": t, "accuracy": a}]) for s, (t, a) in enumerate(
+        [(1.0, 0.5), (2.0, 0.9), (3.0, 0.7)])]
+    ax = report._accuracy_figure(seeds).axes[0]
+    (line,) = [line for line in ax.lines if line.get_label() != "target"]
+    assert line.get_label() == "prague (3 seeds)"
+    assert np.asarray(line.get_xdata()).tolist() == [0.0, 1.0, 2.0, 3.0]
+    # at 1 s: 0.5, 0.1, 0.1 -> 0.1; at 2 s: 0.5, 0.9, 0.1 -> 0.5; at 3 s: 0.5, 0.9, 0.7 -> 0.7
+    assert np.asarray(line.get_ydata()).tolist() == pytest.approx([10.0, 10.0, 50.0, 70.0])
+    assert len(ax.collections) == 1  # the shaded range
 
 
 def test_existing_report_survives_unserialisable_record(
@@ -426,5 +454,39 @@ def test_load_records_accepts_minimal_records(tmp_path: Path) -> None:
     # A minimal record must still render: every optional field falls back to a placeholder.
     row = rows(bench_table(minimal))[("allreduce", "homogeneous")]
     assert row["mode"] == "?"
-    assert row["accuracy"] == "-"
-    assert row["time to target (s)"] == "n/a"
+    tta = rows(bench_table(minimal), 0)[("allreduce", "homogeneous")]
+    assert tta["final accuracy"] == "-" and tta["time to target (s)"] == "n/a" and tta["job time (s)"] == "n/a"
+
+
+# ------------------------------------------------------------------------------------------------
+# cells: seeds of one (method, scenario)
+
+
+def test_cells_give_median_and_range_over_seeds_and_count_a_missed_target_as_never() -> None:
+    def seed_run(algorithm: str, seed: int, tta: float | None, job: float, acc: float) -> dict[str, Any]:
+        return run(algorithm, "paper:5", 100.0, seed=seed, target_accuracy=0.9, time_to_target_s=tta, job_s=job,
+                   test_accuracy=acc, samples=6400)
+
+    records = [seed_run("allreduce", s, t, j, a) for s, (t, j, a) in enumerate(
+        [(20.0, 30.0, 0.95), (24.0, 31.0, 0.96), (22.0, 29.0, 0.94)])]
+    records += [seed_run("prague", s, t, j, a) for s, (t, j, a) in enumerate(
+        [(10.0, 15.0, 0.95), (None, 16.0, 0.89), (11.0, 14.0, 0.95)])]
+    table = {c["method"]: c for c in report.cells(records)}
+    assert table["allreduce"]["time_to_target_s"] == {"median": 22.0, "min": 20.0, "max": 24.0}
+    assert table["allreduce"]["seeds"] == [0, 1, 2] and table["allreduce"]["reached"] == 3
+    assert table["prague"]["time_to_target_s"]["median"] == 11.0  # 10, 11, never
+    assert table["prague"]["time_to_target_s"]["max"] == float("inf") and table["prague"]["reached"] == 2
+    assert table["prague"]["job_s"] == {"median": 15.0, "min": 14.0, "max": 16.0}
+    row = rows(bench_table(records), 0)[("prague", "paper:5")]
+    assert row["time to target (s)"] == "11.0 [10.0--] (2/3 reached)"
+    assert row["speed-up vs allreduce"] == "2.00x" and row["seeds"] == "3"
+    assert row["final accuracy"] == "95.00% [89.00-95.00]" and row["samples"] == "6400"
+    assert report._json_cells(report.cells(records))[1]["time_to_target_s"]["max"] is None  # JSON has no inf
+
+
+def test_local_step_share_weights_workers_by_their_steps() -> None:
+    record = run("prague", "s", 1.0, completed_steps=[30, 10], ranks=[0, 1],
+                 algorithm_stats=[{"local_step_share": 0.5}, {"local_step_share": 0.1}])
+    assert report.local_share(record) == pytest.approx((0.5 * 30 + 0.1 * 10) / 40)
+    assert rows(bench_table([record]))[("prague", "s")]["local steps"] == "40%"
+    assert report.local_share(run("allreduce", "s", 1.0)) is None

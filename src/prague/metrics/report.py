@@ -1,16 +1,20 @@
-"""Benchmark reports: one markdown table, one JSON file and two plots for a set of runs.
+"""Benchmark reports: two markdown tables, one JSON file and two plots for a set of runs.
 
-A benchmark runs every method in every scenario on the same machine and produces one summary dict
-per (method, scenario) run (see docs/ARCHITECTURE.md). This module turns that list into
+A benchmark runs every method in every scenario on the same machine, with one or more seeds
+(``--repeat``), and produces one record per (method, scenario, seed) run (see docs/ARCHITECTURE.md). A
+*cell* is one (method, scenario) pair over its seeds (:func:`cells`). This module turns the records into
 
-- ``bench.json``: the records themselves, the source of truth for later comparison;
-- ``bench.md``: a title, the command that produced the run, and :func:`bench_table`;
-- ``throughput.png``: throughput per scenario, one bar per method, the no-wait limit dashed;
-- ``accuracy.png``: test accuracy against wall-clock time for every run that evaluated.
+- ``bench.json``: ``{"schema_version", "command", "records", "cells"}``: every seed's record, and per cell
+  the median, min and max of the time to target, the job time, the final accuracy and the throughput;
+- ``bench.md``: a title, the command that produced the run, and :func:`bench_table`: time to accuracy
+  first (median and min-max over seeds, its speed-up over ``allreduce``, final accuracy at the budget, job
+  time, samples), then throughput (with the share of purely local steps for methods that skip averages);
+- ``accuracy.png``: test accuracy against time on the common clock, one panel per scenario, one line per
+  method (the median over seeds, the min-max shaded);
+- ``throughput.png``: throughput per scenario, one bar per method, the no-wait limit dashed.
 
-Each method's throughput is shown as a ratio to ``allreduce`` in the same scenario, as a ratio to
-``allreduce`` in the ``homogeneous`` scenario, and as a fraction of the no-wait limit. Absolute
-numbers from different benchmark runs should not be compared: the machines are noisy.
+Ratios are to ``allreduce`` in the same scenario (throughput also to ``allreduce`` in ``homogeneous``).
+Absolute numbers from different benchmark runs should not be compared: the machines are noisy.
 
 Everything is rendered in memory first and only then written, each file atomically
 (:mod:`prague.io`), so a failure leaves the previous report untouched.
@@ -30,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
-from prague.metrics.record import RunRecord
+from prague.metrics.record import SCHEMA_VERSION, RunRecord
 from prague.metrics.summary import nominal_compute_s, scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -53,8 +57,17 @@ _COLUMNS = (
     "vs allreduce",
     "vs homogeneous allreduce",
     "of no-wait limit",
-    "accuracy",
+    "local steps",
+)
+_TTA_COLUMNS = (
+    "method",
+    "scenario",
     "time to target (s)",
+    "speed-up vs allreduce",
+    "final accuracy",
+    "job time (s)",
+    "samples",
+    "seeds",
 )
 
 Record = Mapping[str, Any]
@@ -113,6 +126,8 @@ def load_records(path: Path) -> list[RunRecord]:
         raise ConfigError(
             f"benchmark results {str(path)!r} are not valid JSON ({exc}); {fix}"
         ) from exc
+    if isinstance(data, dict) and "records" in data:  # {"records": [...], "cells": [...]}; a list before schema 3
+        data = data["records"]
     return [RunRecord.from_dict(r) for r in _check_records(data, f"benchmark results {str(path)!r}", fix)]
 
 
@@ -169,13 +184,6 @@ def _accuracy(record: Record) -> str:
     return "-" if accuracy is None else f"{100.0 * float(accuracy):.2f}%"
 
 
-def _time_to_target(record: Record) -> str:
-    if record.get("target_accuracy") is None:
-        return "n/a"
-    seconds = record.get("time_to_target_s")
-    return "-" if seconds is None else f"{float(seconds):.1f}"
-
-
 def _distinct(records: Sequence[Record], key: str) -> str:
     """The values of ``key`` across records, first-seen order, joined with ``/`` ("?" if absent)."""
     values: list[str] = []
@@ -188,9 +196,11 @@ def _distinct(records: Sequence[Record], key: str) -> str:
 
 
 def _header(records: Sequence[Record]) -> str:
+    budget = _distinct(records, "budget")
     return (
         f"nproc {_distinct(records, 'nproc')}, model {_distinct(records, 'model')}, "
         f"data {_distinct(records, 'data')}, compute {_distinct(records, 'compute_mode')}"
+        + ("" if budget == "?" else f", budget {budget}")
     )
 
 
@@ -228,38 +238,156 @@ def harmonize_limits(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def bench_table(records: Sequence[RecordLike]) -> str:
-    """Render runs as a GitHub markdown table, preceded by a one-line header of the shared settings.
+def _label_of_cell(record: Record) -> tuple[str, str]:
+    return method_label(record), str(record["scenario"])
 
-    One row per record, grouped by scenario in first-seen order. Ratios are taken against the
-    ``allreduce`` record without a variant of the same scenario and of scenario ``homogeneous``;
-    ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required
-    key.
+
+def _spread(values: Sequence[float]) -> dict[str, float] | None:
+    """``{median, min, max}`` of ``values`` (None when empty); the median of an even count is the lower
+    middle value, so it is one seed's figure (infinite times stay infinite)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1]}
+
+
+def local_share(record: Record) -> float | None:
+    """The share of a run's steps that averaged with nobody (``local_step_share`` of methods that skip
+    averages, weighted by each worker's steps), or None for methods that do not report it."""
+    stats = record.get("algorithm_stats") or []
+    shares = [s.get("local_step_share") for s in stats]
+    if not shares or any(v is None for v in shares):
+        return None
+    steps = record.get("completed_steps") or []
+    ranks = record.get("ranks") or list(range(len(shares)))
+    weights = [float(steps[r]) if r < len(steps) else 1.0 for r in ranks][:len(shares)]
+    total = sum(weights)
+    return sum(float(v) * w for v, w in zip(shares, weights)) / total if total > 0 else None
+
+
+def cells(records: Sequence[RecordLike]) -> list[dict[str, Any]]:
+    """One entry per (method, scenario), in first-seen order, over its seeds: ``seeds``, ``reached`` (seeds
+    that reached the target), and ``{median, min, max}`` of ``time_to_target_s`` (a seed that never reached
+    it counts as infinitely late: null in JSON), ``job_s``, ``test_accuracy``, ``samples``,
+    ``throughput_samples_per_s`` and ``local_step_share`` (None where no seed has the figure)."""
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for record in _check_records(list(records), "bench records", _RECORDS_FIX):
+        groups.setdefault(_label_of_cell(record), []).append(record)
+    out = []
+    for (method, scenario), group in groups.items():
+        targeted = [r for r in group if r.get("target_accuracy") is not None]
+
+        def figures(key: str, group: list[Record] = group) -> list[float]:
+            return [float(r[key]) for r in group if r.get(key) is not None]
+
+        tta = [float(r["time_to_target_s"]) if r.get("time_to_target_s") is not None else math.inf
+               for r in targeted]
+        out.append({
+            "method": method, "scenario": scenario, "seeds": [r.get("seed") for r in group],
+            "target_accuracy": targeted[0]["target_accuracy"] if targeted else None,
+            "reached": sum(math.isfinite(t) for t in tta),
+            "time_to_target_s": _spread(tta),
+            "job_s": _spread(figures("job_s") or figures("wall_s")),
+            "test_accuracy": _spread(figures("test_accuracy")),
+            "samples": _spread(figures("samples")),
+            "throughput_samples_per_s": _spread(figures("throughput_samples_per_s")),
+            "local_step_share": _spread([v for r in group if (v := local_share(r)) is not None]),
+        })
+    return out
+
+
+def _json_cells(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``cells`` with infinite times (a seed never reached the target) written as null."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+    return [clean(c) for c in table]
+
+
+def _seconds(spread: dict[str, float] | None) -> str:
+    """``12.3 [11.0-14.1]``: the median and the range over seeds (``-`` for never)."""
+    if spread is None:
+        return "n/a"
+
+    def one(v: float) -> str:
+        return f"{v:.1f}" if math.isfinite(v) else "-"
+    if one(spread["min"]) == one(spread["max"]):
+        return one(spread["median"])
+    return f"{one(spread['median'])} [{one(spread['min'])}-{one(spread['max'])}]"
+
+
+def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    mine, theirs = cell["time_to_target_s"], baseline and baseline["time_to_target_s"]
+    if not mine or not theirs or not math.isfinite(mine["median"]) or mine["median"] <= 0:
+        return "n/a" if not theirs or not mine else "-"
+    if not math.isfinite(theirs["median"]):
+        return "allreduce never"
+    return f"{theirs['median'] / mine['median']:.2f}x"
+
+
+def _percent(spread: dict[str, float] | None) -> str:
+    if spread is None:
+        return "-"
+    low, high = f"{100 * spread['min']:.2f}", f"{100 * spread['max']:.2f}"
+    text = f"{100 * spread['median']:.2f}%"
+    return text if low == high else f"{text} [{low}-{high}]"
+
+
+def tta_table(records: Sequence[RecordLike]) -> str:
+    """The time-to-accuracy table: one row per (method, scenario) over its seeds."""
+    table = cells(records)
+    baselines = {c["scenario"]: c for c in table if c["method"] == _BASELINE_ALGORITHM}
+    targets = sorted({c["target_accuracy"] for c in table if c["target_accuracy"] is not None})
+    title = ("Time to " + "/".join(f"{100 * t:g}%" for t in targets) + " test accuracy"
+             if targets else "No --target-accuracy: no time to target")
+    lines = [f"{title} (median [min-max] over seeds; `-`: not reached)", "",
+             "| " + " | ".join(_TTA_COLUMNS) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(_TTA_COLUMNS))) + "|"]
+    for cell in table:
+        tta = _seconds(cell["time_to_target_s"])
+        if cell["time_to_target_s"] is not None and len(cell["seeds"]) > 1 and cell["reached"] < len(cell["seeds"]):
+            tta += f" ({cell['reached']}/{len(cell['seeds'])} reached)"
+        samples = cell["samples"]
+        row = (cell["method"], cell["scenario"], tta, _speedup(cell, baselines.get(cell["scenario"])),
+               _percent(cell["test_accuracy"]), _seconds(cell["job_s"]),
+               "-" if samples is None else f"{samples['median']:.0f}", str(len(cell["seeds"])))
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_table(records: Sequence[RecordLike]) -> str:
+    """Render runs as GitHub markdown, preceded by a one-line header of the shared settings: the time to
+    accuracy first (:func:`tta_table`), then one throughput row per run (per seed).
+
+    Throughput rows are grouped by scenario in first-seen order. Ratios are taken against the
+    ``allreduce`` record without a variant of the same scenario (and seed) and of scenario ``homogeneous``;
+    ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required key.
     """
     checked = harmonize_limits(_check_records(list(records), "bench_table records", _RECORDS_FIX))
-    baselines = _baseline_throughputs(checked)
-    homogeneous = baselines.get(_HOMOGENEOUS_SCENARIO)
-    lines = [
-        _header(checked),
-        "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(_COLUMNS))) + "|",
-    ]
-    for scenario, group in _by_scenario(checked):
-        for record in group:
-            throughput = float(record["throughput_samples_per_s"])
-            cells = (
-                method_label(record),
-                scenario,
-                _mode(record),
-                f"{throughput:.1f}",
-                _ratio(throughput, baselines.get(scenario)),
-                _ratio(throughput, homogeneous),
-                _fraction_of_limit(record),
-                _accuracy(record),
-                _time_to_target(record),
-            )
-            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    lines = [_header(checked), "", tta_table(checked), "Throughput (samples/s after warm-up, over the window in "
+             "which every worker trains; it ignores when the job ends: read it with the job time above)", "",
+             "| " + " | ".join(_COLUMNS) + " |",
+             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(_COLUMNS))) + "|"]
+    for seed in dict.fromkeys(r.get("seed") for r in checked):
+        same_seed = [r for r in checked if r.get("seed") == seed]
+        baselines = _baseline_throughputs(same_seed)
+        homogeneous = baselines.get(_HOMOGENEOUS_SCENARIO)
+        for scenario, group in _by_scenario(same_seed):
+            for record in group:
+                throughput = float(record["throughput_samples_per_s"])
+                share = local_share(record)
+                cells_ = (
+                    method_label(record),
+                    scenario,
+                    _mode(record) + (f", seed {seed}" if len(set(r.get("seed") for r in checked)) > 1 else ""),
+                    f"{throughput:.1f}",
+                    _ratio(throughput, baselines.get(scenario)),
+                    _ratio(throughput, homogeneous),
+                    _fraction_of_limit(record),
+                    "-" if share is None else f"{100 * share:.0f}%",
+                )
+                lines.append("| " + " | ".join(_cell(c) for c in cells_) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -341,45 +469,61 @@ def _throughput_figure(records: Sequence[Record]) -> Figure:
     return fig
 
 
+def _curve(record: Record) -> list[tuple[float, float]]:
+    return sorted(
+        (float(p["wall_s"]), 100.0 * float(p["accuracy"]))
+        for p in record.get("eval_history") or []
+        if p.get("wall_s") is not None and p.get("accuracy") is not None
+    )
+
+
+def _at(curve: list[tuple[float, float]], t: float) -> float:
+    """A curve's accuracy at ``t``: the last point at or before it (a model is what it was at the last
+    evaluation; after the job's end, its final accuracy)."""
+    value = curve[0][1]
+    for time_s, accuracy in curve:
+        if time_s > t:
+            break
+        value = accuracy
+    return value
+
+
 def _accuracy_figure(records: Sequence[Record]) -> Figure:
-    fig = Figure(figsize=(7.0, 4.5))
-    ax = fig.add_subplot()
-    curves = [r for r in records if r.get("eval_history")]
+    """One panel per scenario; per method, the median over seeds of the accuracy at each time, the
+    min-max over seeds shaded (one seed: its curve)."""
+    curves = [r for r in records if _curve(r)]
     if not curves:
+        fig = Figure(figsize=(7.0, 4.5))
+        ax = fig.add_subplot()
         ax.set_axis_off()
         ax.text(0.5, 0.5, _NO_ACCURACY_TEXT, ha="center", va="center", transform=ax.transAxes)
         return fig
     colours = _colours(_methods(records))
-    scenarios = [scenario for scenario, _ in _by_scenario(records)]
-    styles = ("-", "--", ":", "-.")
-    for record in curves:
-        points = sorted(
-            (float(p["wall_s"]), 100.0 * float(p["accuracy"]))
-            for p in record["eval_history"]
-            if p.get("wall_s") is not None and p.get("accuracy") is not None
-        )
-        method = method_label(record)
-        ax.plot(
-            [t for t, _ in points],
-            [a for _, a in points],
-            color=colours[method],
-            linestyle=styles[scenarios.index(str(record["scenario"])) % len(styles)],
-            marker=".",
-            label=f"{method} / {record['scenario']}",
-        )
+    scenarios = [scenario for scenario, group in _by_scenario(curves)]
+    fig = Figure(figsize=(6.0 * len(scenarios) + 2.0, 4.5))
+    axes = fig.subplots(1, len(scenarios), sharey=True, squeeze=False)[0]
     targets = sorted({float(r["target_accuracy"]) for r in records if r.get("target_accuracy")})
-    for i, target in enumerate(targets):
-        ax.axhline(
-            100.0 * target,
-            color="grey",
-            linestyle="dotted",
-            label="target" if i == 0 else None,
-        )
-    ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"Test accuracy ({_header(records)})", fontsize="medium")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3)
+    for ax, scenario in zip(axes, scenarios):
+        for method in _methods(curves):
+            runs = [_curve(r) for r in curves if str(r["scenario"]) == scenario and method_label(r) == method]
+            if not runs:
+                continue
+            times = sorted({t for run in runs for t, _ in run})
+            at = [[_at(run, t) for run in runs] for t in times]
+            median = [sorted(v)[(len(v) - 1) // 2] for v in at]
+            ax.plot(times, median, color=colours[method], marker="." if len(runs) == 1 else None, drawstyle="steps-post",
+                    label=method if len(runs) == 1 else f"{method} ({len(runs)} seeds)")
+            if len(runs) > 1:
+                ax.fill_between(times, [min(v) for v in at], [max(v) for v in at], color=colours[method],
+                                alpha=0.2, step="post", linewidth=0)
+        for i, target in enumerate(targets):
+            ax.axhline(100.0 * target, color="grey", linestyle="dotted", label="target" if i == 0 else None)
+        ax.set_title(scenario, fontsize="medium")
+        ax.set_xlabel("time on the common clock (s)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy of the average model (%)")
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"Test accuracy ({_header(records)})", fontsize="medium")
     return fig
 
 
@@ -400,7 +544,7 @@ def write_bench(
 ) -> dict[str, Path]:
     """Write ``bench.json``, ``bench.md``, ``throughput.png`` and ``accuracy.png`` into ``out_dir``.
 
-    Called once, after all runs of a benchmark have finished, by the benchmark driver (one process).
+    Called by the benchmark driver (one process) after each run, with every record so far.
     ``command`` is the command line that produced the runs, quoted in ``bench.md``. ``accuracy.png``
     is always written, with a note when no run evaluated, so the file set is the same for every run.
 
@@ -429,7 +573,8 @@ def write_bench(
         "throughput": out_dir / "throughput.png",
         "accuracy": out_dir / "accuracy.png",
     }
-    atomic_write_json(paths["json"], checked)
+    atomic_write_json(paths["json"], {"schema_version": SCHEMA_VERSION, "command": command, "records": checked,
+                                      "cells": _json_cells(cells(checked))})
     atomic_write_text(paths["md"], markdown)
     atomic_write_bytes(paths["throughput"], throughput_png)
     atomic_write_bytes(paths["accuracy"], accuracy_png)
