@@ -151,6 +151,8 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
         services = list(resources.services)
         if network is not None and cfg.cross_traffic is not None:
             services.append(_cross_traffic_service(cfg, network))
+        if cfg.stop_at_target:
+            services.append(_evaluator_service(cfg))
         spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=services,
                           env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
                           services_file=out / "services.json" if services else None,
@@ -194,6 +196,21 @@ def usage_error(exc: WorkerFailed) -> str | None:
         return None
     lines = [line for line in exc.detail.splitlines() if "ConfigError: " in line]
     return lines[-1].split("ConfigError: ", 1)[1] if lines else None
+
+
+def _evaluator_service(cfg: Any) -> Any:
+    """The process that scores the average model while the workers train and stops them at the target
+    (:mod:`prague.train.evaluator`)."""
+    from prague.runtime.services import ServiceSpec
+    from prague.train.evaluator import READY_FILE, eval_dir
+
+    folder = eval_dir(Path(cfg.out))
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's states and STOP must not count
+    argv = [sys.executable, "-m", "prague.train.evaluator", "--out", str(cfg.out), "--nproc", str(cfg.nproc),
+            "--data", cfg.data, "--model", cfg.model, "--seed", str(cfg.seed), "--target", str(cfg.target_accuracy)]
+    if cfg.data_dir is not None:
+        argv += ["--data-dir", str(cfg.data_dir)]
+    return ServiceSpec("evaluator", argv, ready_file=folder / READY_FILE)
 
 
 def _fmt(v: Any, spec: str) -> str:

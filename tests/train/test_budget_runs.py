@@ -75,3 +75,29 @@ def test_emulated_compute_takes_a_budget_without_data(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     s = _summary(out)
     assert s["samples"] == 640 and s["test_accuracy"] is None and s["eval_history"] == []
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "prague"])
+def test_stop_at_target_stops_every_worker_soon_after_the_target(tmp_path: Path, algorithm: str) -> None:
+    """The evaluator beside the workers finds the target reached and every worker stops long before its
+    500 steps: on one agreed step for a lockstep method (allreduce), each on its own otherwise."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", algorithm, "--nproc", "3", "--steps", "500", *PACED, "--target-accuracy",
+                  "0.8", "--stop-at-target", "--eval-every-s", "0.25", "--out", str(out), timeout_s=180)
+    assert res.returncode == 0, res.stderr
+    s = _summary(out)
+    assert (out / "eval" / "STOP").read_text().startswith("point ")
+    assert max(s["completed_steps"]) < 500 and s["time_to_target_s"] is not None
+    assert s["test_accuracy"] >= 0.75  # the model kept training while the point was scored
+    if algorithm == "allreduce":
+        assert len(set(s["completed_steps"])) == 1
+
+
+def test_stop_at_target_needs_a_target() -> None:
+    from prague.errors import ConfigError
+    from prague.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match="--stop-at-target"):
+        RunConfig(stop_at_target=True)
+    with pytest.raises(ConfigError, match="--stop-at-target"):
+        RunConfig(stop_at_target=True, target_accuracy=0.9, compute="emulated")

@@ -104,3 +104,14 @@ def test_every_rank_starts_at_one_instant() -> None:
     assert len({a for a, _ in starts.values()}) == 1
     agreed = starts[0][0]
     assert all(agreed <= woke < agreed + 0.05 for _, woke in starts.values())
+
+
+def test_the_evaluator_scores_the_newest_point_every_rank_can_give() -> None:
+    from prague.train.evaluator import newest_complete
+
+    assert newest_complete({}, set(), 2) is None
+    assert newest_complete({0: {0, 1, 2}, 1: {0, 1}}, set(), 2) == 1  # rank 1 has not written point 2 yet
+    # Rank 1 ended after point 1: its final state stands for the later points, not for a gap before its end.
+    assert newest_complete({0: {0, 1, 2, 3}, 1: {0, 1}}, {1}, 2) == 3
+    assert newest_complete({0: {2, 3}, 1: {1, 3}}, {1}, 2) == 3
+    assert newest_complete({0: {2}, 1: {1, 3}}, {1}, 2) is None  # point 2: rank 1 skipped it before its end

@@ -77,6 +77,8 @@ class RunConfig:
                                              "emulated: default 100; real: default each worker's measured average)")
     seed: int = setting(0, "seed of the model, the data order and every scenario draw")
     target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
+    stop_at_target: bool = setting(False, "end the job once the average of the replicas reaches --target-accuracy "
+                                          "(scored while training by a process beside the workers: one machine)")
     eval_every: int | None = setting(None, "prague simulate: evaluate the averaged model every K steps")
     eval_every_s: float | None = setting(None, "evaluate the average of the replicas' states every S seconds of the "
                                                "common clock (default 1; the interval doubles each time the job "
@@ -141,6 +143,9 @@ class RunConfig:
             if self.checkpoint_every is not None:
                 raise ConfigError("--checkpoint-every with --budget: a job-wide budget's shared batch counter "
                                   "is not checkpointed yet; use --steps or --epochs to checkpoint")
+        if self.stop_at_target and (self.target_accuracy is None or self.emulated):
+            raise ConfigError("--stop-at-target stops at --target-accuracy, which needs real or paced compute: give "
+                              "--target-accuracy and drop --compute emulated, or drop --stop-at-target")
         if self.eval_every_s is not None and not 0 < self.eval_every_s <= 1e6:
             raise ConfigError(f"--eval-every-s must be a number of seconds in (0, 1e6], got {self.eval_every_s}")
         check_seed(self.seed)

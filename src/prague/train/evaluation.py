@@ -92,9 +92,11 @@ class SnapshotLog:
     before it ends (judged from the recent time between calls, with a margin of two); a point that passes
     in a step longer than that gets the state after it."""
 
-    def __init__(self, every_s: float, max_points: int = MAX_POINTS) -> None:
+    def __init__(self, every_s: float, max_points: int = MAX_POINTS,
+                 sink: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.every_s = every_s
         self.max_points = max_points
+        self.sink = sink  # also hands each recorded point's state to it (--stop-at-target's files)
         self.entries: dict[int, torch.Tensor] = {}
         self._next = 0  # the next grid index not yet recorded
         self._held: torch.Tensor | None = None  # the state at the last call, when a point may pass after it
@@ -114,6 +116,8 @@ class SnapshotLog:
                 if held is None or j * self.every_s == now_s:  # no copy held, or the point is now
                     held = self._copy(model)
                 self.entries[j] = held
+                if self.sink is not None:
+                    self.sink(j, held)
         self.thin(level)
         if self._last_s is not None:
             self._gaps = (self._gaps + [now_s - self._last_s])[-3:]
@@ -183,19 +187,24 @@ def first_reaching(accuracy: Callable[[int], float], n: int, target: float | Non
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, closing: Closing, batch_size: int = 1000) -> float:
+def score(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch_size: int = 1000) -> int:
+    """How many of the samples ``x`` the model classifies as ``y`` (in evaluation mode)."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(y), batch_size):
+        batch_x, batch_y = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+        correct += int((model(batch_x).argmax(dim=1) == batch_y).sum())
+    return correct
+
+
+def evaluate(model: nn.Module, data: Dataset, closing: Closing) -> float:
     """Test accuracy of ``model`` (the same on every closing rank); each scores a slice, counts are summed.
     Collective."""
-    model.eval()
     ctx = closing.ctx
     n = len(data.test_y)
     index, size = closing.ranks.index(ctx.rank), closing.size
     lo, hi = n * index // size, n * (index + 1) // size
-    correct = 0
-    for i in range(lo, hi, batch_size):
-        x = data.test_x[i : min(i + batch_size, hi)].to(ctx.device)
-        y = data.test_y[i : min(i + batch_size, hi)].to(ctx.device)
-        correct += int((model(x).argmax(dim=1) == y).sum())
+    correct = score(model, data.test_x[lo:hi], data.test_y[lo:hi], ctx.device)
     counts = torch.tensor([correct], dtype=torch.float64, device=ctx.device)
     closing.all_reduce(counts)
     return float(counts.item()) / n

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prague.comm.flat import state_tensors
+from prague.comm.flat import flatten, state_tensors
+from prague.errors import ConfigError
 from prague.hetero.spec import parse_scenario
 from prague.io import atomic_write_json
 from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
@@ -26,10 +29,12 @@ from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import write_timeline
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY
+from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
 from prague.train.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
+from prague.train.evaluator import StateFiles, stop_requested
 from prague.train.evaluation import (
     DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, start_together,
 )
@@ -80,10 +85,12 @@ class Work:
     seconds: float | None = None
     agreement: StopAgreement | None = None
     shares: str | None = None  # "claimed" or "equal" under a job-wide budget
+    stop_signal: Callable[[], bool] | None = None  # --stop-at-target: the evaluator found the target reached
 
     def stop_before(self, completed: int, now_s: float) -> bool:
         """Whether this rank stops before its next step, having completed ``completed``."""
         must = self.seconds is not None and now_s >= self.seconds
+        must = must or (self.stop_signal is not None and self.stop_signal())
         if self.agreement is not None:
             return self.agreement.stop_before(completed, must)
         return must
@@ -105,24 +112,29 @@ class FixedSteps:
 def plan_work(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset | None,
               train_samples: int, per_epoch: int) -> Work:
     """This rank's :class:`Work`: its own steps over its shard (``--steps``/``--epochs``), or its share of
-    the job-wide ``--budget`` (:mod:`prague.train.budget`)."""
-    if cfg.budget is None:
+    the job-wide ``--budget`` (:mod:`prague.train.budget`). A method that needs every rank in every step
+    (``equal_shares``) stops on a step all ranks agree on when a time budget or ``--stop-at-target`` ends
+    the job early."""
+    lockstep = trainer.algorithm.options.equal_shares()
+    budget = None if cfg.budget is None else parse_budget(cfg.budget)
+    seconds = None if budget is None else budget.seconds
+    signal = (lambda: stop_requested(Path(cfg.out))) if cfg.stop_at_target else None
+    agreement = None
+    if lockstep and ctx.world_size > 1 and (seconds is not None or signal is not None):
+        agreement = StopAgreement(ctx.store, ctx.world_size, lambda r: f"{PROGRESS_KEY}{r}")
+    if budget is None:
         steps = total_steps(cfg, per_epoch)
         loader = None if data is None else ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size,
                                                        cfg.batch_size, cfg.seed)
-        return Work(FixedSteps(trainer.steps_done, steps), loader, steps)
-    budget = parse_budget(cfg.budget)
+        return Work(FixedSteps(trainer.steps_done, steps), loader, steps, None, agreement, stop_signal=signal)
     total = budget.total_batches(train_samples, cfg.batch_size)
     global_batches = None if data is None else GlobalBatches(data.train_x, data.train_y, cfg.batch_size, cfg.seed)
     expected = 0 if total is None else -(-total // ctx.world_size)
-    if trainer.algorithm.options.equal_shares():
-        agreement = None
-        if budget.seconds is not None and ctx.world_size > 1:
-            agreement = StopAgreement(ctx.store, ctx.world_size, lambda r: f"{PROGRESS_KEY}{r}")
-        return Work(EqualShares(ctx.rank, ctx.world_size, total), global_batches, expected, budget.seconds,
-                    agreement, "equal")
-    return Work(SharedBatches(ctx.store, total, ctx.world_size), global_batches, expected, budget.seconds,
-                shares="claimed")
+    if lockstep:
+        return Work(EqualShares(ctx.rank, ctx.world_size, total), global_batches, expected, seconds, agreement,
+                    "equal", signal)
+    return Work(SharedBatches(ctx.store, total, ctx.world_size), global_batches, expected, seconds,
+                shares="claimed", stop_signal=signal)
 
 
 def save_checkpoint(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, training: Training,
@@ -205,14 +217,15 @@ def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, 
     return history[-1]["accuracy"], history, time_to_target, job_s
 
 
-def snapshot_log(cfg: RunConfig, model: nn.Module) -> SnapshotLog | None:
+def snapshot_log(cfg: RunConfig, model: nn.Module, files: StateFiles | None) -> SnapshotLog | None:
     """The grid of model states this rank keeps for evaluation (None under emulated compute: nothing is
-    learnt). At most ``SNAPSHOT_BYTES`` of states are kept (at least 8 points)."""
+    learnt), each also written to ``files`` when given (``--stop-at-target``). At most ``SNAPSHOT_BYTES``
+    of states are kept (at least 8 points)."""
     if cfg.emulated:
         return None
     state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model))
     most = max(8, min(MAX_POINTS, SNAPSHOT_BYTES // max(1, state_bytes)))
-    return SnapshotLog(cfg.eval_every_s or DEFAULT_EVAL_EVERY_S, most)
+    return SnapshotLog(cfg.eval_every_s or DEFAULT_EVAL_EVERY_S, most, None if files is None else files.write)
 
 
 def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
@@ -233,6 +246,12 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
         model.load_state_dict(resumed.model)
         if optimizer is not None and resumed.optimizer is not None:
             optimizer.load_state_dict(resumed.optimizer)
+    files = None
+    if cfg.stop_at_target:
+        if LAUNCHER_PID_ENV not in os.environ:
+            raise ConfigError("--stop-at-target needs the evaluator `prague run` starts beside the workers, which "
+                              "reads their states from this machine's disk; under torchrun drop it")
+        files = StateFiles(Path(cfg.out), ctx.rank)
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
@@ -243,7 +262,9 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             checkpoint.set_rng_state(resumed.rng)
         work = plan_work(cfg, ctx, trainer, data, train_samples, per_epoch)
         # closes the method: its last groups are logged
-        training = run_steps(cfg, ctx, trainer, work, snapshot_log(cfg, model), resumed)
+        training = run_steps(cfg, ctx, trainer, work, snapshot_log(cfg, model, files), resumed)
+        if files is not None:
+            files.write_final(flatten(state_tensors(trainer.model)))
     finally:
         if decisions is not None:
             decisions.close()
