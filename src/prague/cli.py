@@ -198,6 +198,24 @@ def usage_error(exc: WorkerFailed) -> str | None:
     return lines[-1].split("ConfigError: ", 1)[1] if lines else None
 
 
+def with_nominal_compute(cfg: Any, scenarios: list[str]) -> Any:
+    """``cfg`` with the nominal step time its slowdowns multiply: as given, or under ``--compute real``
+    with slowdowns in some scenario, measured once here (every method and scenario then faces the same
+    injected seconds; without it each worker would scale by its own measured average)."""
+    from prague.hetero.spec import parse_scenario
+
+    if cfg.compute != "real" or cfg.compute_ms is not None or cfg.resume:
+        return cfg
+    if all(parse_scenario(s).is_homogeneous for s in scenarios):
+        return cfg
+    from prague.train.loop import measure_compute_ms
+
+    nominal = round(measure_compute_ms(cfg), 3)
+    print(f"nominal compute {nominal:g} ms per step (a real step of {cfg.model} measured here; slowdowns multiply "
+          "it; --compute-ms sets it)", flush=True)
+    return dataclasses.replace(cfg, compute_ms=nominal)
+
+
 def _evaluator_service(cfg: Any) -> Any:
     """The process that scores the average model while the workers train and stops them at the target
     (:mod:`prague.train.evaluator`)."""
@@ -257,6 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         check_options_apply(args, [args.algorithm])
         cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
+    cfg = with_nominal_compute(cfg, [cfg.scenario])
     summary = run_config(cfg, quiet=args.quiet)
     print(_summary_line(summary))
     if summary.get("worker_samples_per_s"):
@@ -330,6 +349,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataclasses.replace(_run_config(args, a, s, args.nproc, folder(a, s, seed)), seed=seed)
         for seed in seeds for s in scenarios for a in algorithms
     ]  # validate every pair before running any; the seeds one after another, so noise spreads over all cells
+    nominal = with_nominal_compute(configs[0], scenarios).compute_ms
+    configs = [dataclasses.replace(c, compute_ms=nominal) for c in configs]
     records: list[dict[str, Any]] = []
     failures: list[str] = []
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])

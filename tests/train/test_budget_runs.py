@@ -101,3 +101,15 @@ def test_stop_at_target_needs_a_target() -> None:
         RunConfig(stop_at_target=True)
     with pytest.raises(ConfigError, match="--stop-at-target"):
         RunConfig(stop_at_target=True, target_accuracy=0.9, compute="emulated")
+
+
+def test_real_compute_slowdowns_multiply_one_nominal_time_measured_by_the_launcher(tmp_path: Path) -> None:
+    """Under --compute real without --compute-ms the launcher measures one step once: every worker's
+    injected slowdown sleeps (factor - 1) times that, not its own running average."""
+    out = tmp_path / "run"
+    res = run_cli("run", "--nproc", "2", "--steps", "6", "--slowdown", "straggler:1:3", "--data", "digits",
+                  "--model", "mlp", "--quiet", "--out", str(out), timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    nominal_ms = _summary(out)["compute_ms"]
+    assert nominal_ms is not None and nominal_ms > 0 and f"nominal compute {nominal_ms:g} ms" in res.stdout
+    assert all(r["compute_s"] >= 2 * nominal_ms / 1e3 for r in _records(out, 1))

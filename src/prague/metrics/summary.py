@@ -66,9 +66,12 @@ def throughput(timings: Sequence[WorkerTiming], batch_size: int, warmup: int) ->
 
 
 def nominal_compute_s(compute_mode: str | None, compute_ms: float | None) -> float | None:
-    """The commanded compute per step, s, that an injected slowdown multiplies: ``compute_ms`` with
-    emulated compute; None with real compute (the slowdown then scales what was measured)."""
-    return compute_ms / 1e3 if compute_mode == "emulated" and compute_ms else None
+    """The nominal compute per step, s, that an injected slowdown multiplies: ``compute_ms`` when the run
+    had one (emulated and paced always; real when given or measured by the launcher, the slowdown then a
+    sleep of ``(factor - 1)`` of it); None for a real run without (the slowdown then scaled what each
+    worker measured)."""
+    del compute_mode  # every mode with a nominal time injects slowdowns the same way
+    return compute_ms / 1e3 if compute_ms else None
 
 
 def base_compute_s(timings: Sequence[WorkerTiming], warmup: int, nominal_s: float | None) -> float:

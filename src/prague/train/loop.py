@@ -63,6 +63,28 @@ def build(cfg: RunConfig, input_shape: tuple[int, int, int], num_classes: int,
     return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum), n_params
 
 
+def measure_compute_ms(cfg: RunConfig, steps: int = 10) -> float:
+    """The median time of a real step (forward, backward, optimizer) of ``cfg``'s model on ``cfg``'s data in
+    this process, ms: the nominal compute that injected slowdowns multiply under ``--compute real`` when
+    ``--compute-ms`` is not given, measured once by the launcher so every method faces the same seconds."""
+    import time
+
+    data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    x, y = data.train_x[:cfg.batch_size], data.train_y[:cfg.batch_size]
+    times = []
+    for _ in range(steps + 2):  # two warm-up steps
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[2:])
+    return 1e3 * times[len(times) // 2]
+
+
 @dataclass
 class Training:
     """What the steps of one rank left behind."""
