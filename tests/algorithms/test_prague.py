@@ -48,19 +48,42 @@ def test_eight_workers_smart_200_iterations_finish(tmp_path: Path) -> None:
     assert s["algorithm_stats"][0]["generator_stats"]["divisions"] >= 1
 
 
+#: (accuracy above, consensus distance below) of each generator's run with the method's defaults, a few
+#: points under the worst of eight runs (five of them two at a time): static 0.967 (every run; distance
+#: 0), random 0.947-0.956 (distance 1.6-3.4), ready 0.931-0.964 (1.7-3.3).
+DEFAULT_RUNS = {"static": (0.93, 0.1), "random": (0.92, 5.0), "ready": (0.90, 5.0)}
+
+
 @pytest.mark.parametrize("variant", ["static", "random", "ready"])
 def test_each_generator_trains_digits(tmp_path: Path, variant: str) -> None:
+    """The method's defaults (overlap on, one average in flight, ``--when-busy local``). Digits' steps take
+    about 1 ms, far less than an average, so random and ready workers average only one to three times
+    in 120 steps and the replicas drift apart; static always waits, so it runs its schedule every step."""
     out = tmp_path / variant
-    # Averaging every step (--when-busy wait): with digits' 1 ms steps the default (local steps while an
-    # average is out) would average only every few steps, and the replicas would drift further apart.
     res = run_cli("run", "--algorithm", f"prague:{variant}", "--nproc", "4", "--steps", "120", "--model", "mlp",
-                  "--when-busy", "wait", "--out", str(out), "--quiet")
+                  "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
     assert s["variant"] == variant
-    assert s["test_accuracy"] > 0.85
-    assert s["consensus_distance"] < 1.0  # replicas stay close to their average
+    accuracy, distance = DEFAULT_RUNS[variant]
+    assert s["test_accuracy"] > accuracy
+    assert s["consensus_distance"] < distance
     assert sum(w["preduces"] for w in s["algorithm_stats"]) > 0
+
+
+def test_several_averages_in_flight_train_digits(tmp_path: Path) -> None:
+    """Three averages out at once, every step averaging (``--when-busy wait``): each snapshot is caught up on
+    the corrections still out when it was taken. Twelve runs reached 0.958-0.972, replicas mostly
+    0.05-0.24 apart, 1.3-1.5 in the one run in ten where ready kept pairing the same two pairs or left
+    a worker alone (as often with one in flight); when the corrections piled up instead, the replicas
+    diverged (NaN, accuracy 0.10)."""
+    out = tmp_path / "in-flight"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--steps", "120", "--model", "mlp",
+                  "--max-in-flight", "3", "--when-busy", "wait", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(out)
+    assert s["test_accuracy"] > 0.93
+    assert s["consensus_distance"] < 2.5
 
 
 def test_dssync_trains_and_partitions_are_shared() -> None:
@@ -120,7 +143,8 @@ def test_external_group_generator_via_gg_serve(tmp_path: Path) -> None:
         bad = run_cli("run", "--algorithm", "prague", "--gg-address", address, "--nproc", "2",
                       "--steps", "5", "--out", str(tmp_path / "bad"), *quick, "--gg-timeout-s", "20",
                       env={"PRAGUE_GG_TOKEN": "wrong"})
-        assert bad.returncode == 1 and "token" in bad.stderr.lower()
+        # A wrong token is a setting that cannot work: one line naming it, exit 2, as for a bad flag.
+        assert bad.returncode == 2 and "token" in bad.stderr.lower() and len(bad.stderr.strip().splitlines()) == 1
         assert server.poll() is None  # a rejected client does not take the service down
     finally:
         server.terminate()
@@ -159,7 +183,7 @@ def test_overlap_off_blocks_on_every_group(tmp_path: Path) -> None:
                   "--overlap", "off", "--out", str(out), "--quiet", timeout_s=240)
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
-    assert s["test_accuracy"] > 0.5
+    assert s["test_accuracy"] > 0.88  # 0.911 in each of three runs
     for w in s["algorithm_stats"]:
         assert (w["overlap"], w["hidden_comm_share"], w["busy_local_steps"], w["average_waits"]) == ("off", 0.0, 0, 0)
         assert w["exposed_averaging_s"] == w["averaging_s"] > 0

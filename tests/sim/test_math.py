@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import contextlib
 
-from prague.sim.cluster import Cluster
-from prague.simulate.run import SimConfig, simulate
+import pytest
+import torch
+
+from prague.sim.cluster import Cluster, Link
+from prague.simulate.run import SimConfig, build, simulate
 
 
 def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16) -> dict:
@@ -32,3 +35,23 @@ def test_hundreds_of_workers_sample_from_the_whole_set() -> None:
     record = _sim("prague:ready", nproc=64, steps=20, batch_size=32)  # 1,437 images: < 1 batch per shard
     assert record["test_accuracy"] > 0.5
     assert record["eval_history"][-1]["step"] == 20
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_overlapped_prague_with_averages_out_meets_at_the_mean(max_in_flight: int) -> None:
+    """The runtime's rule in the simulator: two workers at 0 and 4, no local updates (learning rate 0),
+    always grouped together, averages slower than a step so ``max_in_flight`` are out at once: they end
+    at 2 and 2 (snapshots lacking the earlier corrections gave 4 and 0 with two out, 6 and -2 with three)."""
+    config = SimConfig(algorithm="prague:random", nproc=2, steps=12, model="mlp", data="digits", math="real",
+                       lr=0.0, momentum=0.0, cluster=Cluster(compute_s=0.001, intra=Link.of(5000.0, 80.0)),
+                       options={"group_size": 2, "max_in_flight": max_in_flight})
+    world, method = build(config)
+    with contextlib.closing(world):
+        values = world.math.X
+        values[0].fill_(0.0)
+        values[1].fill_(4.0)
+        method.start()
+        world.engine.run()
+        method.check_done()
+    assert method.stats()["busy_local_steps"] > 0  # steps that found max_in_flight averages out
+    assert torch.equal(values[:2], torch.full_like(values[:2], 2.0))

@@ -84,7 +84,8 @@ class NoMath:
         return None
 
     def corrections(self, snapshots: dict[int, Any]) -> dict[int, Any]:
-        """The delayed-averaging corrections of one group: ``avg - s_w`` for each member's snapshot."""
+        """The delayed-averaging corrections of one group: ``avg - s_w`` for each member's snapshot (as
+        caught up on the corrections it lacked: :class:`prague.algorithms.prague.overlap.Backlog`)."""
         return {}
 
     def add(self, w: int, delta: Any) -> None: ...

@@ -21,6 +21,16 @@ with :meth:`BackgroundAverager.recycle` once it has added the correction.
 The thread runs the requests in the order they were submitted, one at a time, so every member still
 meets its groups in the Group Generator's global order (what rules out deadlock). A failure on the
 thread (a dead peer, a timeout) is raised on the worker's thread at its next call.
+
+Several in flight (``--max-in-flight`` >= 2): a snapshot taken while earlier averages were out lacks
+their corrections. Averaged as it is, it would pull the worker back to where it stood before them and
+the corrections would pile up: two workers at 0 and 4, grouped together with two averages out, would
+end at 4 and 0 (three out: 6 and -2) instead of 2 and 2. Since requests run in order, every earlier
+correction is known when request k starts, so the thread first adds to its snapshot those the worker
+had not yet added when it took it (:class:`Backlog`): ``s' = s + sum of the lacked corrections``, and
+the correction is ``avg(s') - s'``. The worker's values are then, request by request, what blocking
+P-Reduce in the same order would give plus the local updates since; the corrections of a group still
+sum to zero.
 """
 
 from __future__ import annotations
@@ -56,18 +66,53 @@ class Averaged:
     snapshot: torch.Tensor  # the pair's other buffer, reused with it
 
 
+class Backlog:
+    """The corrections of a worker's earlier requests that a snapshot lacks (see the module docstring):
+    the rule both :class:`BackgroundAverager`'s thread and the simulator's averaging chain
+    (:mod:`.sim`) follow, for one worker.
+
+    Whoever runs the worker's requests, one at a time in submission order, calls :meth:`catch_up` when
+    request k starts (every earlier request has finished) and :meth:`finished` when k's correction is
+    known. ``taken``, recorded when the snapshot was taken, is how many corrections the worker had
+    added to its values by then: corrections are added oldest first, so the snapshot holds those of
+    requests ``0 .. taken - 1`` and lacks those of ``taken .. k - 1``."""
+
+    def __init__(self) -> None:
+        # (request index, correction) of finished requests that a later snapshot may still lack.
+        self._kept: deque[tuple[int, torch.Tensor]] = deque()
+
+    def catch_up(self, snapshot: torch.Tensor, taken: int) -> torch.Tensor:
+        """Add to ``snapshot`` (in place; returned) the corrections of the requests finished since the
+        first ``taken``; forget the older ones (no later snapshot lacks them: ``taken`` never decreases)."""
+        kept = self._kept
+        while kept and kept[0][0] < taken:
+            kept.popleft()
+        for _, correction in kept:
+            snapshot.add_(correction)
+        return snapshot
+
+    def finished(self, index: int, correction: torch.Tensor | None) -> None:
+        """Request ``index`` (the next in order) is done; ``correction`` None stands for zero (a group of
+        one, a failed group). The tensor is read by later :meth:`catch_up` calls until the worker has
+        added it and submitted again, so it must not change until then."""
+        if correction is not None:
+            self._kept.append((index, correction))
+
+
 class BackgroundAverager:
     """One background thread that averages snapshots in submission order; see the module docstring."""
 
     def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager") -> None:
         self._next_group = next_group
         self._run_group = run_group
-        self._jobs: queue.SimpleQueue[tuple[int, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # free (snapshot, work) pairs
         self._done: deque[Averaged] = deque()
         self._cond = threading.Condition()
         self._submitted = 0
         self._finished = 0
+        self._taken = 0  # corrections handed to the worker (which adds each before its next submit)
+        self._backlog = Backlog()  # the thread's
         self._error: BaseException | None = None
         self._closed = False
         self.busy_s = 0.0  # seconds the thread spent on requests (asking plus reducing)
@@ -83,18 +128,20 @@ class BackgroundAverager:
 
     def submit(self, values: torch.Tensor) -> int:
         """Average a snapshot of ``values`` (copied now; ``values`` stays the caller's) with the next
-        group; returns the request's index."""
+        group; returns the request's index. ``values`` must hold every correction taken so far (from
+        :meth:`take_ready`, :meth:`take_oldest`, :meth:`drain`): the thread adds the later ones itself."""
         self._raise_if_failed()
         with self._cond:
             index = self._submitted
             self._submitted += 1
+            taken = self._taken
             pair = self._pool.pop() if self._pool else None
         if pair is None or pair[0].shape != values.shape or pair[0].dtype != values.dtype \
                 or pair[0].device != values.device:
             pair = (torch.empty_like(values), torch.empty_like(values))
         snapshot, work = pair
         snapshot.copy_(values)
-        self._jobs.put((index, snapshot, work))
+        self._jobs.put((index, taken, snapshot, work))
         return index
 
     def recycle(self, done: Averaged) -> None:
@@ -108,6 +155,7 @@ class BackgroundAverager:
             self._raise_if_failed()
             out = list(self._done)
             self._done.clear()
+            self._taken += len(out)
             return out
 
     def take_oldest(self, timeout_s: float | None = None) -> Averaged:
@@ -117,6 +165,7 @@ class BackgroundAverager:
             self._raise_if_failed()
             if not ok:
                 raise TimeoutError(f"no average came back within {timeout_s} s")
+            self._taken += 1
             return self._done.popleft()
 
     def drain(self) -> list[Averaged]:
@@ -149,19 +198,23 @@ class BackgroundAverager:
             job = self._jobs.get()
             if job is None:
                 return
-            index, snapshot, work = job
+            index, taken, snapshot, work = job
             try:
                 t0 = time.perf_counter()
                 group = self._next_group(index)
                 t1 = time.perf_counter()
+                averaged: bool | None
                 if group.is_local:  # a group of one: nothing to average, no correction
-                    correction = work.zero_()
-                    t2 = t1
+                    averaged, t2 = False, t1
                 else:
-                    work.copy_(snapshot)
+                    # The earlier corrections read here may sit in pairs the worker has recycled: a pair
+                    # is reused only by a request submitted after its correction was taken, which this
+                    # thread runs later and which forgets that correction before writing the pair.
+                    work.copy_(self._backlog.catch_up(snapshot, taken))
                     averaged = self._run_group(group, work)
                     t2 = time.perf_counter()
-                    correction = work.zero_() if averaged is False else work.sub_(snapshot)
+                correction = work.zero_() if averaged is False else work.sub_(snapshot)
+                self._backlog.finished(index, None if averaged is False else correction)
             except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
                 with self._cond:
                     self._error = exc

@@ -26,7 +26,8 @@ With a decision log each worker logs every group it executes, as the runtime doe
 * ``--overlap on`` (the default): the runtime's background averaging thread is one chain of processes per
   worker: each submitted snapshot's request starts when the one before it has finished, asks, meets
   its group and stores the correction (average of the members' snapshots minus this member's, computed
-  from the snapshots in real-arithmetic mode); the worker applies finished corrections after its next
+  from the snapshots in real-arithmetic mode, each first caught up on the earlier corrections it lacked
+  by the runtime's :class:`~.overlap.Backlog`); the worker applies finished corrections after its next
   local step, and with ``--max-in-flight`` requests out waits for the oldest or takes a local step.
 
 Accounting as in the runtime: ``wait_s`` is the time from asking to the answer, ``comm_s`` the P-Reduce
@@ -41,6 +42,7 @@ from collections import deque
 from typing import Any
 
 from prague.algorithms.prague import overlap_report
+from prague.algorithms.prague.overlap import Backlog
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
 from prague.groups.trace import PolicyCall, call_policy
@@ -89,6 +91,7 @@ class SimPrague(SimMethod):
         self._wake: list[Signal | None] = [None] * world.n
         self._snapshots: dict[int, dict[int, Any]] = {}
         self._corrections: dict[tuple[int, int], Any] = {}
+        self._backlogs = [Backlog() for _ in range(world.n)]
         self._math_on = world.math.enabled
         self.busy_local_steps = 0
         self.average_waits = 0
@@ -253,13 +256,15 @@ class SimPrague(SimMethod):
     def _submit(self, w: int, snapshot: Any) -> None:
         """Hand ``snapshot`` to ``w``'s averaging thread: it runs after the requests before it."""
         index = self._submitted[w]
+        taken = index - self._in_flight[w]  # corrections applied, oldest first: the snapshot holds these
         self._submitted[w] += 1
         self._in_flight[w] += 1
         done = Signal(self.world.engine)
         previous, self._tail[w] = self._tail[w], done
-        self.world.engine.process(self._average(w, index, snapshot, previous, done))
+        self.world.engine.process(self._average(w, index, taken, snapshot, previous, done))
 
-    def _average(self, w: int, index: int, snapshot: Any, previous: Signal | None, done: Signal) -> Process:
+    def _average(self, w: int, index: int, taken: int, snapshot: Any, previous: Signal | None,
+                 done: Signal) -> Process:
         engine = self.world.engine
         if previous is not None:
             yield previous
@@ -271,9 +276,10 @@ class SimPrague(SimMethod):
         else:
             seq = group.seq
             if self._math_on:
-                self._snapshots.setdefault(seq, {})[w] = snapshot
+                self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
             yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq))
             correction = self._corrections.pop((seq, w), None)
+        self._backlogs[w].finished(index, correction)
         self.averaging_s += engine.now - t0
         self._finished[w].append((index, group, correction))
         wake, self._wake[w] = self._wake[w], None
