@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from prague.errors import ConfigError, PragueError, WorkerFailed
+from prague.errors import EXIT_USAGE, ConfigError, PragueError, WorkerFailed
 from prague.net.hosts import EmulatedHosts, check_privileges
-
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):

@@ -21,6 +21,11 @@ class DataError(ConfigError):
     """A data set file or directory is missing or malformed."""
 
 
+#: The exit code of bad input: the command line's (one line naming the problem), and a worker's whose
+#: settings cannot work (a ConfigError it raised: a pace it cannot hold, a wrong token).
+EXIT_USAGE = 2
+
+
 class WorkerFailed(PragueError):
     """A worker process of a launched job exited with an error."""
 

@@ -45,7 +45,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from prague.errors import ConfigError, WorkerFailed
+from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
 from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY
 from prague.runtime.parent import LAUNCHER_PID_ENV
@@ -344,7 +344,9 @@ class Job:
                     raise WorkerFailed(rank, None, f"rank {rank} {detail}; this method cannot go on without it")
                 self._lose(rank, "hang", detail)
             crashed = [r for r, code in enumerate(codes) if code not in (None, 0) and r not in self.failures]
-            if crashed and not survivable:
+            # A worker that found its settings cannot work (exit 2: a ConfigError, such as a pace it cannot
+            # hold or a wrong token) is no failure to survive: the others have the same settings.
+            if crashed and (not survivable or any(codes[r] == EXIT_USAGE for r in crashed)):
                 failure = self.first_failure()
                 self.stop()
                 raise failure

@@ -8,12 +8,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from prague.errors import ConfigError
+from prague.errors import EXIT_USAGE, ConfigError
 from prague.runtime.context import DistContext, init, report_failure, shutdown
-
-#: A worker's exit code when its settings cannot work (a ConfigError: the pace cannot be held...), as the
-#: command line's own for bad input.
-EXIT_USAGE = 2
 
 
 def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
