@@ -521,6 +521,9 @@ def _accuracy_figure(records: Sequence[Record]) -> Figure:
         ax.set_title(scenario, fontsize="medium")
         ax.set_xlabel("time on the common clock (s)")
         ax.grid(alpha=0.3)
+    if targets:  # zoom on the target: the climb from chance would flatten the crossing that matters
+        finals = [_curve(r)[-1][1] for r in curves]
+        axes[0].set_ylim(max(0.0, min([100.0 * targets[0], *finals]) - 5.0), 100.0)
     axes[0].set_ylabel("test accuracy of the average model (%)")
     axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"Test accuracy ({_header(records)})", fontsize="medium")
