@@ -336,19 +336,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_options_apply(args, algorithms)
     out = args.out or _default_out("bench")
     check_out_folder(out)
-    first = _run_config(args, algorithms[0], scenarios[0], args.nproc, out)
-    seeds = [first.seed + i for i in range(args.repeat)]
+    cells = [_run_config(args, a, s, args.nproc, run_folder(out, a, s)) for s in scenarios for a in algorithms]
+    # every pair validated before any runs; one nominal step time for all (the same injected seconds)
+    nominal = with_nominal_compute(cells[0], scenarios).compute_ms
 
-    def folder(a: str, s: str, seed: int) -> Path:
-        base = run_folder(out, a, s)
-        return base if args.repeat == 1 else base.with_name(f"{base.name}_seed{seed}")
+    def folder(cfg: Any, seed: int) -> Path:
+        return cfg.out if args.repeat == 1 else cfg.out.with_name(f"{cfg.out.name}_seed{seed}")
 
-    configs = [
-        dataclasses.replace(_run_config(args, a, s, args.nproc, folder(a, s, seed)), seed=seed)
-        for seed in seeds for s in scenarios for a in algorithms
-    ]  # validate every pair before running any; the seeds one after another, so noise spreads over all cells
-    nominal = with_nominal_compute(configs[0], scenarios).compute_ms
-    configs = [dataclasses.replace(c, compute_ms=nominal) for c in configs]
+    configs = [dataclasses.replace(c, seed=seed, out=folder(c, seed), compute_ms=nominal)
+               for seed in range(cells[0].seed, cells[0].seed + args.repeat) for c in cells]
+    # the seeds one after another, so the machine's noise spreads over every cell
     records: list[dict[str, Any]] = []
     failures: list[str] = []
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])

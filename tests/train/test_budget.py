@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.errors import ConfigError
+from prague.runtime.liveness import PROGRESS_KEY, read_progress
 from prague.train.budget import (
     Budget, EqualShares, SharedBatches, StopAgreement, claim_size, parse_budget,
 )
@@ -95,7 +96,7 @@ def test_stop_agreement_stops_every_rank_after_every_step_already_started(store:
     """Lockstep ranks (no rank more than one step ahead) under a time budget, the clock passing at a
     different step on each: every rank stops at the same count, no earlier than any step a rank
     started."""
-    nproc, key = 4, (lambda r: f"progress{r}")
+    nproc, key = 4, (lambda r: f"{PROGRESS_KEY}{r}")
     rng = random.Random(7)
     deadline = time.monotonic() + 0.3
     done: dict[int, int] = {}
@@ -104,7 +105,7 @@ def test_stop_agreement_stops_every_rank_after_every_step_already_started(store:
 
     def rank(r: int) -> None:
         own = store.clone()
-        agreement = StopAgreement(own, nproc, key)
+        agreement = StopAgreement(own, lambda: read_progress(own, range(nproc)).values())
         completed = 0
         own.set(key(r), f"{completed},0,")
         while not agreement.stop_before(completed, time.monotonic() >= deadline + r * 0.01):

@@ -509,12 +509,12 @@ def _accuracy_figure(records: Sequence[Record]) -> Figure:
             if not runs:
                 continue
             times = sorted({t for run in runs for t, _ in run})
-            at = [[_at(run, t) for run in runs] for t in times]
-            median = [sorted(v)[(len(v) - 1) // 2] for v in at]
+            at = [_spread([_at(run, t) for run in runs]) or {} for t in times]  # each time: the seeds' spread
+            median = [v["median"] for v in at]
             ax.plot(times, median, color=colours[method], marker="." if len(runs) == 1 else None, drawstyle="steps-post",
                     label=method if len(runs) == 1 else f"{method} ({len(runs)} seeds)")
             if len(runs) > 1:
-                ax.fill_between(times, [min(v) for v in at], [max(v) for v in at], color=colours[method],
+                ax.fill_between(times, [v["min"] for v in at], [v["max"] for v in at], color=colours[method],
                                 alpha=0.2, step="post", linewidth=0)
         for i, target in enumerate(targets):
             ax.axhline(100.0 * target, color="grey", linestyle="dotted", label="target" if i == 0 else None)

@@ -51,7 +51,7 @@ from prague.runtime.context import ERROR_KEY
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, LeaseWatch, declare_failure, read_counters, read_keys,
+    PROGRESS_KEY, Failure, LeaseWatch, declare_failure, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import MAX_RESTARTS, ServiceNotReady, ServiceSpec, restarted, wait_ready
 from prague.runtime.stall import STALL_KEY, stall_message
@@ -251,11 +251,7 @@ class Job:
 
     def steps_done(self, rank: int) -> int:
         """The steps ``rank`` reported finished (its progress key), 0 before its first."""
-        text = self.progress().get(rank)
-        try:
-            return int(text.split(",")[0]) if text else 0
-        except ValueError:
-            return 0
+        return progress_steps(self.progress().get(rank))
 
     def _hung(self, codes: list[int | None]) -> list[int]:
         """Running workers whose lease ran out."""

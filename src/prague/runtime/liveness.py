@@ -256,6 +256,20 @@ def read_keys(store: dist.Store, prefix: str, ranks: Iterable[int]) -> dict[int,
     return out
 
 
+def progress_steps(value: bytes | str | None) -> int:
+    """The steps done in a rank's :data:`PROGRESS_KEY` value (``"DONE,TOTAL,LOSS"``), 0 for none or junk."""
+    text = value.decode() if isinstance(value, bytes) else value
+    try:
+        return int(text.split(",")[0]) if text else 0
+    except ValueError:
+        return 0
+
+
+def read_progress(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
+    """The steps each of ``ranks`` reported done, for those that reported."""
+    return {rank: progress_steps(value) for rank, value in read_keys(store, PROGRESS_KEY, ranks).items()}
+
+
 def read_counters(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
     """The heartbeat counters of ``ranks`` that have beaten at least once."""
     return {rank: int(value) for rank, value in read_keys(store, HB_KEY, ranks).items()}

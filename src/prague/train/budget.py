@@ -2,7 +2,7 @@
 
 ``--budget epochs:E | samples:N | seconds:T`` measures the job, not a worker: E passes over the training
 set across all workers together (every sample once per epoch), N samples, or T seconds of training on
-the common clock (:mod:`prague.train.clock`). Methods whose workers may run different numbers of steps
+the common clock (:mod:`prague.train.evaluation`). Methods whose workers may run different numbers of steps
 (:meth:`prague.algorithms.spec.Options.equal_shares` is False: ``prague`` with a service generator,
 ``adpsgd``, ``ps:async``, ``ps-eager``) take their batches from a counter in the job's store
 (:class:`SharedBatches`), a chunk at a time, so a fast worker takes more batches than a slow one and
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prague.errors import ConfigError
 
@@ -33,7 +33,6 @@ BUDGET_KINDS = ("epochs", "samples", "seconds")
 #: The largest chunk a worker claims at once (batches).
 MAX_CHUNK = 16
 CLAIM_KEY = "prague/budget/claimed"
-STOP_KEY = "prague/budget/stop"
 STOP_STEP_KEY = "prague/budget/stop-step"
 
 
@@ -170,15 +169,15 @@ class StopAgreement:
     """The step at which every rank of a lockstep method stops, once one of them must stop (time is up,
     or the target was reached).
 
-    Every rank publishes the steps it has completed under ``progress_key(rank)`` (the loop's progress
-    record, ``"DONE,..."``) before it asks :meth:`stop_before` ahead of each step. The first rank that must
-    stop proposes the largest count any rank has published plus one, and the store keeps the first
-    proposal (``compare_set``); every rank then stops when it has completed that many steps. A rank
-    running step k published k before it checked, so the agreed stop is past every step already started:
-    no rank is left waiting in a step its peers skip."""
+    Every rank publishes the steps it has completed (the loop's progress record) before it asks
+    :meth:`stop_before` ahead of each step; ``published()`` reads every rank's count. The first rank that
+    must stop proposes the largest count plus one, and the store keeps the first proposal
+    (``compare_set``); every rank then stops when it has completed that many steps. A rank running step k
+    published k before it checked, so the agreed stop is past every step already started: no rank is left
+    waiting in a step its peers skip."""
 
-    def __init__(self, store: KeyValue, nproc: int, progress_key: Callable[[int], str]) -> None:
-        self.store, self.nproc, self.progress_key = store, nproc, progress_key
+    def __init__(self, store: KeyValue, published: Callable[[], Iterable[int]]) -> None:
+        self.store, self.published = store, published
         self._stop: int | None = None
 
     def stop_before(self, completed: int, must_stop: bool) -> bool:
@@ -187,13 +186,7 @@ class StopAgreement:
         if self._stop is None and self.store.check([STOP_STEP_KEY]):
             self._stop = int(self.store.get(STOP_STEP_KEY))
         if self._stop is None and must_stop:
-            published = [int(self.store.get(key).decode().split(",")[0] or 0)
-                         for key in map(self.progress_key, range(self.nproc)) if self.store.check([key])]
-            proposal = max([completed, *published]) + 1
+            proposal = max([completed, *self.published()]) + 1
             self._stop = int(self.store.compare_set(STOP_STEP_KEY, "", str(proposal)))
         return self._stop is not None and completed >= self._stop
 
-
-def stop_requested(store: Any) -> bool:
-    """Whether the job was told to stop (:data:`STOP_KEY`: the target accuracy was reached)."""
-    return bool(store.check([STOP_KEY]))

@@ -61,7 +61,8 @@ class RunConfig:
     steps: int | None = setting(None, "iterations per worker", exclusive="length")
     budget: str | None = setting(None, "work of the whole job: epochs:E (every sample E times across all workers), "
                                        "samples:N or seconds:T; fast workers take more batches where the method "
-                                       "allows (`prague methods` says which take equal shares)", exclusive="length")
+                                       "allows (summary.json's `shares` says which way a run went)",
+                                 exclusive="length")
     batch_size: int = setting(32, "per-worker batch size")
     lr: float = setting(0.05, "learning rate of SGD")
     momentum: float = setting(0.9, "momentum of SGD")
@@ -74,7 +75,7 @@ class RunConfig:
                            choices=COMPUTE_MODES)
     compute_ms: float | None = setting(None, "nominal compute time per iteration, ms: what paced and emulated steps "
                                              "take and what injected slowdowns multiply in every mode (paced, "
-                                             "emulated: default 100; real: default each worker's measured average)")
+                                             "emulated: default 100; real: one step measured by the launcher)")
     seed: int = setting(0, "seed of the model, the data order and every scenario draw")
     target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
     stop_at_target: bool = setting(False, "end the job once the average of the replicas reaches --target-accuracy "

@@ -210,8 +210,8 @@ def evaluate(model: nn.Module, data: Dataset, closing: Closing) -> float:
     return float(counts.item()) / n
 
 
-def accuracy_history(model: nn.Module, log: SnapshotLog, final: nn.Module, end_s: float, data: Dataset,
-                     closing: Closing, target: float | None) -> tuple[list[dict[str, float]], float | None, float]:
+def accuracy_history(final: nn.Module, log: SnapshotLog, end_s: float, data: Dataset, closing: Closing,
+                     target: float | None) -> tuple[list[dict[str, float]], float | None, float]:
     """(history, time to target, job time) of the replicas' average on the common clock. ``final`` is
     this rank's model at its end (``end_s`` on its clock). The history holds ``{wall_s, accuracy}`` of the
     scored grid points and of the job's end (the average of every rank's final state), in time order.
@@ -221,7 +221,7 @@ def accuracy_history(model: nn.Module, log: SnapshotLog, final: nn.Module, end_s
     final_flat = flatten(state_tensors(final)).to("cpu", copy=True)
     states = log.states(points, final_flat) + [final_flat]
     times = [j * log.every_s for j in points] + [job_s]
-    probe = copy.deepcopy(model)
+    probe = copy.deepcopy(final)
 
     def accuracy(i: int) -> float:
         flat = states[i].to(closing.ctx.device, copy=True)  # the backend's device (NCCL: the GPU)

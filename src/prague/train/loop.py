@@ -28,7 +28,7 @@ from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import write_timeline
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import PROGRESS_KEY
+from prague.runtime.liveness import PROGRESS_KEY, read_progress
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
 from prague.train.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
@@ -143,7 +143,8 @@ def plan_work(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, dat
     signal = (lambda: stop_requested(Path(cfg.out))) if cfg.stop_at_target else None
     agreement = None
     if lockstep and ctx.world_size > 1 and (seconds is not None or signal is not None):
-        agreement = StopAgreement(ctx.store, ctx.world_size, lambda r: f"{PROGRESS_KEY}{r}")
+        ranks = range(ctx.world_size)
+        agreement = StopAgreement(ctx.store, lambda: read_progress(ctx.store, ranks).values())
     if budget is None:
         steps = total_steps(cfg, per_epoch)
         loader = None if data is None else ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size,
@@ -230,8 +231,8 @@ def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, 
     (``data`` None). Collective."""
     if data is None:
         return None, [], None, max(closing.all_gather_floats(training.wall_s))
-    history, time_to_target, job_s = accuracy_history(trainer.model, training.snapshots, trainer.model,
-                                                      training.wall_s, data, closing, cfg.target_accuracy)
+    history, time_to_target, job_s = accuracy_history(trainer.model, training.snapshots, training.wall_s, data,
+                                                      closing, cfg.target_accuracy)
     if cfg.save_model:
         final = trainer.averaged_model(closing.group)
         if closing.is_main:

@@ -189,8 +189,8 @@ class DistributedTrainer:
                                           background=self.algorithm.background_phase)
         # Nominal per-iteration compute time that slowdowns scale: known for emulated compute and given
         # (compute_ms) for paced; otherwise given, or an exponential moving average of measured compute.
-        self._emulated = getattr(model, "nominal_compute_s", None) is not None
         self._nominal_s: float | None = getattr(model, "nominal_compute_s", None)
+        self._emulated = self._nominal_s is not None
         if self._nominal_s is None and compute_ms is not None:
             self._nominal_s = compute_ms / 1e3
         if paced and not self._nominal_s:
