@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from prague.errors import EXIT_USAGE, ConfigError, PragueError, WorkerFailed
+from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed
 from prague.net.hosts import EmulatedHosts, check_privileges
 
 
@@ -233,8 +233,20 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _method_name(s: dict[str, Any]) -> str:
+    return s["algorithm"] + (f":{s['variant']}" if s.get("variant") else "")
+
+
+def _divergence(s: dict[str, Any]) -> str:
+    from prague.train.divergence import divergence_line
+
+    return divergence_line(_method_name(s), s["diverged"])
+
+
 def _summary_line(s: dict[str, Any]) -> str:
-    name = s["algorithm"] + (f":{s['variant']}" if s.get("variant") else "")
+    name = _method_name(s)
+    if s.get("diverged"):
+        name = f"{name} DIVERGED (step {s['diverged']['step']}, rank {s['diverged']['rank']})"
     acc = "-" if s["test_accuracy"] is None else f"{100 * s['test_accuracy']:.2f}%"
     samples = f", {s['samples']} samples" if s.get("samples") is not None else ""
     return (
@@ -282,6 +294,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(speed_report(summary["ranks"], summary["worker_samples_per_s"], summary["mean_compute_s"],
                            summary["mean_comm_s"], summary["mean_wait_s"], summary["batch_size"]))
     print(f"wrote {Path(cfg.out) / 'summary.json'}")
+    if summary.get("diverged"):
+        print(f"prague run: {_divergence(summary)}", file=sys.stderr)
+        return EXIT_DIVERGED
     return 0
 
 
@@ -354,6 +369,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             records.append(run_config(cfg, quiet=args.quiet))
             print(_summary_line(records[-1]), flush=True)
+            if records[-1].get("diverged"):  # a result, not a failure: the tables say so, the bench goes on
+                print(_divergence(records[-1]), file=sys.stderr, flush=True)
         except WorkerFailed as exc:
             if usage_error(exc) is not None:  # the settings every cell shares cannot work (the pace...)
                 raise

@@ -24,6 +24,8 @@ class DataError(ConfigError):
 #: The exit code of bad input: the command line's (one line naming the problem), and a worker's whose
 #: settings cannot work (a ConfigError it raised: a pace it cannot hold, a wrong token).
 EXIT_USAGE = 2
+#: The exit code of ``prague run`` when the run diverged (its loss blew up; :mod:`prague.train.divergence`).
+EXIT_DIVERGED = 3
 
 
 class WorkerFailed(PragueError):

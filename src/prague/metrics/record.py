@@ -25,7 +25,7 @@ from prague.metrics.summary import (
     worker_rate,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -74,7 +74,7 @@ class RunRecord:
     eval_history: list[dict[str, float]] = _doc_list(
         "`{wall_s, accuracy}` of the average of the replicas' states at `wall_s` on the common clock, the job's "
         "end last (simulated: `{wall_s, step, accuracy}`)")
-    consensus_distance: float | None = _doc("mean distance of the replicas from their average at the end")
+    consensus_distance: float | None = _doc("mean distance of the replicas from their average at the end (null if not finite)")
     mean_compute_s: list[float] = _doc_list("per worker: mean compute time per iteration after warm-up, s")
     mean_comm_s: list[float] = _doc_list("per worker: mean communication time per iteration, s")
     mean_wait_s: list[float] = _doc_list("per worker: mean time per iteration waiting for others, s")
@@ -86,6 +86,9 @@ class RunRecord:
         "workers the run lost and went on without: `{rank, step, kind}` (kind `crash` or `hang`; step: the steps it "
         "had completed); the per-worker lists and the averaged model are then the survivors'")
     completed_steps: list[int] = _doc_list("per rank: the steps it completed (a failed rank's steps before it failed)")
+    diverged: dict[str, Any] | None = _doc(
+        "null, or where the run diverged and stopped: `{rank, step, loss, last_finite_loss, reason}` (loss null: "
+        "not finite); its accuracy is that of the broken model, and benches count it as never reaching the target")
     simulated: bool = _doc("true for `prague simulate`", False)
     sim: dict[str, Any] | None = _doc("simulated runs: nodes, cluster, event count, simulator run time")
 

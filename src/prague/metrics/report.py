@@ -269,7 +269,9 @@ def cells(records: Sequence[RecordLike]) -> list[dict[str, Any]]:
     """One entry per (method, scenario), in first-seen order, over its seeds: ``seeds``, ``reached`` (seeds
     that reached the target), and ``{median, min, max}`` of ``time_to_target_s`` (a seed that never reached
     it counts as infinitely late: null in JSON), ``job_s``, ``test_accuracy``, ``samples``,
-    ``throughput_samples_per_s`` and ``local_step_share`` (None where no seed has the figure)."""
+    ``throughput_samples_per_s`` and ``local_step_share`` (None where no seed has the figure), and
+    ``diverged`` (seeds whose run diverged: each counts as never reaching the target, whatever its record
+    says, since the model it left is broken)."""
     groups: dict[tuple[str, str], list[Record]] = {}
     for record in _check_records(list(records), "bench records", _RECORDS_FIX):
         groups.setdefault(_label_of_cell(record), []).append(record)
@@ -280,8 +282,8 @@ def cells(records: Sequence[RecordLike]) -> list[dict[str, Any]]:
         def figures(key: str, group: list[Record] = group) -> list[float]:
             return [float(r[key]) for r in group if r.get(key) is not None]
 
-        tta = [float(r["time_to_target_s"]) if r.get("time_to_target_s") is not None else math.inf
-               for r in targeted]
+        tta = [float(r["time_to_target_s"]) if r.get("time_to_target_s") is not None and not r.get("diverged")
+               else math.inf for r in targeted]
         out.append({
             "method": method, "scenario": scenario, "seeds": [r.get("seed") for r in group],
             "target_accuracy": targeted[0]["target_accuracy"] if targeted else None,
@@ -292,6 +294,7 @@ def cells(records: Sequence[RecordLike]) -> list[dict[str, Any]]:
             "samples": _spread(figures("samples")),
             "throughput_samples_per_s": _spread(figures("throughput_samples_per_s")),
             "local_step_share": _spread([v for r in group if (v := local_share(r)) is not None]),
+            "diverged": sum(bool(r.get("diverged")) for r in group),
         })
     return out
 
@@ -348,8 +351,12 @@ def tta_table(records: Sequence[RecordLike]) -> str:
         tta = _seconds(cell["time_to_target_s"])
         if cell["time_to_target_s"] is not None and len(cell["seeds"]) > 1 and cell["reached"] < len(cell["seeds"]):
             tta += f" ({cell['reached']}/{len(cell['seeds'])} reached)"
+        speedup = _speedup(cell, baselines.get(cell["scenario"]))
+        if cell["diverged"]:
+            tta += f" ({cell['diverged']}/{len(cell['seeds'])} DIVERGED)"
+            speedup = "diverged" if speedup in ("-", "n/a") else f"{speedup}, {cell['diverged']} diverged"
         samples = cell["samples"]
-        row = (cell["method"], cell["scenario"], tta, _speedup(cell, baselines.get(cell["scenario"])),
+        row = (cell["method"], cell["scenario"], tta, speedup,
                _percent(cell["test_accuracy"]), _seconds(cell["job_s"]),
                "-" if samples is None else f"{samples['median']:.0f}", str(len(cell["seeds"])))
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
@@ -377,8 +384,9 @@ def bench_table(records: Sequence[RecordLike]) -> str:
             for record in group:
                 throughput = float(record["throughput_samples_per_s"])
                 share = local_share(record)
+                diverged = record.get("diverged")
                 cells_ = (
-                    method_label(record),
+                    method_label(record) + (f" (DIVERGED at step {diverged['step']})" if diverged else ""),
                     scenario,
                     _mode(record) + (f", seed {seed}" if len(set(r.get("seed") for r in checked)) > 1 else ""),
                     f"{throughput:.1f}",

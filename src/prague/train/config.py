@@ -29,6 +29,7 @@ from prague.algorithms.spec import check_nproc, check_seconds
 from prague.errors import ConfigError, unknown_choice
 from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
+from prague.train.divergence import DEFAULT_FACTOR, DEFAULT_WINDOW, REFERENCE_STEPS, check_rule
 from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
 #: The nominal step time of paced and emulated compute when --compute-ms is not given.
@@ -85,6 +86,12 @@ class RunConfig:
                                                "common clock (default 1; the interval doubles each time the job "
                                                "has run 64 of them)")
     warmup_steps: int | None = setting(None, "steps left out of the throughput window")
+    divergence_factor: float = setting(DEFAULT_FACTOR, "a run whose loss stays above this many times its starting "
+                                                       f"loss (the median of its first {REFERENCE_STEPS}) for "
+                                                       "--divergence-window steps has diverged and stops, as does "
+                                                       "one with a NaN or infinite loss (0: only those)")
+    divergence_window: int = setting(DEFAULT_WINDOW, "steps the loss must stay above --divergence-factor times its "
+                                                     "starting loss")
     timeout_s: float = setting(300.0, "collective and rendezvous timeout, in s")
     lease_s: float = setting(10.0, "a worker whose heartbeat stops this long has hung: methods that survive "
                                    "failures go on without it, the others stop, naming it (s)")
@@ -160,6 +167,7 @@ class RunConfig:
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         check_seconds("--timeout-s", self.timeout_s)
+        check_rule(self.divergence_factor, self.divergence_window)
         if self.stall_warn_s is not None:
             check_seconds("--stall-warn-s", self.stall_warn_s)
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

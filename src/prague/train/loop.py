@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from prague.train import checkpoint
 from prague.train.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
+from prague.train.divergence import DivergenceFlag, LossWatch, divergence_line
 from prague.train.evaluator import StateFiles, stop_requested
 from prague.train.evaluation import (
     DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, start_together,
@@ -99,7 +101,9 @@ class Work:
     """What one rank trains on and when it stops: ``plan.next()`` gives the index of its next batch
     (None: its share is done), ``loader`` the batch of an index (None under emulated compute);
     ``seconds`` a time budget on the common clock, ``agreement`` (lockstep methods under a time budget)
-    makes every rank stop at the same step. ``expected`` is the steps shown in the progress bar."""
+    makes every rank stop at the same step. ``expected`` is the steps shown in the progress bar.
+    ``watch`` and ``divergence`` (real and paced compute): this rank's divergence rule and the job-wide
+    report of a divergence (:mod:`prague.train.divergence`), which stops every rank."""
 
     plan: Any
     loader: ShardLoader | GlobalBatches | None
@@ -108,14 +112,24 @@ class Work:
     agreement: StopAgreement | None = None
     shares: str | None = None  # "claimed" or "equal" under a job-wide budget
     stop_signal: Callable[[], bool] | None = None  # --stop-at-target: the evaluator found the target reached
+    watch: LossWatch | None = None
+    divergence: DivergenceFlag | None = None
 
     def stop_before(self, completed: int, now_s: float) -> bool:
         """Whether this rank stops before its next step, having completed ``completed``."""
         must = self.seconds is not None and now_s >= self.seconds
         must = must or (self.stop_signal is not None and self.stop_signal())
-        if self.agreement is not None:
-            return self.agreement.stop_before(completed, must)
-        return must
+        if self.agreement is not None:  # a divergence elsewhere arrives as the agreed stop: no request of its own
+            return self.agreement.stop_before(completed, must or (self.divergence is not None
+                                                                  and self.divergence.reported))
+        return must or (self.divergence is not None and self.divergence.seen())
+
+    def observe_loss(self, step: int, loss: float | None) -> None:
+        """Apply the divergence rule to this rank's loss at ``step``; report a divergence it completes."""
+        if self.watch is not None and self.divergence is not None:
+            found = self.watch.observe(step, loss)
+            if found is not None:
+                self.divergence.report(found)
 
 
 class FixedSteps:
@@ -141,23 +155,30 @@ def plan_work(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, dat
     budget = None if cfg.budget is None else parse_budget(cfg.budget)
     seconds = None if budget is None else budget.seconds
     signal = (lambda: stop_requested(Path(cfg.out))) if cfg.stop_at_target else None
+    watched = data is not None  # a loss to watch: real or paced compute
     agreement = None
-    if lockstep and ctx.world_size > 1 and (seconds is not None or signal is not None):
+    if lockstep and ctx.world_size > 1 and (seconds is not None or signal is not None or watched):
         ranks = range(ctx.world_size)
         agreement = StopAgreement(ctx.store, lambda: read_progress(ctx.store, ranks).values())
     if budget is None:
         steps = total_steps(cfg, per_epoch)
         loader = None if data is None else ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size,
                                                        cfg.batch_size, cfg.seed)
-        return Work(FixedSteps(trainer.steps_done, steps), loader, steps, None, agreement, stop_signal=signal)
-    total = budget.total_batches(train_samples, cfg.batch_size)
-    global_batches = None if data is None else GlobalBatches(data.train_x, data.train_y, cfg.batch_size, cfg.seed)
-    expected = 0 if total is None else -(-total // ctx.world_size)
-    if lockstep:
-        return Work(EqualShares(ctx.rank, ctx.world_size, total), global_batches, expected, seconds, agreement,
-                    "equal", signal)
-    return Work(SharedBatches(ctx.store, total, ctx.world_size), global_batches, expected, seconds,
-                shares="claimed", stop_signal=signal)
+        work = Work(FixedSteps(trainer.steps_done, steps), loader, steps, None, agreement, stop_signal=signal)
+    else:
+        total = budget.total_batches(train_samples, cfg.batch_size)
+        global_batches = None if data is None else GlobalBatches(data.train_x, data.train_y, cfg.batch_size, cfg.seed)
+        expected = 0 if total is None else -(-total // ctx.world_size)
+        if lockstep:
+            work = Work(EqualShares(ctx.rank, ctx.world_size, total), global_batches, expected, seconds, agreement,
+                        "equal", signal)
+        else:
+            work = Work(SharedBatches(ctx.store, total, ctx.world_size), global_batches, expected, seconds,
+                        shares="claimed", stop_signal=signal)
+    if watched:
+        work.watch = LossWatch(ctx.rank, cfg.divergence_factor, cfg.divergence_window)
+        work.divergence = DivergenceFlag(ctx.store)
+    return work
 
 
 def save_checkpoint(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, training: Training,
@@ -194,6 +215,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, wor
     with trainer, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
         for rec in training.records:
             log.write(json.dumps(rec.as_dict()) + "\n")
+            work.observe_loss(rec.step, rec.loss)  # the checkpoint's steps set the starting loss
         while True:
             now = clock.now()
             if keep:
@@ -214,6 +236,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, wor
                 rec.batch = index
             training.records.append(rec)
             log.write(json.dumps(rec.as_dict()) + "\n")
+            work.observe_loss(rec.step, rec.loss)
             done = trainer.steps_done
             ctx.store.set(progress, f"{done},{max(work.expected, done)},{rec.loss if rec.loss is not None else ''}")
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < work.expected:
@@ -304,7 +327,9 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
     closing ranks."""
     ctx = closing.ctx
     accuracy, history, time_to_target, job_s = evaluate_run(cfg, closing, trainer, data, training)
-    consensus = trainer.consensus_distance(closing.group)
+    consensus: float | None = trainer.consensus_distance(closing.group)
+    if consensus is not None and not math.isfinite(consensus):  # a diverged run's replicas: JSON has no NaN
+        consensus = None
 
     mine = WorkerTiming(
         end_s=[r.t_end_s for r in training.records], compute_s=[r.compute_s for r in training.records],
@@ -321,6 +346,10 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
     for rank, failure in closing.failures.items():
         completed[rank] = failure.step
     steps = work.expected if cfg.budget is None else max(completed)
+    diverged = work.divergence.read() if work.divergence is not None else None
+    if diverged is not None and LAUNCHER_PID_ENV not in os.environ:  # torchrun: nobody else will say it
+        name = trainer.method.name + (f":{trainer.variant}" if trainer.variant else "")
+        print(f"prague worker: {divergence_line(name, diverged.as_dict())}", file=sys.stderr, flush=True)
     record = RunRecord.from_timings(
         [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
         warmup=warmup_steps(steps, cfg.warmup_steps),
@@ -333,6 +362,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         failures=[f.summary() for _, f in sorted(closing.failures.items())], completed_steps=completed,
         ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares, job_s=job_s,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
+        diverged=diverged.as_dict() if diverged is not None else None,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     if cfg.timeline:  # every rank's step records are complete: all closed their runs
