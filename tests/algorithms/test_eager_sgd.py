@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prague.algorithms.eager_sgd.decisions import Ledger, initiator, is_sync_round, result_capacity, starts_round
+from prague.algorithms.eager_sgd.decisions import (
+    Ledger, initiator, is_sync_round, result_capacity, stale_weight, starts_round,
+)
 from prague.algorithms.eager_sgd.sim import SimEagerSGD
 from prague.algorithms.registry import get_method
 from prague.errors import ConfigError
@@ -80,6 +82,18 @@ def test_ledger_carries_late_gradients_with_their_staleness() -> None:
     assert ledger.deposited == 2 and ledger.taken == 2
 
 
+def test_late_gradients_are_weighted_by_their_staleness() -> None:
+    assert [stale_weight("inverse", s) for s in (-1, 0, 1, 3)] == [1.0, 1.0, 0.5, 0.25]
+    assert stale_weight("none", 5) == 1.0
+    with pytest.raises(ConfigError, match="inverse"):
+        stale_weight("half", 1)
+    ledger = Ledger()
+    ledger.deposit(version=3, weight=0.5)
+    ledger.deposit(version=4)
+    taken = ledger.take(round_id=4)
+    assert taken.weight == 1.5 and ledger.take(round_id=5).weight == 0.0
+
+
 # -- the round protocol under random arrival orders (the simulator runs the same decision code) -------------
 class ExactMath(NoMath):
     """Gradients as exact fractions: every computed gradient is remembered, every applied step too."""
@@ -103,17 +117,18 @@ class ExactMath(NoMath):
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(2, 9), steps=st.integers(1, 30), quorum=st.sampled_from(["solo", "majority"]),
        sync_every=st.integers(0, 6), seed=st.integers(0, 2**16), cv=st.floats(0.0, 1.5),
-       scenario=st.sampled_from(["homogeneous", "paper:4", "straggler:1:5"]), renormalize=st.sampled_from(["off", "on"]))
+       scenario=st.sampled_from(["homogeneous", "paper:4", "straggler:1:5"]), renormalize=st.sampled_from(["off", "on"]),
+       stale_weight=st.sampled_from(["none", "inverse"]))
 def test_every_gradient_is_applied_exactly_once_on_every_replica(n: int, steps: int, quorum: str, sync_every: int,
                                                                  seed: int, cv: float, scenario: str,
-                                                                 renormalize: str) -> None:
+                                                                 renormalize: str, stale_weight: str) -> None:
     math = ExactMath(seed)
     cluster = Cluster(compute_s=0.1, compute_dist="lognormal" if cv else "constant", compute_cv=cv,
                       intra=Link(1e-4, 1e9), inter=Link(1e-4, 1e9))
     world = World(cluster=cluster, topology=Topology(1, n), scenario=parse_scenario(scenario, seed=seed),
                   steps=steps, state_bytes=4e6, seed=seed, math=math)
     options = get_method("eager-sgd").make_options({"sync_every": sync_every, "renormalize": renormalize,
-                                                   "eager_seed": seed}, quorum)
+                                                   "eager_seed": seed, "stale_weight": stale_weight}, quorum)
     method = SimEagerSGD(world, options)
     method.start()
     world.engine.run()
@@ -123,8 +138,10 @@ def test_every_gradient_is_applied_exactly_once_on_every_replica(n: int, steps: 
     assert stats["contributed"] == n * steps and stats["mean_gradients_per_round"] * (steps + 1) == pytest.approx(n * steps)
     sequences = [math.applied[w] for w in range(n)]
     assert all(seq == sequences[0] for seq in sequences)  # every replica applies the same steps, in order
-    if renormalize == "off":
+    if renormalize == "off" and stale_weight == "none":
         assert sum(sequences[0]) * n == math.computed  # each gradient exactly once, weighted 1/n
+    elif renormalize == "off":  # late gradients weighted 1/(1 + s) <= 1: never more than the computed sum
+        assert float(sum(sequences[0])) * n <= float(math.computed) * (1 + 1e-12)
 
 
 def test_a_round_never_waits_for_a_worker_that_has_not_joined() -> None:
@@ -159,7 +176,8 @@ SCRIPT = textwrap.dedent('''
     with torch.no_grad():
         model.weight.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    trainer = prague.wrap(model, optimizer, algorithm=algorithm, sync_every=sync_every)
+    weight = sys.argv[5] if len(sys.argv) > 5 else "none"  # none: every gradient counts exactly once
+    trainer = prague.wrap(model, optimizer, algorithm=algorithm, sync_every=sync_every, stale_weight=weight)
     rng = random.Random(100 + ctx.rank)
     steps, total = 14, torch.zeros(16, dtype=torch.float64)
     for step in range(steps):
@@ -186,12 +204,13 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _launch(tmp_path: Path, algorithm: str, sync_every: int, sleepy: int = -1, nproc: int = 4) -> dict[str, Any]:
+def _launch(tmp_path: Path, algorithm: str, sync_every: int, sleepy: int = -1, nproc: int = 4,
+            weight: str = "none") -> dict[str, Any]:
     script = tmp_path / "known_gradients.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"{algorithm.replace(':', '-')}-{sync_every}.json"
     res = run_cli("launch", "--nproc", str(nproc), str(script), algorithm, str(out), str(sync_every), str(sleepy),
-                  timeout_s=150.0, env={"PYTHONPATH": SRC})
+                  weight, timeout_s=150.0, env={"PYTHONPATH": SRC})
     assert res.returncode == 0, res.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     if sleepy >= 0:
@@ -200,14 +219,18 @@ def _launch(tmp_path: Path, algorithm: str, sync_every: int, sleepy: int = -1, n
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("algorithm,sync_every", [("eager-sgd:solo", 0), ("eager-sgd:majority", 3)])
+@pytest.mark.parametrize("algorithm,sync_every,weight", [("eager-sgd:solo", 0, "none"), ("eager-sgd:majority", 3, "none"),
+                                                         ("eager-sgd:solo", 0, "inverse")])
 def test_real_workers_apply_every_gradient_once_and_stay_bit_identical(tmp_path: Path, algorithm: str,
-                                                                      sync_every: int) -> None:
-    result = _launch(tmp_path, algorithm, sync_every)
+                                                                      sync_every: int, weight: str) -> None:
+    result = _launch(tmp_path, algorithm, sync_every, weight=weight)
     finals, total = result["finals"], result["total"]
     assert all(f == finals[0] for f in finals)  # bit-identical replicas
     expected = [-t / 4 for t in total]  # lr 1, --renormalize off: the sum of every gradient over n
-    assert finals[0] == expected
+    if weight == "none":
+        assert finals[0] == expected
+    else:  # late gradients weighted 1/(1 + s): a different sum, the same on every replica
+        assert result["stats"]["mean_staleness"] == 0 or finals[0] != expected
     assert any(abs(x) > 0 for x in expected)
     stats = result["stats"]
     assert stats["rounds"] == 15 and stats["contributed"] == 14

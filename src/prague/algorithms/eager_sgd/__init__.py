@@ -25,6 +25,9 @@ class EagerSGDOptions(Options):
                               "paper's choice) or by the number of gradients in it (on)", choices=("off", "on"))
     sync_every: int = option(10, "eager-sgd: every L-th round is a synchronous all-reduce of every worker's fresh "
                              "gradient, which bounds staleness (0: never)")
+    stale_weight: str = option("inverse", "eager-sgd: weight of a gradient that arrives s rounds late in its round's "
+                               "sum: inverse (1 / (1 + s), a staleness-aware learning rate) or none (1, the paper's)",
+                               choices=("inverse", "none"))
     eager_seed: int = option(0, "eager-sgd: seed of majority's per-round initiators (0: the run's --seed)", run_seed=True)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,10 @@ Learning with Partial Collective Operations", PPoPP 2020):
 
 A worker contributes everything it has accumulated since its last contribution (:class:`Ledger`); a
 gradient that misses its round is carried by the next one the worker takes part in, so none is lost or
-counted twice.
+counted twice. Under ``--stale-weight inverse`` (the default) a gradient that will arrive s rounds late
+enters the sum weighted 1 / (1 + s) (:func:`stale_weight`), the staleness-aware learning rate of Zhang,
+Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning" (IJCAI 2016), applied per
+gradient: heavy-ball momentum on gradients a round old oscillates, and the late share is what it damps.
 """
 
 from __future__ import annotations
@@ -42,6 +45,19 @@ def result_capacity(sync_every: int) -> int:
     return sync_every if sync_every > 0 else MAX_PENDING
 
 
+STALE_WEIGHTS = ("inverse", "none")
+
+
+def stale_weight(rule: str, staleness: int) -> float:
+    """The weight of a gradient deposited when the round that will carry it is ``staleness`` rounds past
+    the values it was computed on: ``1 / (1 + staleness)`` under ``inverse``, 1 under ``none``."""
+    if rule == "none":
+        return 1.0
+    if rule == "inverse":
+        return 1.0 / (1 + max(0, staleness))
+    raise ConfigError(f"unknown eager-sgd stale weight {rule!r}; valid: {', '.join(STALE_WEIGHTS)}")
+
+
 def initiator(round_id: int, nproc: int, seed: int) -> int:
     """``majority``: the rank whose arrival starts round ``round_id``; the same on every worker."""
     if nproc < 1:
@@ -66,10 +82,12 @@ def starts_round(quorum: str, rank: int, round_id: int, nproc: int, seed: int,
 
 @dataclass(frozen=True)
 class Contribution:
-    """What one worker put into one round: how many gradients, and how stale each was."""
+    """What one worker put into one round: how many gradients, how stale each was, and the sum of the
+    weights they entered the sum with (:func:`stale_weight`)."""
 
     count: int
     staleness: tuple[int, ...]
+    weight: float = 0.0
 
     @property
     def fresh(self) -> int:
@@ -85,11 +103,14 @@ class Ledger:
     versions: list[int] = field(default_factory=list)
     deposited: int = 0
     taken: int = 0
+    weight: float = 0.0
 
-    def deposit(self, version: int) -> None:
-        """A gradient computed on the values after ``version`` applied rounds joins the next contribution."""
+    def deposit(self, version: int, weight: float = 1.0) -> None:
+        """A gradient computed on the values after ``version`` applied rounds joins the next contribution,
+        weighted ``weight`` in the sum."""
         self.versions.append(version)
         self.deposited += 1
+        self.weight += weight
 
     def take(self, round_id: int) -> Contribution:
         """Everything deposited since the last take, as round ``round_id``'s contribution; empties the ledger.
@@ -97,7 +118,8 @@ class Ledger:
         staleness = tuple(max(0, round_id - v) for v in self.versions)
         self.taken += len(self.versions)
         self.versions = []
-        return Contribution(len(staleness), staleness)
+        weight, self.weight = self.weight, 0.0
+        return Contribution(len(staleness), staleness, weight)
 
     @property
     def pending(self) -> int:

@@ -62,16 +62,16 @@ from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
-from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
+from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, stale_weight, starts_round
 from prague.comm.flat import bind_flat, views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
 from prague.runtime.liveness import DECLARE_WAIT_S, Membership, read_keys
 
-#: Extra elements after the state in a round buffer: gradient count, fresh gradients, finished flag.
-EXTRAS = 3
-_COUNT, _FRESH, _FINISHED = -3, -2, -1
+#: Extra elements after the state in a round buffer: gradients' weight, their count, fresh ones, finished flag.
+EXTRAS = 4
+_WEIGHT, _COUNT, _FRESH, _FINISHED = -4, -3, -2, -1
 #: How long one wait of a round thread for an activation lasts before it checks that it should go on.
 #: Long: a store wait that times out costs the store a reconnection (50 ms slices tripled a round's time).
 _WAKE_S = 5.0
@@ -135,19 +135,23 @@ class RoundThread:
     # -- the worker's side ---------------------------------------------------------------------------
     def deposit(self, grads: list[torch.Tensor], buffers: torch.Tensor, version: int) -> None:
         """Add a gradient (one tensor per parameter) computed on ``version`` applied rounds, and the
-        current floating buffers, to what this worker contributes next."""
+        current floating buffers, to what this worker contributes next; weighted by how late the next
+        round this thread takes will be for it (:func:`~.decisions.stale_weight`)."""
         with self._cond:
             self._raise_if_failed()
             acc = self.acc
             views = views_of(acc, grads)
+            weight = stale_weight(self.options.stale_weight, self.started - version)
             if self.ledger.pending:
-                torch._foreach_add_(views, grads)
+                torch._foreach_add_(views, grads, alpha=weight)
             else:  # the first gradient since the last round: the buffer holds an old round's values
                 torch._foreach_copy_(views, grads)
+                if weight != 1.0:
+                    torch._foreach_mul_(views, weight)
             acc[self.n_grads:self.state_size].copy_(buffers)
             if acc.is_cuda:  # the round thread's collective must see the finished copy
                 torch.cuda.current_stream(acc.device).synchronize()
-            self.ledger.deposit(version)
+            self.ledger.deposit(version, weight)
             self._cond.notify_all()
 
     def activate(self, round_id: int) -> bool:
@@ -291,6 +295,7 @@ class RoundThread:
             self.started = round_id + 1
         if mine.count == 0:  # nothing deposited since the buffer was recycled
             send[:self.n_grads].zero_()
+        send[_WEIGHT] = mine.weight
         send[_COUNT] = mine.count
         send[_FRESH] = mine.fresh
         send[_FINISHED] = 1.0 if finished else 0.0
@@ -454,7 +459,7 @@ class EagerSGD(Algorithm):
         count = int(round(float(result[_COUNT])))
         if count == 0 or self.optimizer is None:  # no optimizer (emulated compute): nothing to train
             return
-        divisor = count if self.options.renormalize == "on" else n
+        divisor = float(result[_WEIGHT]) if self.options.renormalize == "on" else n
         grads = result[:p].div_(divisor)
         for param, g in zip(self.params, views_of(grads, self.params)):
             if param.grad is None:

@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Any
 
 from prague.algorithms.eager_sgd import rounds_report
-from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, starts_round
+from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, stale_weight, starts_round
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
 
@@ -39,6 +39,7 @@ class SimEagerSGD(SimMethod):
         self.applied = [0] * n
         self.finished = 0
         self.completed = 0
+        self.started = 0  # rounds taken: a gradient deposited now goes into round `started` or later
         self.capacity = result_capacity(options.sync_every)
         self._activated: dict[int, Signal] = {}  # round -> fired when it may start
         self._done: dict[int, Signal] = {}  # round -> fired when its result is in
@@ -75,9 +76,11 @@ class SimEagerSGD(SimMethod):
             if not start.fired:
                 yield start
             taken = [ledger.take(round_id) for ledger in self.ledgers]
+            self.started = round_id + 1
             sums = self.sums
             self.sums = [None] * world.n
             count = sum(c.count for c in taken)
+            weight = sum(c.weight for c in taken)
             self.gradients += count
             self.fresh += sum(c.fresh for c in taken)
             for c in taken:
@@ -91,7 +94,7 @@ class SimEagerSGD(SimMethod):
                 joined = world.meet(("eager-sgd", round_id), everyone, cost_s=lambda ring_s: factor * ring_s,
                                     setup=False)
             yield joined
-            self._results[round_id] = (total, count)
+            self._results[round_id] = (total, count, weight)
             self.completed = round_id + 1
             self._signal(self._done, round_id).fire()
             if final:
@@ -108,9 +111,11 @@ class SimEagerSGD(SimMethod):
             compute = world.compute_s(w, k)
             yield compute
             grad = math.gradient(w, k)
+            weight = stale_weight(opts.stale_weight, self.started - self.applied[w])
             if grad is not None:
+                grad = grad * weight if weight != 1.0 else grad
                 self.sums[w] = grad if self.sums[w] is None else self.sums[w] + grad
-            self.ledgers[w].deposit(self.applied[w])
+            self.ledgers[w].deposit(self.applied[w], weight)
             if is_sync_round(k, opts.sync_every):
                 if all(ledger.deposited > k for ledger in self.ledgers):
                     self._signal(self._activated, k).fire()
@@ -138,9 +143,9 @@ class SimEagerSGD(SimMethod):
         math, n = self.world.math, self.world.n
         while self.applied[w] < self.completed:
             r = self.applied[w]
-            total, count = self._results[r]
+            total, count, weight = self._results[r]
             if total is not None and count:
-                math.apply(w, total / (count if self.options.renormalize == "on" else n))
+                math.apply(w, total / (weight if self.options.renormalize == "on" else n))
             self.applied[w] += 1
             if min(self.applied) > r:
                 del self._results[r]
