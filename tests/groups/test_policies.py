@@ -371,6 +371,28 @@ def test_smart_alternates_divisions_and_applies_threshold() -> None:
     assert [f.group.members for f in last] == [(0,)]
 
 
+def test_smart_threshold_counts_iterations_not_requests() -> None:
+    """A worker that averages in the background asks only when it submits an average: its requests lag
+    its steps. The threshold compares the steps the requests report, so such a worker is not mistaken for
+    a straggler, and a worker truly behind in steps still is."""
+    config = GeneratorConfig(nproc=4, group_size=4, delta_c=3, seed=1)
+    smart = make_generator("smart", config)
+    for step in range(21):  # worker 0 asks after every step
+        smart.request(0, 0.0, iteration=step)
+    smart.request(1, 0.0, iteration=19)  # one request, 20 steps done
+    smart.request(2, 0.0, iteration=2)  # truly behind: 3 steps
+    smart.request(3, 0.0, iteration=18)
+    assert smart.counts == [21, 1, 1, 1] and smart.progress == [21, 20, 3, 19]  # type: ignore[attr-defined]
+    assert smart.eligible(0) == [0, 1, 3]  # type: ignore[attr-defined]
+    # Without iterations each request counts as one step, and the same workers look 20 steps behind.
+    plain = make_generator("smart", config)
+    for _ in range(21):
+        plain.request(0, 0.0)
+    for w in (1, 2, 3):
+        plain.request(w, 0.0)
+    assert plain.eligible(0) == [0]  # type: ignore[attr-defined]
+
+
 def test_ready_forms_at_once_and_window() -> None:
     config = GeneratorConfig(nproc=4, group_size=2, window_s=1.0)
     ready = make_generator("ready", config)

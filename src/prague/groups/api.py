@@ -136,7 +136,8 @@ class GeneratorConfig:
     the groups smart, random and ready form (static follows the topology instead); a value above
     ``nproc`` is capped at ``nproc`` (a group cannot hold more workers than the job). ``delta_c`` is the
     smart policy's threshold: worker w may join a division triggered by i only if
-    ``c_w > c_i - delta_c`` (c = requests made so far). ``window_s`` is how long the ready policy lets
+    ``c_w > c_i - delta_c`` (c = steps done, as each request reports: after step k, k + 1; a request that
+    reports none counts one step). ``window_s`` is how long the ready policy lets
     its oldest waiting request wait for partners before it forms a smaller group; 0 makes it adaptive
     (:data:`prague.groups.ready.ADAPTIVE_SHARE` of the median time between a worker's requests). ``avoid_repeats``
     (ready only): when every pair among the S waiting workers met within the last round of groups,
@@ -193,7 +194,8 @@ class Formation:
     """What an observer learns each time a policy forms a group (for tests, tracing and the simulator).
 
     ``requester`` is the worker whose call formed it (``None`` when a window expired); ``counts`` are
-    all workers' request counts at that moment; ``batch`` numbers the call that formed it (all groups
+    all workers' progress at that moment (steps, as their requests reported them: what smart's threshold
+    compares); ``batch`` numbers the call that formed it (all groups
     of one smart division share a batch); ``kind`` says how it was formed (``intra``, ``inter``,
     ``random``, ``ready``, ``window``, ``static``); ``conflict`` is True when some member was already
     committed to an earlier group it has not yet been handed (random policy).
@@ -216,8 +218,9 @@ class GroupPolicy(Protocol):
 
     config: GeneratorConfig
 
-    def request(self, worker: int, now_s: float) -> list[Answer]:
-        """Register that ``worker`` asks for its next group; return every answer determined by this call."""
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
+        """Register that ``worker`` asks for its next group, after its step ``iteration`` (None: one step
+        after its previous request); return every answer determined by this call."""
         ...
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:

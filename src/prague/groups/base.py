@@ -31,7 +31,8 @@ class PolicyBase:
             raise ConfigError(f"config must be a GeneratorConfig, got {config!r}")
         self.config = config
         self.rng = random.Random(config.seed)
-        self.counts = [0] * config.nproc
+        self.counts = [0] * config.nproc  # requests per worker
+        self.progress = [0] * config.nproc  # steps per worker, as its requests report them
         self.finished = [False] * config.nproc
         self._active = tuple(range(config.nproc))
         self.counters = PolicyCounters()
@@ -53,6 +54,17 @@ class PolicyBase:
         self.finished[worker] = True
         self._active = tuple(w for w in self._active if w != worker)
 
+    def _note_request(self, worker: int, iteration: int | None) -> None:
+        """Count ``worker``'s request, and its progress: ``iteration + 1`` steps when it says after which
+        step it asks (a worker that averages in the background asks only when it submits an average, so
+        its requests lag its steps), else one step more than before."""
+        self.counts[worker] += 1
+        self.counters.requests += 1
+        if iteration is None:
+            self.progress[worker] += 1
+        else:
+            self.progress[worker] = max(self.progress[worker], iteration + 1)
+
     # -- forming groups -----------------------------------------------------------------------------
     def _new_batch(self) -> int:
         self._batch += 1
@@ -61,7 +73,7 @@ class PolicyBase:
     def _record(self, group: Group, requester: int | None, kind: str, conflict: bool = False) -> None:
         self.counters.formed(group)
         if self._observer is not None:
-            self._observer(Formation(group, requester, tuple(self.counts), self._batch, kind, conflict))
+            self._observer(Formation(group, requester, tuple(self.progress), self._batch, kind, conflict))
 
     def _form(self, members: list[int] | tuple[int, ...], requester: int | None, kind: str,
               conflict: bool = False) -> Group:
@@ -72,7 +84,7 @@ class PolicyBase:
         return group
 
     # -- the protocol (see prague.groups.api) ------------------------------------------------------
-    def request(self, worker: int, now_s: float) -> list[Answer]:
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
         raise NotImplementedError
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
@@ -93,9 +105,10 @@ class PolicyBase:
     def continue_after(self, seq: int, counts: list[int]) -> None:
         """A restarted generator (:meth:`prague.groups.service.GroupGeneratorCore.restore`): number new
         groups after ``seq``, the last one an earlier instance handed out, and take the workers' request
-        counts from where they were."""
+        counts (and progress) from where they were."""
         self._next_seq = max(self._next_seq, seq + 1)
         self.counts = [max(a, b) for a, b in zip(self.counts, counts)]
+        self.progress = [max(a, b) for a, b in zip(self.progress, counts)]
 
     # -- defaults for policies without timers ------------------------------------------------------
     def poll(self, now_s: float) -> list[Answer]:
@@ -144,10 +157,9 @@ class BufferedPolicy(PolicyBase):
         """How many committed groups ``worker`` has not been handed yet."""
         return len(self._fifos[worker])
 
-    def request(self, worker: int, now_s: float) -> list[Answer]:
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
         self._check_worker(worker)
-        self.counts[worker] += 1
-        self.counters.requests += 1
+        self._note_request(worker, iteration)
         fifo = self._fifos[worker]
         if not fifo:
             self._new_batch()

@@ -76,15 +76,14 @@ class ReadyGenerator(PolicyBase):
         )
 
     # -- protocol -----------------------------------------------------------------------------------
-    def request(self, worker: int, now_s: float) -> list[Answer]:
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
         self._check_worker(worker)
         if worker in self._waiting:
             raise ConfigError(
                 f"worker {worker} is already waiting for its group; request once per iteration and "
                 "wait for the answer"
             )
-        self.counts[worker] += 1
-        self.counters.requests += 1
+        self._note_request(worker, iteration)
         self._waiting[worker] = now_s
         if self.config.window_s == 0:
             self._measure(worker, now_s)

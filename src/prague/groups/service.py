@@ -204,11 +204,11 @@ class GroupGeneratorCore:
         for worker in sorted(excluded):
             self.exclude(worker)
 
-    def _call(self, call: str, worker: int | None, now_s: float) -> list[Answer]:
+    def _call(self, call: str, worker: int | None, now_s: float, iteration: int | None = None) -> list[Answer]:
         """Call the policy (lock held), writing the call to the trace if there is one."""
-        answers = call_policy(self.policy, call, worker, now_s)
+        answers = call_policy(self.policy, call, worker, now_s, iteration)
         if self._trace is not None:
-            self._trace.write(PolicyCall(call, worker, now_s, tuple(answers)).to_dict())
+            self._trace.write(PolicyCall(call, worker, now_s, tuple(answers), iteration).to_dict())
         return answers
 
     def _deliver(self, answers: list[Answer]) -> None:
@@ -236,7 +236,7 @@ class GroupGeneratorCore:
                     "iterations must increase"
                 )
             owed = self._owed.get(worker)
-            answers = [(worker, owed.pop(0))] if owed else self._call("request", worker, self.now_s())
+            answers = [(worker, owed.pop(0))] if owed else self._call("request", worker, self.now_s(), iteration)
             self._pending[worker] = iteration
             self._deliver(answers)
         elif pending != iteration:

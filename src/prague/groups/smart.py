@@ -1,6 +1,8 @@
 """The smart Group Generator of Prague/Ripples (ASPLOS 2020, arXiv 1909.08029, section on smart GG).
 
-The GG counts each worker's requests c_w. When worker i asks and its FIFO (group buffer) is empty, the
+The GG counts each worker's iterations c_w (each request says after which step it asks: a worker that
+averages in the background asks only when it submits an average, so counting requests would measure
+averages, not how far behind it is). When worker i asks and its FIFO (group buffer) is empty, the
 GG draws one random *division*, a partition of all eligible workers into groups of size S, and appends
 each group to the FIFO of every member, in one global sequence. Divisions alternate between
 *intra-node* (groups inside a node) and *inter-node* (groups spanning nodes, one worker per node where
@@ -92,8 +94,8 @@ class SmartGenerator(BufferedPolicy):
 
     def eligible(self, requester: int) -> list[int]:
         """Workers a division triggered now by ``requester`` may include (the threshold rule)."""
-        floor = self.counts[requester] - self.config.delta_c
-        return [w for w in self.active() if w == requester or self.counts[w] > floor]
+        floor = self.progress[requester] - self.config.delta_c
+        return [w for w in self.active() if w == requester or self.progress[w] > floor]
 
     def _fill(self, requester: int) -> None:
         eligible = self.eligible(requester)

@@ -77,11 +77,10 @@ class StaticGenerator(PolicyBase):
     def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None) -> None:
         super().__init__(config, observer=observer)
 
-    def request(self, worker: int, now_s: float) -> list[Answer]:
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
         self._check_worker(worker)
-        group = static_group(self.counts[worker], worker, self.config.topo)
-        self.counts[worker] += 1
-        self.counters.requests += 1
+        group = static_group(self.counts[worker], worker, self.config.topo)  # by request: members must agree
+        self._note_request(worker, iteration)
         if worker == group.members[0]:  # count and report each group once, when its lowest rank asks
             self._new_batch()
             self._record(group, worker, "static")

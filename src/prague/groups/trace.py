@@ -29,6 +29,7 @@ class PolicyCall:
     worker: int | None
     now_s: float
     answers: tuple[Answer, ...]
+    iteration: int | None = None  # a request's step, when the worker said it
 
     def __post_init__(self) -> None:
         if self.call not in CALLS:
@@ -36,23 +37,30 @@ class PolicyCall:
         object.__setattr__(self, "answers", tuple(self.answers))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"call": self.call, "worker": self.worker, "now_s": self.now_s,
-                "answers": [[w, g.seq, list(g.members)] for w, g in self.answers]}
+        out = {"call": self.call, "worker": self.worker, "now_s": self.now_s,
+               "answers": [[w, g.seq, list(g.members)] for w, g in self.answers]}
+        if self.iteration is not None:
+            out["iteration"] = self.iteration
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyCall:
         answers = tuple((int(w), Group(int(seq), tuple(members))) for w, seq, members in data["answers"])
-        return cls(data["call"], data["worker"], float(data["now_s"]), answers)
+        iteration = data.get("iteration")
+        return cls(data["call"], data["worker"], float(data["now_s"]), answers,
+                   None if iteration is None else int(iteration))
 
 
-def call_policy(policy: GroupPolicy, call: str, worker: int | None, now_s: float) -> list[Answer]:
-    """Make one call of ``policy`` by name (``request``/``finish`` need a worker)."""
+def call_policy(policy: GroupPolicy, call: str, worker: int | None, now_s: float,
+                iteration: int | None = None) -> list[Answer]:
+    """Make one call of ``policy`` by name (``request``/``finish`` need a worker; ``iteration``: the step a
+    request comes after, when known)."""
     if call == "poll":
         return policy.poll(now_s)
     if worker is None:
         raise ConfigError(f"a {call!r} call needs the worker that made it")
     if call == "request":
-        return policy.request(worker, now_s)
+        return policy.request(worker, now_s, iteration)
     if call == "finish":
         return policy.finish(worker, now_s)
     if call == "exclude":
@@ -63,5 +71,5 @@ def call_policy(policy: GroupPolicy, call: str, worker: int | None, now_s: float
 def replay(policy: GroupPolicy, calls: Iterable[PolicyCall]) -> list[PolicyCall]:
     """Make the recorded ``calls`` on ``policy``, in order and at their times; return what ``policy``
     answered, call by call (equal to ``calls`` when it decides as the recorded policy did)."""
-    return [PolicyCall(c.call, c.worker, c.now_s, tuple(call_policy(policy, c.call, c.worker, c.now_s)))
-            for c in calls]
+    return [PolicyCall(c.call, c.worker, c.now_s, tuple(call_policy(policy, c.call, c.worker, c.now_s, c.iteration)),
+                       c.iteration) for c in calls]

@@ -37,7 +37,8 @@ class PragueOptions(Options):
     generator: str = option("ready", "group generator (NAME-blind: NAME given one node holding every rank, "
                             "whatever --nodes)", choices=GENERATOR_CHOICES)
     group_size: int = option(3, "workers per group (prague: smart, random, ready; dssync: k)")
-    delta_c: int = option(4, "smart's threshold: join only if c_w > c_i - delta_c")
+    delta_c: int = option(4, "smart's threshold: join only if c_w > c_i - delta_c, c counting "
+                          "iterations (each request says after which step it comes)")
     nodes: int = option(1, "topology: nodes (nproc must be a multiple)")
     window_ms: float = option(0.0, "ready: how long a request waits for partners, ms; 0: adaptive with --overlap on "
                               "(half the median time between a worker's requests), 50 with --overlap off")

@@ -49,7 +49,7 @@ from prague.groups import Group
 #: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one);
 #: returns False when the group could not average (a member failed), which makes the correction zero.
 RunGroup = Callable[[Group, torch.Tensor], "bool | None"]
-#: Asks for the next group of this worker: ``(request index) -> Group``.
+#: Asks for the next group of this worker: ``(the step it comes after) -> Group``.
 NextGroup = Callable[[int], Group]
 
 
@@ -105,7 +105,7 @@ class BackgroundAverager:
     def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager") -> None:
         self._next_group = next_group
         self._run_group = run_group
-        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor, int] | None] = queue.SimpleQueue()
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # free (snapshot, work) pairs
         self._done: deque[Averaged] = deque()
         self._cond = threading.Condition()
@@ -126,9 +126,10 @@ class BackgroundAverager:
         with self._cond:
             return self._submitted - self._finished + len(self._done)
 
-    def submit(self, values: torch.Tensor) -> int:
+    def submit(self, values: torch.Tensor, step: int | None = None) -> int:
         """Average a snapshot of ``values`` (copied now; ``values`` stays the caller's) with the next
-        group; returns the request's index. ``values`` must hold every correction taken so far (from
+        group, asked for after the worker's step ``step`` (default: the request's index); returns the
+        request's index. ``values`` must hold every correction taken so far (from
         :meth:`take_ready`, :meth:`take_oldest`, :meth:`drain`): the thread adds the later ones itself."""
         self._raise_if_failed()
         with self._cond:
@@ -141,7 +142,7 @@ class BackgroundAverager:
             pair = (torch.empty_like(values), torch.empty_like(values))
         snapshot, work = pair
         snapshot.copy_(values)
-        self._jobs.put((index, taken, snapshot, work))
+        self._jobs.put((index, taken, snapshot, work, index if step is None else step))
         return index
 
     def recycle(self, done: Averaged) -> None:
@@ -198,10 +199,10 @@ class BackgroundAverager:
             job = self._jobs.get()
             if job is None:
                 return
-            index, taken, snapshot, work = job
+            index, taken, snapshot, work, step = job
             try:
                 t0 = time.perf_counter()
-                group = self._next_group(index)
+                group = self._next_group(step)
                 t1 = time.perf_counter()
                 averaged: bool | None
                 if group.is_local:  # a group of one: nothing to average, no correction

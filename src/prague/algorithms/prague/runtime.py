@@ -101,7 +101,8 @@ class Prague(Algorithm):
         if self.options.overlap == "on":
             rank = self.ctx.rank
             self.background_phase = Phase()
-            self.averager = BackgroundAverager(lambda index: self._checked(self.source.next_group(rank, index)),
+            # each request says after which step it comes, so the generator counts iterations (smart's threshold)
+            self.averager = BackgroundAverager(lambda step: self._checked(self.source.next_group(rank, step)),
                                                self._reduce_in_background, name=f"prague-averager-{rank}")
             self.resources.callback(self._stop_averager)
         return model
@@ -164,7 +165,7 @@ class Prague(Algorithm):
             self.exposed_s += waited
             self.average_waits += 1
             self._apply(done)
-        averager.submit(self.flat)
+        averager.submit(self.flat, step)
 
     def finish(self) -> None:
         """Take every average still in flight, run the groups this worker is still committed to, then

@@ -53,6 +53,7 @@ from prague.sim.method import SimMethod
 from prague.sim.world import World
 
 _SAMPLE_EVERY = 4
+Job = tuple[str, "int | None", "int | None"]  # a call to the service: (what, worker, the step a request comes after)
 
 
 class SimPrague(SimMethod):
@@ -101,12 +102,12 @@ class SimPrague(SimMethod):
                           if world.decision_dir is not None and self.remote else None)
 
     # -- the Group Generator, as a service --------------------------------------------------------
-    def _call(self, what: str, worker: int | None, now: float) -> list[Answer]:
+    def _call(self, what: str, worker: int | None, now: float, iteration: int | None = None) -> list[Answer]:
         """Call the policy with ``now_s=now`` (simulated time); every 4th call's CPU time is measured."""
         timed = self.policy_calls % _SAMPLE_EVERY == 0
         if timed:
             t0 = time.thread_time_ns()
-        answers = call_policy(self.policy, what, worker, now)
+        answers = call_policy(self.policy, what, worker, now, iteration)
         if timed:
             self._sampled_ns += time.thread_time_ns() - t0
             self._sampled += 1
@@ -114,14 +115,14 @@ class SimPrague(SimMethod):
         if self.world.trace is not None:
             self.world.trace.append((what, worker, now, tuple((w, g.seq, g.members) for w, g in answers)))
         if self._gg_trace is not None:
-            self._gg_trace.write(PolicyCall(what, worker, now, tuple(answers)).to_dict())
+            self._gg_trace.write(PolicyCall(what, worker, now, tuple(answers), iteration).to_dict())
         return answers
 
-    def _serve_at(self, job: tuple[str, int | None], start: float) -> None:
+    def _serve_at(self, job: Job, start: float) -> None:
         """Serve ``job`` at ``start`` (>= now) and send the answers, which arrive after the service
         time and half a round trip."""
-        what, worker = job
-        answers = self._call(what, worker, start)
+        what, worker, iteration = job
+        answers = self._call(what, worker, start, iteration)
         delay = start - self.world.engine.now + self._service + self._half_rtt
         for w, group in answers:
             if what == "finish" and w == worker:
@@ -139,10 +140,10 @@ class SimPrague(SimMethod):
         if self._timers:
             self._arm_timer()
 
-    def _serve(self, job: tuple[str, int | None]) -> None:
+    def _serve(self, job: Job) -> None:
         self._serve_at(job, self.world.engine.now)
 
-    def _send(self, job: tuple[str, int | None], delay_s: float) -> None:
+    def _send(self, job: Job, delay_s: float) -> None:
         """A call that reaches the GG ``delay_s`` from now: it queues behind earlier calls (FIFO), then
         is served. Calls all travel the same ``delay_s``, so sending order is arrival order and the
         queue slot is reserved at once. A policy without timers is then called at once with its
@@ -167,19 +168,20 @@ class SimPrague(SimMethod):
             self._armed = None
         current = self.policy.next_deadline()
         if current is not None and current <= self.world.engine.now:
-            self._send(("poll", None), 0.0)
+            self._send(("poll", None, None), 0.0)
         else:
             self._arm_timer()
 
-    def _ask(self, worker: int, what: str) -> Signal:
-        """Send a ``request`` or ``finish`` for ``worker``; the signal fires with the answer."""
+    def _ask(self, worker: int, what: str, iteration: int | None = None) -> Signal:
+        """Send a ``request`` (after step ``iteration``) or ``finish`` for ``worker``; the signal fires with
+        the answer."""
         sig = Signal(self.world.engine)
         if not self.remote:  # static: computed locally, no round trip
-            answers = self._call(what, worker, self.world.engine.now)
+            answers = self._call(what, worker, self.world.engine.now, iteration)
             sig.fire([g for w, g in answers if w == worker] if what == "finish" else answers[0][1])
             return sig
         self._answer[worker] = sig
-        self._send((what, worker), self._half_rtt)
+        self._send((what, worker, iteration), self._half_rtt)
         return sig
 
     # -- the worker -----------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ class SimPrague(SimMethod):
             yield compute
             math.local_step(w, k)
             asked = engine.now
-            group = yield self._ask(w, "request")
+            group = yield self._ask(w, "request", k)
             answered = engine.now
             self._log(w, k, group)
             sig = self._run(w, group)
@@ -245,7 +247,7 @@ class SimPrague(SimMethod):
                 self.average_waits += 1
             waited = engine.now - t0
             self.exposed_s += waited
-            self._submit(w, math.values(w))
+            self._submit(w, math.values(w), k)
             world.record(w, compute, 0.0, waited)
         t0 = engine.now
         while self._in_flight[w]:
@@ -253,7 +255,7 @@ class SimPrague(SimMethod):
         self.exposed_s += engine.now - t0
         yield from self._finish(w)
 
-    def _submit(self, w: int, snapshot: Any) -> None:
+    def _submit(self, w: int, snapshot: Any, step: int) -> None:
         """Hand ``snapshot`` to ``w``'s averaging thread: it runs after the requests before it."""
         index = self._submitted[w]
         taken = index - self._in_flight[w]  # corrections applied, oldest first: the snapshot holds these
@@ -261,15 +263,15 @@ class SimPrague(SimMethod):
         self._in_flight[w] += 1
         done = Signal(self.world.engine)
         previous, self._tail[w] = self._tail[w], done
-        self.world.engine.process(self._average(w, index, taken, snapshot, previous, done))
+        self.world.engine.process(self._average(w, index, taken, snapshot, previous, done, step))
 
     def _average(self, w: int, index: int, taken: int, snapshot: Any, previous: Signal | None,
-                 done: Signal) -> Process:
+                 done: Signal, step: int) -> Process:
         engine = self.world.engine
         if previous is not None:
             yield previous
         t0 = engine.now
-        group = yield self._ask(w, "request")
+        group = yield self._ask(w, "request", step)
         correction = None
         if group.is_local:
             self.local_steps += 1
