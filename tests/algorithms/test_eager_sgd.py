@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -246,3 +247,56 @@ def test_real_workers_go_on_while_one_sleeps(tmp_path: Path) -> None:
     assert all(f == finals[0] for f in finals) and finals[0] == [-t / 4 for t in total]
     staleness = {int(k): v for k, v in result["sleepy"]["staleness"].items()}
     assert max(staleness) >= 3, staleness  # rounds went on while it slept
+
+
+LOOKAHEAD_SCRIPT = textwrap.dedent('''
+    """Every round synchronous (--sync-every 1): eager-sgd is then plain momentum SGD on the mean gradient,
+    and with --lookahead on each gradient is taken at the parameters shifted by -lr m v."""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import prague
+
+    lookahead, out = sys.argv[1], sys.argv[2]
+    ctx = prague.init()
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -2.0, 0.5, 3.0]]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = prague.wrap(model, optimizer, algorithm="eager-sgd:solo", sync_every=1, lookahead=lookahead)
+    scale = 1.0 + ctx.rank  # rank r's loss: (1 + r) |w|^2 / 2, so its gradient is (1 + r) w
+    for step in range(6):
+        trainer.step(lambda m: 0.5 * scale * m.weight.square().sum())
+    trainer.close()
+    final = model.weight.detach().view(-1).clone()
+    finals = [torch.zeros(4) for _ in range(ctx.world_size)]
+    dist.all_gather(finals, final)
+    if ctx.rank == 0:
+        json.dump([f.tolist() for f in finals], open(out, "w"))
+    prague.shutdown()
+''')
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("lookahead", ["on", "off"])
+def test_lookahead_takes_each_gradient_at_the_shifted_parameters(tmp_path: Path, lookahead: str) -> None:
+    script, out = tmp_path / "lookahead.py", tmp_path / "finals.json"
+    script.write_text(LOOKAHEAD_SCRIPT)
+    res = run_cli("launch", "--nproc", "3", str(script), lookahead, str(out), timeout_s=150.0, env={"PYTHONPATH": SRC})
+    assert res.returncode == 0, res.stderr[-3000:]
+    finals = json.loads(out.read_text())
+    assert all(f == finals[0] for f in finals)  # bit-identical replicas: the shift is undone exactly
+    lr, m, mean_scale = 0.1, 0.9, 2.0  # the mean of 1, 2, 3
+
+    def reference(shifted: bool) -> list[float]:
+        x = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+        v = torch.zeros(4, dtype=torch.float64)
+        for step in range(6):
+            at = x - lr * m * v if shifted and step > 0 else x  # no momentum buffer before the first update
+            v = m * v + mean_scale * at
+            x = x - lr * v
+        return x.tolist()
+
+    assert finals[0] == pytest.approx(reference(lookahead == "on"), rel=1e-5)
+    assert finals[0] != pytest.approx(reference(lookahead != "on"), rel=1e-3)

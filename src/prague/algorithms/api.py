@@ -113,6 +113,9 @@ class Algorithm:
         forward through. Called once on every rank, before the first step."""
         return model
 
+    def before_compute(self, step: int) -> None:
+        """Called right before the forward pass of ``step`` (after the gradients were zeroed)."""
+
     def after_backward(self, step: int, times: StepTimes) -> None:
         """Called after ``loss.backward()``, before the optimizer step."""
 

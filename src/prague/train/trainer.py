@@ -231,6 +231,7 @@ class DistributedTrainer:
             time.sleep(delay)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=False)
+        self.algorithm.before_compute(step)
         real_start = self._clock()
         loss = closure(self.module)
         loss.backward()

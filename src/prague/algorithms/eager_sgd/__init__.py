@@ -28,6 +28,9 @@ class EagerSGDOptions(Options):
     stale_weight: str = option("inverse", "eager-sgd: weight of a gradient that arrives s rounds late in its round's "
                                "sum: inverse (1 / (1 + s), a staleness-aware learning rate) or none (1, the paper's)",
                                choices=("inverse", "none"))
+    lookahead: str = option("on", "eager-sgd: on: compute each gradient at the parameters shifted by the momentum "
+                            "step still to come (x - lr m v, as DANA), so a gradient applied a round late was "
+                            "taken near where it lands; off: at the current parameters", choices=("on", "off"))
     eager_seed: int = option(0, "eager-sgd: seed of majority's per-round initiators (0: the run's --seed)", run_seed=True)
 
     def __post_init__(self) -> None:

@@ -397,6 +397,8 @@ class EagerSGD(Algorithm):
         self.applied = 0  # round results applied, in order
         self.waits = 0
         self.rounds: RoundThread | None = None
+        self._saved: torch.Tensor | None = None  # --lookahead on: the parameters while shifted
+        self._shifted = False
         if ctx.world_size == 1:
             return model
         instance = next(_instances)
@@ -411,6 +413,41 @@ class EagerSGD(Algorithm):
         self.resources.callback(self._release)
         return model
 
+    def before_compute(self, step: int) -> None:
+        if self.options.lookahead == "on" and self.rounds is not None:
+            self._look_ahead()
+
+    def _look_ahead(self) -> None:
+        """``--lookahead on``: shift the parameters by the momentum part of the next update, -lr m v (the
+        estimate of where they will be when this gradient is applied: Hakimi, Barkai, Gabel, Schuster,
+        "Taming Momentum in a Distributed Asynchronous Environment", 2019), keeping the values to restore
+        exactly after backward (the replicas must stay bit-identical)."""
+        if self.optimizer is None or self._shifted:
+            return
+        shifts = []
+        for group in self.optimizer.param_groups:
+            momentum, lr = float(group.get("momentum", 0.0) or 0.0), float(group["lr"])
+            pairs = [(p, self.optimizer.state[p].get("momentum_buffer")) for p in group["params"]
+                     if p in self.optimizer.state]
+            pairs = [(p, b) for p, b in pairs if b is not None]
+            if momentum and pairs:
+                shifts.append((-lr * momentum, pairs))
+        if not shifts:
+            return
+        if self._saved is None:
+            self._saved = torch.empty_like(self.flat[:self.n_grads])
+        self._saved.copy_(self.flat[:self.n_grads])
+        self._shifted = True
+        with torch.no_grad():
+            for alpha, pairs in shifts:
+                torch._foreach_add_([p for p, _ in pairs], [b for _, b in pairs], alpha=alpha)
+
+    def _restore(self) -> None:
+        if self._shifted:
+            assert self._saved is not None
+            self.flat[:self.n_grads].copy_(self._saved)
+            self._shifted = False
+
     def _release(self) -> None:
         rounds = self.rounds
         if rounds is None:
@@ -422,6 +459,7 @@ class EagerSGD(Algorithm):
     # -- hooks
 
     def after_backward(self, step: int, times: StepTimes) -> None:
+        self._restore()  # the gradient was taken at the shifted values; the update applies to the real ones
         rounds = self.rounds
         if rounds is None:
             return
