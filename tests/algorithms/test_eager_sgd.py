@@ -106,7 +106,7 @@ class ExactMath(NoMath):
         self.computed = Fraction(0)
         self.applied: dict[int, list[Fraction]] = defaultdict(list)
 
-    def gradient(self, w: int, step: int, at_snapshot: bool = False) -> Any:
+    def gradient(self, w: int, step: int, at_snapshot: bool = False, lookahead: bool = False) -> Any:
         g = Fraction(self._rng.randrange(1, 2**40), self._rng.randrange(1, 1000))
         self.computed += g
         return g

@@ -241,7 +241,9 @@ def test_bad_calls_get_clear_statuses_while_workers_get_correct_groups(
     assert proc.poll() is None, "the service died"
     seen = set()
     for seq, group in workers.execution.groups.items():
-        assert group.members == tuple(sorted(set(group.members))) and 1 <= group.size <= 2, group
+        # --group-size 2; smart gives a lone eligible worker (one its threshold left without a pair) to the
+        # group before it: 3 at most
+        assert group.members == tuple(sorted(set(group.members))) and 1 <= group.size <= 3, group
         assert all(0 <= m < NPROC for m in group.members), group
         receivers = workers.execution.receivers[seq]
         assert sorted(receivers) == list(group.members), (group, receivers)

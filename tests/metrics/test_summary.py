@@ -40,6 +40,15 @@ def test_without_a_common_window_the_per_worker_rates_are_summed() -> None:
     assert throughput([early, late], batch_size=1, warmup=1) == pytest.approx(1.0 + 1.0)
 
 
+def test_a_worker_that_stopped_within_its_warm_up_still_has_a_rate() -> None:
+    """A run stopped early (it diverged) can leave a worker with fewer steps than the warm-up: its rate
+    is taken after all but one of its steps, never an index error."""
+    stopped = _timing([1.0, 2.0, 3.0])
+    other = _timing([10.0, 11.0])  # no common window with the first
+    assert throughput([stopped, other], batch_size=1, warmup=5) == pytest.approx(1.0 + 1.0)
+    assert throughput([_timing([4.0])], batch_size=1, warmup=5) == pytest.approx(0.25)  # from its start
+
+
 def test_base_compute_removes_the_injected_slowdown() -> None:
     # Emulated: a slowdown f sleeps (f - 1) nominal computes on top of the step.
     t = _timing([1.0, 2.0, 3.0], slowdown=[1.0, 5.0, 1.0])

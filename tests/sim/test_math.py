@@ -55,3 +55,18 @@ def test_overlapped_prague_with_averages_out_meets_at_the_mean(max_in_flight: in
         method.check_done()
     assert method.stats()["busy_local_steps"] > 0  # steps that found max_in_flight averages out
     assert torch.equal(values[:2], torch.full_like(values[:2], 2.0))
+
+
+def test_the_lookahead_gradient_is_taken_at_the_momentum_shifted_values() -> None:
+    """eager-sgd's ``--lookahead on`` in the simulator: after a first step (a momentum buffer v), worker 0's
+    gradient is the gradient at x - lr m v, not at x; before any step there is nothing to shift."""
+    from prague.sim.math import MathConfig, RealMath
+
+    math = RealMath(2, 4, MathConfig(lr=0.05, momentum=0.9))
+    assert torch.equal(math.gradient(0, 0, lookahead=True), math.gradient(0, 0))
+    math.local_step(0, 0)
+    buf = math._bufs[0]
+    assert buf is not None
+    shifted = math.X[0] - 0.05 * 0.9 * buf
+    assert torch.equal(math.gradient(0, 1, lookahead=True), math._grad(shifted, 0, 1))
+    assert not torch.equal(math.gradient(0, 1, lookahead=True), math.gradient(0, 1))

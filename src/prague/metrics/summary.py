@@ -31,10 +31,12 @@ def warmup_steps(total_steps: int, requested: int | None) -> int:
 
 
 def worker_rate(t: WorkerTiming, batch_size: int, warmup: int) -> float:
-    """Samples per second of one worker over the steps after ``warmup``."""
+    """Samples per second of one worker over the steps after ``warmup`` (all but its last step's worth of
+    warm-up when it stopped within it: a run that diverged or was stopped early)."""
     n = len(t.end_s)
     if n == 0:
         return 0.0
+    warmup = min(warmup, n - 1)
     start = t.start_s if warmup == 0 else t.end_s[warmup - 1]
     span = t.end_s[-1] - start
     return (n - warmup) * batch_size / span if span > 0 else 0.0

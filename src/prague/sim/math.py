@@ -70,7 +70,7 @@ class NoMath:
 
     def local_step(self, w: int, step: int, scale: float = 1.0) -> None: ...
 
-    def gradient(self, w: int, step: int, at_snapshot: bool = False) -> Any:
+    def gradient(self, w: int, step: int, at_snapshot: bool = False, lookahead: bool = False) -> Any:
         return None
 
     def apply(self, w: int, grad: Any, scale: float = 1.0) -> None: ...
@@ -169,8 +169,14 @@ class RealMath(NoMath):
         """Remember x_w as it is now: the gradient of this iteration is taken there (asynchronous methods)."""
         self._snap[w] = self.X[w].clone()
 
-    def gradient(self, w: int, step: int, at_snapshot: bool = False) -> torch.Tensor:
+    def gradient(self, w: int, step: int, at_snapshot: bool = False, lookahead: bool = False) -> torch.Tensor:
+        """Worker ``w``'s gradient of ``step``: at its values (its snapshot with ``at_snapshot``), or with
+        ``lookahead`` at its values shifted by the momentum part of its next update, -lr m v (eager-sgd's
+        ``--lookahead on``)."""
         flat = self._snap.pop(w) if at_snapshot and w in self._snap else self.X[w]
+        buf = self._bufs.get(w)
+        if lookahead and buf is not None and self._rule.momentum:
+            flat = flat - self._rule.lr * self._rule.momentum * buf
         return self._grad(flat, w, step)
 
     def _step(self, row: int, grad: torch.Tensor, rule: SGDRule, key: Any, scale: float = 1.0) -> None:

@@ -352,7 +352,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         print(f"prague worker: {divergence_line(name, diverged.as_dict())}", file=sys.stderr, flush=True)
     record = RunRecord.from_timings(
         [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
-        warmup=warmup_steps(steps, cfg.warmup_steps),
+        warmup=warmup_steps(min(steps, max(completed)), cfg.warmup_steps),  # a run stopped early: its steps
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
         compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,

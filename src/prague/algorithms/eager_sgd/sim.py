@@ -110,7 +110,7 @@ class SimEagerSGD(SimMethod):
         for k in range(world.steps):
             compute = world.compute_s(w, k)
             yield compute
-            grad = math.gradient(w, k)
+            grad = math.gradient(w, k, lookahead=opts.lookahead == "on")
             weight = stale_weight(opts.stale_weight, self.started - self.applied[w])
             if grad is not None:
                 grad = grad * weight if weight != 1.0 else grad
