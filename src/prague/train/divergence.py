@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,7 +83,7 @@ class LossWatch:
         self._first: list[float] = []
         self.reference: float | None = None
         self.last_finite: float | None = None
-        self._above: deque[int] = deque(maxlen=window)  # recent steps above the line, consecutive
+        self._above = 0  # consecutive steps above the line, up to now
 
     def observe(self, step: int, loss: float | None) -> Divergence | None:
         """The divergence this step's ``loss`` completes, or None (also for None: emulated compute)."""
@@ -100,10 +99,10 @@ class LossWatch:
                 self.reference = ordered[len(ordered) // 2]
             return None
         if self.factor == 0 or loss <= self.factor * self.reference:
-            self._above.clear()
+            self._above = 0
             return None
-        self._above.append(step)
-        if len(self._above) < self.window:
+        self._above += 1
+        if self._above < self.window:
             return None
         return Divergence(self.rank, step, loss, previous,
                           f"the loss has stayed above {self.factor:g}x its starting value {self.reference:.4g} for "
