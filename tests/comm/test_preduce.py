@@ -359,3 +359,47 @@ def _blocked_handshake_rank(ctx: DistContext) -> str:
 def test_a_handshake_waiting_for_a_peer_does_not_hold_up_the_job_store() -> None:
     outs = run_ranks(_blocked_handshake_rank, 2, deadline_s=60)
     assert outs == {0: "free", 1: "free"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# (d) communicators built while the job runs reuse their rendezvous connection
+
+
+_REBUILD_SCHEDULE = [(0, 1), (1, 2), (0, 2), (0, 1, 2), (0, 1), (1, 2), (0, 2)]
+
+
+def _rebuild_rank(ctx: DistContext) -> dict[str, int]:
+    """Build communicators through a 2-slot cache (so most uses rebuild), with a membership (the
+    rendezvous runs on a thread of its own); count the store connections opened meanwhile."""
+    from prague.runtime.liveness import Membership
+
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20, membership=Membership(ctx.private_store(), 3))
+    opened = 0
+    original = DistContext.private_store
+
+    def counting(self: DistContext) -> dist.Store:
+        nonlocal opened
+        opened += 1
+        return original(self)
+
+    DistContext.private_store = counting  # type: ignore[method-assign]
+    try:
+        buf = torch.zeros(8)
+        for members in _REBUILD_SCHEDULE:
+            if ctx.rank in members:
+                buf.fill_(float(ctx.rank))
+                preduce(buf, members, comms)
+                assert torch.equal(buf, torch.full((8,), sum(members) / len(members)))
+        return {"opened": opened, "created": comms.stats.created}
+    finally:
+        DistContext.private_store = original  # type: ignore[method-assign]
+        comms.close()
+
+
+def test_rebuilt_communicators_reuse_one_rendezvous_connection() -> None:
+    # A store connection opened while the job runs can pause the store for every client for seconds;
+    # one per rendezvous (each build) made every worker of a prague run stall 5 s at a time.
+    outs = run_ranks(_rebuild_rank, 3, deadline_s=60)
+    for rank, out in outs.items():
+        assert out["created"] >= 3, (rank, out)
+        assert out["opened"] == 1, (rank, out)

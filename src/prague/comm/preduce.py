@@ -98,6 +98,11 @@ class GroupCommunicators:
         self._cache: CommunicatorCache[tuple[str, dist.ProcessGroup]] = CommunicatorCache(capacity)
         self._uses: dict[tuple[int, ...], int] = {}
         self._prefix = f"{GROUP_STORE_PREFIX}/{next(_instances)}"
+        # Connections for the rendezvous thread of :meth:`_create`, reused: opening a store connection
+        # while the job runs can stall the store for every client for seconds (seen as 5 s pauses of
+        # all workers when each new communicator opened its own), so one is opened per concurrent
+        # rendezvous and kept; only one abandoned after a failure is replaced.
+        self._rendezvous_stores: list[dist.Store] = []
         self.stats = CommStats()
         self.membership = membership  # when set, a member declared failed ends a handshake at once
 
@@ -173,7 +178,7 @@ class GroupCommunicators:
             return backend_group(self.ctx, dist.PrefixStore(name, self.store), index, size, self.timeout)
         result: list[dist.ProcessGroup | BaseException] = []
         done = threading.Event()
-        store = self.ctx.private_store()
+        store = self._rendezvous_stores.pop() if self._rendezvous_stores else self.ctx.private_store()
 
         def rendezvous() -> None:
             try:
@@ -188,6 +193,7 @@ class GroupCommunicators:
             lost = self.membership.failed_among(members)
             if lost:
                 raise PeerFailed(lost, f"communicator creation for ranks {list(members)}: rank(s) {lost} failed")
+        self._rendezvous_stores.append(store)  # the rendezvous ended: its connection is free again
         outcome = result[0]
         if isinstance(outcome, BaseException):
             raise outcome
