@@ -139,6 +139,32 @@ def test_bench_repeat_runs_every_cell_with_each_seed(tmp_path: Path) -> None:
     bad = run_cli("bench", *TINY, "--steps", "2", "--repeat", "0", "--out", str(tmp_path / "x"), timeout_s=60)
     assert bad.returncode == 2 and "--repeat" in bad.stderr
 
+    # --resume: a bench stopped during its last run (bench.json without it, its folder half written)
+    # runs that one again, from scratch, and keeps the others as they were.
+    document = json.loads((out / "bench.json").read_text())
+    assert document["resume"]["runs"] == [f"runs/{a}_homogeneous_seed{s}" for a, s in
+                                          [("allreduce", 5), ("prague", 5), ("allreduce", 6), ("prague", 6)]]
+    document["records"].pop()
+    document["resume"]["runs"].pop()
+    (out / "bench.json").write_text(json.dumps(document))
+    stale = out / "runs" / "prague_homogeneous_seed6" / "stale.txt"
+    stale.write_text("left by the interrupted run")
+    argv = ["bench", "--algorithms", "allreduce,prague", "--scenarios", "homogeneous", *TINY, "--steps", "4",
+            "--seed", "5", "--repeat", "2", "--out", str(out)]
+    resumed = run_cli(*argv, "--resume", "--quiet", timeout_s=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.findall(r"^== .*$", resumed.stdout, re.M) == ["== prague / homogeneous / seed 6"]
+    after = bench_records(out)
+    assert after[:3] == records[:3] and (after[3]["algorithm"], after[3]["seed"]) == ("prague", 6)
+    assert not stale.exists()
+    # other arguments than the bench's own, or no --out: a clear refusal, nothing touched
+    before = (out / "bench.json").read_bytes()
+    other = run_cli(*[a if a != "4" else "5" for a in argv], "--resume", timeout_s=60)
+    assert other.returncode == 2 and "--resume" in other.stderr and "--steps 4" in other.stderr
+    assert (out / "bench.json").read_bytes() == before
+    no_out = run_cli(*argv[:-2], "--resume", timeout_s=60)
+    assert no_out.returncode == 2 and "--out" in no_out.stderr
+
 
 # --epochs
 

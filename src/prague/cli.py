@@ -337,7 +337,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from prague.metrics.report import bench_table, write_bench
+    from prague.metrics.report import bench_table, load_resume, write_bench
     from prague.train.config import run_folder
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -349,6 +349,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from prague.train.config import check_options_apply, check_out_folder
 
     check_options_apply(args, algorithms)
+    if args.resume and args.out is None:
+        raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")
     check_out_folder(out)
     cells = [_run_config(args, a, s, args.nproc, run_folder(out, a, s)) for s in scenarios for a in algorithms]
@@ -361,13 +363,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     configs = [dataclasses.replace(c, seed=seed, out=folder(c, seed), compute_ms=nominal)
                for seed in range(cells[0].seed, cells[0].seed + args.repeat) for c in cells]
     # the seeds one after another, so the machine's noise spreads over every cell
+    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--quiet")]
     records: list[dict[str, Any]] = []
+    runs: list[str] = []  # the run folder of each record, relative to out (what --resume skips)
+    if args.resume:
+        records, runs = load_resume(out, argv)
+        if records:
+            print(f"resuming {out}: {len(records)} of {len(configs)} runs done", flush=True)
     failures: list[str] = []
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for cfg in configs:
+        run = cfg.out.relative_to(out).as_posix()
+        if run in runs:
+            continue
+        if args.resume and cfg.out.exists():  # a run the interrupted bench had begun: start it afresh
+            shutil.rmtree(cfg.out)
         print(f"== {cfg.algorithm} / {cfg.scenario}" + (f" / seed {cfg.seed}" if args.repeat > 1 else ""), flush=True)
         try:
             records.append(run_config(cfg, quiet=args.quiet))
+            runs.append(run)
             print(_summary_line(records[-1]), flush=True)
             if records[-1].get("diverged"):  # a result, not a failure: the tables say so, the bench goes on
                 print(_divergence(records[-1]), file=sys.stderr, flush=True)
@@ -377,7 +391,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             failures.append(f"{cfg.algorithm} / {cfg.scenario} / seed {cfg.seed}: {exc}")
             print(f"FAILED {cfg.algorithm} / {cfg.scenario} / seed {cfg.seed}: {exc}", file=sys.stderr, flush=True)
         if records:
-            write_bench(out, records, command=command)
+            write_bench(out, records, command=command, resume={"argv": argv, "runs": runs})
     if records:
         print()
         print(bench_table(records))
@@ -445,6 +459,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=1, help="run every (method, scenario) cell with K seeds: --seed, "
                                                          "--seed + 1, ...; the tables give the median and the range "
                                                          "(default 1)")
+    b.add_argument("--resume", action="store_true", help="go on with the unfinished bench in --out (same "
+                                                         "arguments): keep its finished runs, run the rest")
     add_run_arguments(b)
     b.add_argument("--quiet", action="store_true")
 

@@ -277,6 +277,22 @@ def test_write_bench_writes_all_files(tmp_path: Path, records: list[dict[str, An
     )
 
 
+def test_resume_reads_back_what_the_bench_wrote_and_refuses_anything_else(tmp_path: Path,
+                                                                          records: list[dict[str, Any]]) -> None:
+    out = tmp_path / "out"
+    assert report.load_resume(out, ["bench"]) == ([], [])  # nothing finished yet: start afresh
+    argv = ["bench", "--nproc", "4"]
+    runs = [f"runs/r{i}" for i in range(len(records))]
+    write_bench(out, records, command="prague bench --nproc 4", resume={"argv": argv, "runs": runs})
+    kept, kept_runs = report.load_resume(out, argv)
+    assert kept == [RunRecord.from_dict(r).to_dict() for r in records] and kept_runs == runs
+    with pytest.raises(ConfigError, match=r"prague bench --nproc 4.*not by these arguments"):
+        report.load_resume(out, ["bench", "--nproc", "8"])
+    write_bench(out, records, command="prague bench --nproc 4")  # no resume part: not resumable
+    with pytest.raises(ConfigError, match="does not say which runs"):
+        report.load_resume(out, argv)
+
+
 def test_write_bench_single_record_no_allreduce_no_accuracy(tmp_path: Path) -> None:
     record = run(
         "prague", "straggler:1:3", 1234.5, variant="smart", no_wait_limit_samples_per_s=None

@@ -131,6 +131,27 @@ def load_records(path: Path) -> list[RunRecord]:
     return [RunRecord.from_dict(r) for r in _check_records(data, f"benchmark results {str(path)!r}", fix)]
 
 
+def load_resume(out_dir: Path, argv: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of an unfinished bench in ``out_dir`` and the run folder of each (relative to
+    ``out_dir``), for ``prague bench --resume``. ``argv`` is the bench's arguments without ``--resume``:
+    ConfigError unless ``bench.json`` was written by a bench with the same ones (a bench that never
+    finished its first run has none: starting afresh is then right)."""
+    path = Path(out_dir) / "bench.json"
+    if not path.is_file():
+        return [], []
+    records = [r.to_dict() for r in load_records(path)]
+    data = json.loads(path.read_text(encoding="utf-8"))
+    resume = data.get("resume") if isinstance(data, dict) else None
+    if not isinstance(resume, dict) or not isinstance(resume.get("runs"), list) \
+            or len(resume["runs"]) != len(records) or not isinstance(resume.get("argv"), list):
+        raise ConfigError(f"--resume: {str(path)!r} does not say which runs it holds (written before --resume "
+                          "existed, or edited); pass a new --out, or run the bench without --resume")
+    if list(resume["argv"]) != list(argv):
+        raise ConfigError(f"--resume: {str(path)!r} was written by `prague {' '.join(resume['argv'])}`, not by these "
+                          "arguments; run that command with --resume, or pass another --out")
+    return records, [str(r) for r in resume["runs"]]
+
+
 # --------------------------------------------------------------------------------------------------
 # Table
 
@@ -551,12 +572,15 @@ def _markdown(records: Sequence[dict[str, Any]], command: str | None) -> str:
 
 
 def write_bench(
-    out_dir: Path, records: Sequence[RecordLike], *, command: str | None = None
+    out_dir: Path, records: Sequence[RecordLike], *, command: str | None = None,
+    resume: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write ``bench.json``, ``bench.md``, ``throughput.png`` and ``accuracy.png`` into ``out_dir``.
 
     Called by the benchmark driver (one process) after each run, with every record so far.
-    ``command`` is the command line that produced the runs, quoted in ``bench.md``. ``accuracy.png``
+    ``command`` is the command line that produced the runs, quoted in ``bench.md``; ``resume`` (what
+    ``prague bench --resume`` needs to go on: the bench's arguments and the run folder of each record)
+    is kept in ``bench.json`` as it is. ``accuracy.png``
     is always written, with a note when no run evaluated, so the file set is the same for every run.
 
     All four files are rendered in memory before any is written, and each is replaced atomically, so
@@ -584,8 +608,11 @@ def write_bench(
         "throughput": out_dir / "throughput.png",
         "accuracy": out_dir / "accuracy.png",
     }
-    atomic_write_json(paths["json"], {"schema_version": SCHEMA_VERSION, "command": command, "records": checked,
-                                      "cells": _json_cells(cells(checked))})
+    document: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "command": command, "records": checked,
+                                "cells": _json_cells(cells(checked))}
+    if resume is not None:
+        document["resume"] = dict(resume)
+    atomic_write_json(paths["json"], document)
     atomic_write_text(paths["md"], markdown)
     atomic_write_bytes(paths["throughput"], throughput_png)
     atomic_write_bytes(paths["accuracy"], accuracy_png)
