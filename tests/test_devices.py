@@ -111,15 +111,47 @@ def test_a_staged_buffer_is_a_distinct_tensor_copied_both_ways() -> None:
     assert t.tolist() == [0.0, 1.0, -1.0, -1.0, 4.0, 5.0]
 
 
-def test_step_clock_synchronises_cuda_before_reading_the_time() -> None:
+class RecordingStreams:
+    """A stand-in for :class:`prague.comm.streams.CudaStreams` that logs each operation."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+        self._marks = 0
+
+    def mark(self) -> int:
+        self._marks += 1
+        self.log.append(("mark", self._marks))
+        return self._marks
+
+    def wait(self, mark: Any) -> None:
+        self.log.append(("wait", mark))
+
+    def finish(self, mark: Any) -> None:
+        self.log.append(("finish", mark))
+
+    def side(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def side() -> Any:
+            self.log.append(("side", "enter"))
+            yield
+            self.log.append(("side", "exit"))
+
+        return side()
+
+
+def test_step_clock_waits_for_the_compute_stream_only_before_reading_the_time() -> None:
     import time
 
     assert step_clock(CPU) is time.perf_counter  # CPU: nothing else happens
-    synced: list[torch.device] = []
-    clock = step_clock(CUDA1, synchronize=synced.append)
+    streams = RecordingStreams()
+    clock = step_clock(CUDA1, streams=streams)
     t0 = time.perf_counter()
     assert clock() >= t0 and clock() >= t0
-    assert synced == [CUDA1, CUDA1]
+    # an event on the calling thread's current (compute) stream, waited for: never a device-wide
+    # synchronize, which would also wait for a background average on its side stream
+    assert streams.log == [("mark", 1), ("finish", 1), ("mark", 2), ("finish", 2)]
 
 
 # ------------------------------------------------------------------- staging paths over real gloo pairs

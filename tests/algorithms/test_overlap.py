@@ -220,3 +220,78 @@ def test_a_failure_on_the_thread_is_raised_on_the_workers_thread() -> None:
         avg.submit(torch.zeros(2))
     avg.close()
     assert avg.join(10)
+
+
+class OrderedStreams:
+    """Stands in for CUDA streams: logs, per thread, marks, waits, finishes and the side stream, so the
+    order the averager puts them in can be checked on the CPU."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int | None]] = []
+        self._marks = 0
+        self._lock = threading.Lock()
+        self.on_side = threading.local()
+
+    def _note(self, what: str, mark: int | None) -> None:
+        with self._lock:
+            self.log.append((threading.current_thread().name, what, mark))
+
+    def mark(self) -> int:
+        with self._lock:
+            self._marks += 1
+            mark = self._marks
+        self._note("mark", mark)
+        return mark
+
+    def wait(self, mark: object) -> None:
+        assert getattr(self.on_side, "active", False), "the side stream waits, not the compute stream"
+        self._note("wait", mark)  # type: ignore[arg-type]
+
+    def finish(self, mark: object) -> None:
+        self._note("finish", mark)  # type: ignore[arg-type]
+
+    def side(self) -> object:
+        import contextlib
+
+        @contextlib.contextmanager
+        def side() -> object:
+            self.on_side.active = True
+            try:
+                yield
+            finally:
+                self.on_side.active = False
+
+        return side()
+
+
+def test_on_a_device_with_streams_the_average_waits_for_the_snapshot_and_is_done_before_it_is_handed_over() -> None:
+    streams = OrderedStreams()
+    reduced: list[int] = []
+
+    def run(group: Group, buf: torch.Tensor) -> bool:
+        assert getattr(streams.on_side, "active", False), "collectives run on the side stream"
+        reduced.append(group.seq)
+        buf.add_(1.0)
+        return True
+
+    avg = BackgroundAverager(lambda i: Group(i, (0, 1)), run, name="averager", streams=streams)
+    x = torch.zeros(2)
+    for _ in range(3):
+        avg.submit(x)
+        done = avg.take_oldest(timeout_s=10)
+        # handed over only after the side stream finished: its finish is logged already
+        assert streams.log[-1][:2] == ("averager", "finish")
+        x.add_(done.correction)
+        avg.recycle(done)
+    avg.close()
+    assert avg.join(10) and reduced == [0, 1, 2]
+    main = threading.current_thread().name
+    # Per request: submit marks the compute stream right after copying the snapshot; the thread's side
+    # stream waits for that mark, then marks its own end and waits for it on the CPU before handing over.
+    expected = []
+    for request in range(3):
+        copied, end = 2 * request + 1, 2 * request + 2
+        expected += [(main, "mark", copied), ("averager", "wait", copied), ("averager", "mark", end),
+                     ("averager", "finish", end)]
+    assert streams.log == expected
+    assert torch.equal(x, torch.full((2,), 3.0))

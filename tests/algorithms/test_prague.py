@@ -76,14 +76,16 @@ def test_several_averages_in_flight_train_digits(tmp_path: Path) -> None:
     the corrections still out when it was taken. Twelve runs reached 0.958-0.972, replicas mostly
     0.05-0.24 apart, 1.3-1.5 in the one run in ten where ready kept pairing the same two pairs or left
     a worker alone (as often with one in flight); when the corrections piled up instead, the replicas
-    diverged (NaN, accuracy 0.10)."""
+    diverged (NaN, accuracy 0.10). The groups go point to point over the world communicator
+    (``--transport world``, NCCL's default): no communicator is built for any of them."""
     out = tmp_path / "in-flight"
     res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--steps", "120", "--model", "mlp",
-                  "--max-in-flight", "3", "--when-busy", "wait", "--out", str(out), "--quiet")
+                  "--max-in-flight", "3", "--when-busy", "wait", "--transport", "world", "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
     assert s["test_accuracy"] > 0.93
     assert s["consensus_distance"] < 2.5
+    assert all(w["communicators_created"] == 0 and w["preduces"] > 0 for w in s["algorithm_stats"])
 
 
 def test_dssync_trains_and_partitions_are_shared() -> None:

@@ -178,27 +178,35 @@ def open_fds() -> int:
 # (a) random groups in one global order, created in skewed orders
 
 
-def _random_groups_rank(ctx: DistContext, schedule: list[tuple[int, ...]], numel: int) -> dict[str, Any]:
-    comms = GroupCommunicators(ctx, capacity=16, timeout_s=30)
+def _random_groups_rank(ctx: DistContext, schedule: list[tuple[int, ...]], numel: int,
+                        transport: str) -> dict[str, Any]:
+    comms = GroupCommunicators(ctx, capacity=16, timeout_s=30, transport=transport)
+    comms.start()
     snaps = run_schedule(ctx, comms, schedule, numel, torch.float64, max_skew_s=0.05, seed=7)
     stats = comms.stats
     comms.close()
     return {"snaps": snaps, "created": stats.created, "reduces": stats.reduces, "failed": stats.failed}
 
 
-def test_random_groups_give_exact_means_and_leave_non_members_alone() -> None:
+@pytest.mark.parametrize("transport", ["groups", "world"])
+def test_random_groups_give_exact_means_and_leave_non_members_alone(transport: str) -> None:
+    """Both transports: members-only communicators, and point-to-point exchanges on the world
+    communicator (NCCL's default, run here over gloo), which must build no communicator at all."""
     world, numel = 8, 4096
     rng = random.Random(12)
     pool = sorted({tuple(sorted(rng.sample(range(world), rng.randint(2, 4)))) for _ in range(12)})
     schedule = [rng.choice(pool) for _ in range(30)]  # repeats: cached communicators are reused
     assert set().union(*schedule) == set(range(world)) and {len(g) for g in schedule} == {2, 3, 4}
-    outs = run_ranks(_random_groups_rank, world, schedule, numel)
+    outs = run_ranks(_random_groups_rank, world, schedule, numel, transport)
 
     assert_snapshots(outs, schedule, numel, torch.float64)
     for rank, out in outs.items():
         mine = [g for g in schedule if rank in g]
         assert out["reduces"] == len(mine)
-        assert out["created"] == len(set(mine)), "no eviction or failure happened, so each set is built once"
+        if transport == "groups":
+            assert out["created"] == len(set(mine)), "no eviction or failure happened, so each set is built once"
+        else:
+            assert out["created"] == 0
         assert out["failed"] == 0
 
 
@@ -403,3 +411,20 @@ def test_rebuilt_communicators_reuse_one_rendezvous_connection() -> None:
     for rank, out in outs.items():
         assert out["created"] >= 3, (rank, out)
         assert out["opened"] == 1, (rank, out)
+
+
+def _float_world_rank(ctx: DistContext) -> torch.Tensor:
+    comms = GroupCommunicators(ctx, timeout_s=20, transport="world")
+    comms.start()
+    buf = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float32) / 3
+    preduce(buf, (0, 1, 2), comms)
+    comms.close()
+    return buf
+
+
+def test_world_transport_gives_every_member_the_same_bits() -> None:
+    # Thirds of random floats: the sum depends on the order of the additions, which every member keeps.
+    outs = run_ranks(_float_world_rank, 3, deadline_s=60)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r), dtype=torch.float32) / 3 for r in range(3)]
+    assert torch.allclose(outs[0], sum(inputs, torch.zeros(1000)) / 3, atol=1e-6)

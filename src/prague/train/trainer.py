@@ -32,6 +32,7 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.registry import parse_method
 from prague.comm.flat import average_into, consensus_distance
+from prague.comm.streams import Streams, streams_for
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario, parse_scenario
 from prague.metrics.decisions import DecisionLog
@@ -87,18 +88,19 @@ class Pace:
                 "fewer workers on this machine")
 
 
-def step_clock(device: torch.device,
-               synchronize: Callable[[torch.device], None] | None = None) -> Callable[[], float]:
-    """The clock that times a step's phases on ``device``: ``time.perf_counter``, and on CUDA
-    ``synchronize(device)`` (default ``torch.cuda.synchronize``) first. CUDA kernels run asynchronously,
-    so without it a phase would be charged for the queued work of the one before (backward's kernels to
-    the communication hooks)."""
+def step_clock(device: torch.device, streams: Streams | None = None) -> Callable[[], float]:
+    """The clock that times a step's phases on ``device``: ``time.perf_counter``, and on CUDA after the
+    work queued so far on the compute stream (an event recorded there and waited for; ``streams``
+    default :func:`~prague.comm.streams.streams_for`). CUDA kernels run asynchronously, so without it a
+    phase would be charged for the queued work of the one before (backward's kernels to the
+    communication hooks). Not ``torch.cuda.synchronize()``: that would also wait for a background
+    average on its side stream and charge it to the step."""
     if device.type != "cuda":
         return time.perf_counter
-    sync = torch.cuda.synchronize if synchronize is None else synchronize
+    ops = streams_for(device) if streams is None else streams
 
     def now() -> float:
-        sync(device)
+        ops.finish(ops.mark())
         return time.perf_counter()
 
     return now

@@ -13,6 +13,7 @@ from typing import Any
 from prague.algorithms.spec import (
     COMM_REPORTS, Method, Options, check_address, check_group_size, check_seconds, option,
 )
+from prague.comm.preduce import TRANSPORTS
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
 
@@ -44,7 +45,10 @@ class PragueOptions(Options):
                               "(half the median time between a worker's requests), 50 with --overlap off")
     gg_address: str = option("", "host:port of a running `prague gg serve` (token from $PRAGUE_GG_TOKEN)")
     gg_timeout_s: float = option(300.0, "timeout of one group generator call")
-    comm_cache: int = option(64, "members-only communicators kept per worker (LRU)")
+    comm_cache: int = option(64, "members-only communicators kept per worker (LRU; --transport groups)")
+    transport: str = option("auto", "P-Reduce: groups (members-only communicators, cached), world (point to point on "
+                            "the job's world communicator: no communicator per group), auto (world on NCCL, "
+                            "groups on gloo)", choices=TRANSPORTS)
     gg_seed: int = option(0, "seed of the group generator (0: the run's --seed)", run_seed=True)
     overlap: str = option("on", "on: average a snapshot on a background thread while the next iteration computes, "
                           "then correct (delayed averaging); off: block on every P-Reduce", choices=OVERLAP_MODES)

@@ -31,6 +31,11 @@ had not yet added when it took it (:class:`Backlog`): ``s' = s + sum of the lack
 the correction is ``avg(s') - s'``. The worker's values are then, request by request, what blocking
 P-Reduce in the same order would give plus the local updates since; the corrections of a group still
 sum to zero.
+
+On a GPU the thread's copies and collectives run on a stream of their own, ordered against the worker's
+compute stream by events (:mod:`prague.comm.streams`): the side stream starts on a snapshot only after
+the compute stream has copied it, and a correction is handed over only once the side stream is done
+with it. On the CPU those orderings hold by themselves.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from prague.comm.streams import HOST, Streams
 from prague.groups import Group
 
 #: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one);
@@ -102,10 +109,13 @@ class Backlog:
 class BackgroundAverager:
     """One background thread that averages snapshots in submission order; see the module docstring."""
 
-    def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager") -> None:
+    def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager",
+                 streams: Streams = HOST) -> None:
         self._next_group = next_group
         self._run_group = run_group
-        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor, int] | None] = queue.SimpleQueue()
+        self._streams = streams  # the values' device: a side stream and events on CUDA, nothing on the CPU
+        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor, int, Any] | None] = \
+            queue.SimpleQueue()
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # free (snapshot, work) pairs
         self._done: deque[Averaged] = deque()
         self._cond = threading.Condition()
@@ -141,8 +151,9 @@ class BackgroundAverager:
                 or pair[0].device != values.device:
             pair = (torch.empty_like(values), torch.empty_like(values))
         snapshot, work = pair
-        snapshot.copy_(values)
-        self._jobs.put((index, taken, snapshot, work, index if step is None else step))
+        snapshot.copy_(values)  # on the caller's (compute) stream, after the step that made the values
+        copied = self._streams.mark()
+        self._jobs.put((index, taken, snapshot, work, index if step is None else step, copied))
         return index
 
     def recycle(self, done: Averaged) -> None:
@@ -199,22 +210,26 @@ class BackgroundAverager:
             job = self._jobs.get()
             if job is None:
                 return
-            index, taken, snapshot, work, step = job
+            index, taken, snapshot, work, step, copied = job
             try:
                 t0 = time.perf_counter()
                 group = self._next_group(step)
                 t1 = time.perf_counter()
                 averaged: bool | None
-                if group.is_local:  # a group of one: nothing to average, no correction
-                    averaged, t2 = False, t1
-                else:
-                    # The earlier corrections read here may sit in pairs the worker has recycled: a pair
-                    # is reused only by a request submitted after its correction was taken, which this
-                    # thread runs later and which forgets that correction before writing the pair.
-                    work.copy_(self._backlog.catch_up(snapshot, taken))
-                    averaged = self._run_group(group, work)
-                    t2 = time.perf_counter()
-                correction = work.zero_() if averaged is False else work.sub_(snapshot)
+                with self._streams.side():
+                    self._streams.wait(copied)  # the snapshot's copy on the compute stream is done
+                    if group.is_local:  # a group of one: nothing to average, no correction
+                        averaged = False
+                    else:
+                        # The earlier corrections read here may sit in pairs the worker has recycled: a
+                        # pair is reused only by a request submitted after its correction was taken,
+                        # which this thread runs later and which forgets that correction before writing
+                        # the pair.
+                        work.copy_(self._backlog.catch_up(snapshot, taken))
+                        averaged = self._run_group(group, work)
+                    correction = work.zero_() if averaged is False else work.sub_(snapshot)
+                    self._streams.finish(self._streams.mark())  # the correction is complete on the device
+                t2 = time.perf_counter()
                 self._backlog.finished(index, None if averaged is False else correction)
             except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
                 with self._cond:

@@ -39,6 +39,7 @@ from prague.algorithms.prague.source import (
     MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
 )
 from prague.comm.flat import bind_flat
+from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError
 from prague.groups import Group
@@ -81,7 +82,8 @@ class Prague(Algorithm):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)
         self.flat = bind_flat(model)
-        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache)  # survivors leave failed members out
+        # survivors leave failed members out
+        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache, transport=self.options.transport)
         self.comms = self.groups.comms
         self.resources.callback(self.groups.close)
         self.tally = GroupTally()
@@ -103,7 +105,8 @@ class Prague(Algorithm):
             self.background_phase = Phase()
             # each request says after which step it comes, so the generator counts iterations (smart's threshold)
             self.averager = BackgroundAverager(lambda step: self._checked(self.source.next_group(rank, step)),
-                                               self._reduce_in_background, name=f"prague-averager-{rank}")
+                                               self._reduce_in_background, name=f"prague-averager-{rank}",
+                                               streams=streams_for(self.flat.device))
             self.resources.callback(self._stop_averager)
         return model
 
