@@ -46,9 +46,6 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
     from prague.train.config import config_from_args
 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
-    if cfg.eval_every is not None:
-        raise ConfigError("--eval-every counts steps, which only `prague simulate` uses; real runs evaluate on the "
-                          "common clock: give --eval-every-s SECONDS")
     cfg.check_data_source()
     check_backend(cfg)
     method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts

@@ -42,6 +42,8 @@ def test_simulate_writes_bench_files_with_runtime_fields(tmp_path: Path, capsys:
         assert set(record) == keys, set(record) ^ keys
         assert record["simulated"] is True
         assert record["sim"]["cluster"]["inter"]["bandwidth_gbps"] == pytest.approx(10)
+        assert record["worker_samples"] == [20 * 32] * 8 and record["samples"] == 8 * 20 * 32
+        assert record["job_s"] == record["wall_s"] > 0
     smart = next(r for r in records if r["variant"] == "smart")
     assert smart["algorithm_stats"][0]["group_size"] == 2 and smart["sim"]["nodes"] == 2
     md = (out / "bench.md").read_text()

@@ -11,20 +11,36 @@ from prague.sim.cluster import Cluster, Link
 from prague.simulate.run import SimConfig, build, simulate
 
 
-def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16) -> dict:
+EVERY_S = 0.1
+
+
+def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16, target: float | None = None) -> dict:
     return simulate(SimConfig(algorithm=algorithm, scenario="paper:5", nproc=nproc, nodes=1, steps=steps,
                               batch_size=batch_size, model="mlp", data="digits", cluster=Cluster(compute_s=0.01),
-                              math="real", lr=0.05, eval_every=20)).to_dict()
+                              math="real", lr=0.05, eval_every_s=EVERY_S, target_accuracy=target)).to_dict()
+
+
+def assert_common_clock(record: dict) -> None:
+    """Points of the --eval-every-s grid on the simulated clock, then the job's end (the final mean)."""
+    history = record["eval_history"]
+    times = [h["wall_s"] for h in history]
+    assert times == sorted(times) and times[0] == 0.0 and times[-1] == pytest.approx(record["wall_s"])
+    assert all(abs(t / EVERY_S - round(t / EVERY_S)) < 1e-9 for t in times[:-1])
+    assert history[-1]["accuracy"] == record["test_accuracy"]
 
 
 @pytest.mark.parametrize("algorithm", ["allreduce", "prague:smart", "adpsgd", "ps:sync", "ps-eager"])
 def test_real_math_learns_digits(algorithm: str) -> None:
-    record = _sim(algorithm, nproc=8)
+    record = _sim(algorithm, nproc=8, target=0.6)
     assert record["compute_mode"] == "real"
     assert record["test_accuracy"] > 0.8
+    assert_common_clock(record)
     history = record["eval_history"]
-    assert [h["step"] for h in history] == [20, 40, 60]
-    assert all(h["wall_s"] > 0 for h in history) and history[-1]["wall_s"] <= record["wall_s"] + 1e-9
+    assert history[0]["accuracy"] < 0.3  # the initial model, at time 0
+    # the time to target is the first scored point at or above it (the bisection scored the one before)
+    hit = min(h["wall_s"] for h in history if h["accuracy"] >= 0.6)
+    assert record["time_to_target_s"] == hit
+    assert all(h["accuracy"] < 0.6 for h in history if h["wall_s"] < hit)
     if algorithm == "allreduce":
         assert record["consensus_distance"] == pytest.approx(0.0, abs=1e-6)
     else:
@@ -34,7 +50,7 @@ def test_real_math_learns_digits(algorithm: str) -> None:
 def test_hundreds_of_workers_sample_from_the_whole_set() -> None:
     record = _sim("prague:ready", nproc=64, steps=20, batch_size=32)  # 1,437 images: < 1 batch per shard
     assert record["test_accuracy"] > 0.5
-    assert record["eval_history"][-1]["step"] == 20
+    assert_common_clock(record)
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])

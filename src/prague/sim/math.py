@@ -17,13 +17,19 @@ workers than that (digits has 1,437 training images) each worker instead draws i
 the whole training set, seeded by (seed, rank, step). Models with buffers (BatchNorm) are not
 supported: buffers would be shared by all simulated workers.
 
+Evaluation is on the common clock, as in ``prague run`` (:mod:`prague.train.evaluation`): at every point
+``j * every_s`` of the simulated clock (``--eval-every-s``, the same grid that doubles past
+:data:`~prague.metrics.grid.MAX_POINTS` intervals) the mean of the workers' rows is kept, i.e. what a
+user stopping the job then would get; after the run the same points are scored, the curve's and then a
+bisection for the time to the target (:func:`~prague.metrics.grid.first_reaching`), plus the final mean.
+
 :class:`NoMath` has the same methods and does nothing, so a method's code never branches on the mode.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -34,6 +40,7 @@ from torch.func import functional_call
 
 from prague.errors import ConfigError, unknown_choice
 from prague.hetero.spec import uniform
+from prague.metrics.grid import DEFAULT_EVAL_EVERY_S, MAX_POINTS, first_reaching, grid_level
 from prague.optim import SGDRule
 from prague.workload.data import Dataset, ShardLoader, load_dataset
 from prague.workload.models import build_model
@@ -50,7 +57,7 @@ class MathConfig:
     lr: float = 0.05
     momentum: float = 0.9
     seed: int = 0
-    eval_every: int | None = None
+    eval_every_s: float | None = None
     target_accuracy: float | None = None
 
 
@@ -101,6 +108,9 @@ class NoMath:
 
     def reached(self, w: int, step: int, now_s: float) -> None: ...
 
+    def attach(self, engine: Any, finished: Callable[[], bool]) -> None:
+        """Keep the replicas' mean at the grid points of ``engine``'s clock until ``finished()``."""
+
     def results(self) -> dict[str, Any]:
         return {"test_accuracy": None, "eval_history": [], "consensus_distance": None, "time_to_target_s": None}
 
@@ -137,10 +147,10 @@ class RealMath(NoMath):
             self._loaders = [ShardLoader(self.data.train_x, self.data.train_y, w, nproc, config.batch_size,
                                          config.seed) for w in range(nproc)]
         self._n_train = n_train
-        self.eval_every = config.eval_every or max(1, steps // 10)
+        self.every_s = config.eval_every_s or DEFAULT_EVAL_EVERY_S
         self.steps = steps
-        self._pending: dict[int, list[Any]] = {}  # eval step -> [count, sum of states, latest time]
-        self.history: list[dict[str, float]] = []
+        self.entries: dict[int, torch.Tensor] = {}  # grid index -> the workers' mean at that point
+        self.end_s = 0.0  # the last iteration's end: the job's time
 
     # -- data and gradients -------------------------------------------------------------------------
     def _batch(self, w: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,18 +241,23 @@ class RealMath(NoMath):
 
     # -- evaluation -----------------------------------------------------------------------------------
     def reached(self, w: int, step: int, now_s: float) -> None:
-        """Worker ``w`` finished ``step`` (0-based) at ``now_s``: take part in that evaluation point."""
-        done = step + 1
-        if done % self.eval_every and done != self.steps:
-            return
-        entry = self._pending.setdefault(done, [0, torch.zeros_like(self.X[0]), 0.0])
-        entry[0] += 1
-        entry[1].add_(self.X[w])
-        entry[2] = max(entry[2], now_s)
-        if entry[0] == self.n:
-            del self._pending[done]
-            acc = self.accuracy(entry[1] / self.n)
-            self.history.append({"wall_s": entry[2], "step": done, "accuracy": acc})
+        """Worker ``w`` finished ``step`` at ``now_s``: the job lasts at least until then."""
+        self.end_s = max(self.end_s, now_s)
+
+    def attach(self, engine: Any, finished: Callable[[], bool]) -> None:
+        def tick(j: int) -> None:
+            # past the job's end (the final state stands for it), or nothing else will ever happen (a
+            # deadlock, which the method reports): no more points
+            if finished() or not engine.pending:
+                return
+            level = grid_level(engine.now, self.every_s, MAX_POINTS)
+            self.entries[j] = self.X[: self.n].mean(dim=0)
+            for old in [i for i in self.entries if i % 2 ** level]:
+                del self.entries[old]
+            step = 2 ** level
+            engine.at((j // step + 1) * step * self.every_s, tick, (j // step + 1) * step)
+
+        engine.at(0.0, tick, 0)
 
     @torch.no_grad()
     def accuracy(self, flat: torch.Tensor) -> float:
@@ -253,14 +268,15 @@ class RealMath(NoMath):
         workers = self.X[: self.n]
         mean = workers.mean(dim=0)
         consensus = float(torch.linalg.vector_norm(workers - mean, dim=1).mean())
-        target = self.config.target_accuracy
-        history = sorted(self.history, key=lambda h: h["step"])
+        points = sorted(j for j in self.entries if j * self.every_s < self.end_s)
+        states = [self.entries[j] for j in points] + [mean]
+        times = [j * self.every_s for j in points] + [self.end_s]
+        scores, hit = first_reaching(lambda i: self.accuracy(states[i]), len(states), self.config.target_accuracy)
         return {
-            "test_accuracy": self.accuracy(mean),
-            "eval_history": history,
+            "test_accuracy": scores[len(states) - 1],
+            "eval_history": [{"wall_s": times[i], "accuracy": scores[i]} for i in sorted(scores)],
             "consensus_distance": consensus if math.isfinite(consensus) else None,
-            "time_to_target_s": next((h["wall_s"] for h in history if target is not None and h["accuracy"] >= target),
-                                     None),
+            "time_to_target_s": None if hit is None else times[hit],
         }
 
 

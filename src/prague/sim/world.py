@@ -110,6 +110,8 @@ class World:
         self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
         self._slow = not scenario.is_homogeneous
         self._math_on = self.math.enabled
+        if self._math_on:
+            self.math.attach(self.engine, lambda: all(len(ends) >= self.steps for ends in self.end_s))
         self._files = ExitStack()  # last: nothing after it can fail and leak the files
         self.decision_dir = None if decisions is None else Path(decisions)
         self.decisions: list[DecisionLog] | None = None  # per worker, when decisions are logged

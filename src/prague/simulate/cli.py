@@ -174,7 +174,7 @@ def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) 
     return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
                      batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
                      warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
-                     momentum=run.momentum, eval_every=run.eval_every, target_accuracy=run.target_accuracy,
+                     momentum=run.momentum, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
                      decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic)
 
 
@@ -197,11 +197,10 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
         raise ConfigError(f"--inter-gbps {args.inter_gbps} and --hosts both set the inter-node bandwidth; with "
                           "emulated hosts it is --link-rate (default 1gbit): drop --inter-gbps")
     sim_nodes(args)  # --nodes against --hosts, for every method (runs check it only for methods with --nodes)
-    for flag, given in (("--budget", args.budget is not None), ("--eval-every-s", args.eval_every_s is not None),
-                        ("--compute paced", args.compute == "paced")):
+    for flag, given in (("--budget", args.budget is not None), ("--compute paced", args.compute == "paced")):
         if given:
             raise ConfigError(f"{flag} is not modelled by the simulator yet; drop it (simulated runs use --steps "
-                              "or --epochs per worker and evaluate every --eval-every steps)")
+                              "or --epochs per worker; the cluster's compute time is its pace)")
     return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
             for s in scenarios for a in algorithms]
 

@@ -86,7 +86,7 @@ class SimConfig:
     math: str = "none"
     lr: float = 0.05
     momentum: float = 0.9
-    eval_every: int | None = None
+    eval_every_s: float | None = None
     target_accuracy: float | None = None
     trace: bool = False
     decisions: Path | None = None
@@ -148,7 +148,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     _, state_bytes = model_size(config.model, config.data)
     math = make_math(config.math, config.nproc, config.steps, MathConfig(
         model=config.model, data=config.data, batch_size=config.batch_size, lr=config.lr,
-        momentum=config.momentum, seed=config.seed, eval_every=config.eval_every,
+        momentum=config.momentum, seed=config.seed, eval_every_s=config.eval_every_s,
         target_accuracy=config.target_accuracy,
     ))
     world = World(cluster=cluster, topology=config.topology,
@@ -189,6 +189,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
     parameters, state_bytes = model_size(config.model, config.data)
     results = world.math.results()
     cluster = world.cluster
+    worker_samples = [len(ends) * config.batch_size for ends in world.end_s]
     spec, _ = parse_method(config.algorithm)
     stats = method.stats()
     sim: dict[str, Any] = {
@@ -213,6 +214,8 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         scenario=world.scenario.text, model=config.model, parameters=parameters, data=config.data,
         steps=config.steps, seed=config.seed, backend="sim",
         wall_s=max((e[-1] for e in world.end_s if e), default=0.0),
+        job_s=max((e[-1] for e in world.end_s if e), default=0.0),  # the clock starts at 0 for every worker
+        samples=sum(worker_samples), worker_samples=worker_samples,
         test_accuracy=results["test_accuracy"], target_accuracy=config.target_accuracy,
         time_to_target_s=results["time_to_target_s"], eval_history=results["eval_history"],
         consensus_distance=results["consensus_distance"], algorithm_stats=[stats], simulated=True, sim=sim,

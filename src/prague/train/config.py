@@ -81,7 +81,7 @@ class RunConfig:
     target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
     stop_at_target: bool = setting(False, "end the job once the average of the replicas reaches --target-accuracy "
                                           "(scored while training by a process beside the workers: one machine)")
-    eval_every: int | None = setting(None, "prague simulate: evaluate the averaged model every K steps")
+    eval_every: int | None = setting(None, "gone: runs and simulations evaluate on the common clock (--eval-every-s)")
     eval_every_s: float | None = setting(None, "evaluate the average of the replicas' states every S seconds of the "
                                                "common clock (default 1; the interval doubles each time the job "
                                                "has run 64 of them)")
@@ -162,8 +162,9 @@ class RunConfig:
             raise ConfigError(f"--data-dir {str(self.data_dir)!r} is not a directory; pass the folder holding the data files")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ConfigError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
-        if self.eval_every is not None and self.eval_every < 1:
-            raise ConfigError(f"--eval-every must be >= 1, got {self.eval_every}")
+        if self.eval_every is not None:
+            raise ConfigError("--eval-every counted steps; runs and simulations now evaluate on the common clock: "
+                              "give --eval-every-s SECONDS")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         check_seconds("--timeout-s", self.timeout_s)
