@@ -7,7 +7,9 @@ import contextlib
 import pytest
 import torch
 
+from prague.errors import ConfigError
 from prague.sim.cluster import Cluster, Link
+from prague.sim.world import World
 from prague.simulate.run import SimConfig, build, simulate
 
 
@@ -86,3 +88,30 @@ def test_the_lookahead_gradient_is_taken_at_the_momentum_shifted_values() -> Non
     shifted = math.X[0] - 0.05 * 0.9 * buf
     assert torch.equal(math.gradient(0, 1, lookahead=True), math._grad(shifted, 0, 1))
     assert not torch.equal(math.gradient(0, 1, lookahead=True), math.gradient(0, 1))
+
+
+def test_a_job_wide_budget_is_claimed_by_the_fast_workers_and_shared_equally_by_lockstep_methods() -> None:
+    """--budget epochs:2 on digits (1,437 images, 44 batches of 32 an epoch): 88 batches. prague takes them
+    from one counter with the runtime's rule: the 4x straggler takes fewer, every batch goes to one worker;
+    allreduce needs every rank in every step: 88 // 8 = 11 each."""
+    def run(algorithm: str) -> tuple[World, dict]:
+        config = SimConfig(algorithm=algorithm, scenario="straggler:3:4", nproc=8, model="mlp", data="digits",
+                           cluster=Cluster(compute_s=0.01), math="real", budget="epochs:2", eval_every_s=EVERY_S)
+        world, method = build(config)
+        with contextlib.closing(world):
+            method.start()
+            world.engine.run()
+            method.check_done()
+        return world, simulate(config).to_dict()
+
+    world, record = run("prague")
+    assert sorted(i for indices in world.batch_index for i in indices) == list(range(88))
+    steps = [len(ends) for ends in world.end_s]
+    assert sum(steps) == 88 and steps[3] < min(s for w, s in enumerate(steps) if w != 3)
+    assert record["shares"] == "claimed" and record["budget"] == "epochs:2" and record["samples"] == 88 * 32
+    assert record["worker_samples"] == [s * 32 for s in steps]
+    world, record = run("allreduce")
+    assert [len(ends) for ends in world.end_s] == [11] * 8 and world.batch_index == [[]] * 8
+    assert record["shares"] == "equal" and record["samples"] == 88 * 32
+    with pytest.raises(ConfigError, match="seconds:5 is not modelled"):
+        SimConfig(algorithm="prague", budget="seconds:5")

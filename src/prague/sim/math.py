@@ -42,7 +42,7 @@ from prague.errors import ConfigError, unknown_choice
 from prague.hetero.spec import uniform
 from prague.metrics.grid import DEFAULT_EVAL_EVERY_S, MAX_POINTS, first_reaching, grid_level
 from prague.optim import SGDRule
-from prague.workload.data import Dataset, ShardLoader, load_dataset
+from prague.workload.data import Dataset, GlobalBatches, ShardLoader, load_dataset
 from prague.workload.models import build_model
 
 MATH_MODES = ("none", "real")
@@ -111,6 +111,8 @@ class NoMath:
     def attach(self, engine: Any, finished: Callable[[], bool]) -> None:
         """Keep the replicas' mean at the grid points of ``engine``'s clock until ``finished()``."""
 
+    def use_global_batches(self, index_of: Callable[[int, int], int]) -> None: ...
+
     def results(self) -> dict[str, Any]:
         return {"test_accuracy": None, "eval_history": [], "consensus_distance": None, "time_to_target_s": None}
 
@@ -147,13 +149,24 @@ class RealMath(NoMath):
             self._loaders = [ShardLoader(self.data.train_x, self.data.train_y, w, nproc, config.batch_size,
                                          config.seed) for w in range(nproc)]
         self._n_train = n_train
+        self._index_of: Callable[[int, int], int] | None = None
+        self._global: GlobalBatches | None = None
         self.every_s = config.eval_every_s or DEFAULT_EVAL_EVERY_S
         self.steps = steps
         self.entries: dict[int, torch.Tensor] = {}  # grid index -> the workers' mean at that point
         self.end_s = 0.0  # the last iteration's end: the job's time
 
     # -- data and gradients -------------------------------------------------------------------------
+    def use_global_batches(self, index_of: Callable[[int, int], int]) -> None:
+        """Under a job-wide budget: worker w's batch at step k is the job-wide batch ``index_of(w, k)``
+        (:class:`~prague.workload.data.GlobalBatches`, every sample once per epoch), as in the runtime."""
+        self._global = GlobalBatches(self.data.train_x, self.data.train_y, self.config.batch_size, self.config.seed)
+        self._index_of = index_of
+
     def _batch(self, w: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._index_of is not None:
+            assert self._global is not None
+            return self._global.batch(self._index_of(w, step))
         if self._loaders is not None:
             return self._loaders[w].batch(step)
         gen = torch.Generator().manual_seed(int(uniform(self.config.seed, w, step, _DATA_STREAM) * 2**53))

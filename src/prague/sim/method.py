@@ -34,11 +34,12 @@ class SimMethod:
     def check_done(self) -> None:
         """Raise if the run ended with work left (a deadlock in the simulated method)."""
         world = self.world
-        short = [w for w in range(world.n) if len(world.end_s[w]) != world.steps]
+        short = [w for w in range(world.n) if not world.finished(w)]
         if short or world.open_meetings:
+            what = "their claimed batches" if world.claimed is not None else f"{world.steps} steps"
             raise RuntimeError(
                 f"simulated {type(self).__name__} stopped early: workers {short[:8]} did not finish all "
-                f"{world.steps} steps, {world.open_meetings} groups still wait for members"
+                f"{what}, {world.open_meetings} groups still wait for members"
             )
 
     def stats(self) -> dict[str, Any]:

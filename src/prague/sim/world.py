@@ -10,8 +10,12 @@ Compute: ``(cluster.compute_s x speed(rank) x scenario.slowdown(rank, step, n) +
 (see :class:`~prague.sim.cluster.Cluster`); its last ``cluster.backward_share x compute_s x speed(rank) x
 jitter`` is backward (:meth:`World.backward_s`), which DDP's all-reduce overlaps with. The slowdown
 is the runtime's own :class:`~prague.hetero.spec.Scenario` (same seed: the same slow iterations as a
-real run). The jitter comes from one seeded generator per worker (all its steps drawn up front), so a
-worker's compute times depend only on (seed, rank, step), never on the order of events.
+real run). The jitter comes from one seeded generator per worker (drawn a block of steps at a time), so
+a worker's compute times depend only on (seed, rank, step), never on the order of events.
+
+Steps: every worker runs ``steps`` steps, or, under a job-wide budget for a method whose workers take
+unequal shares, claims batches from one counter with the runtime's own rule until the budget is spent
+(:meth:`World.steps_of`).
 
 Links: every transfer goes through :attr:`World.fabric` (:class:`~prague.sim.costs.Fabric`), which shares
 links among concurrent transfers and, with ``cross_traffic`` (``--cross-traffic``), slows the transfers
@@ -27,7 +31,7 @@ closes them all. Without it :attr:`World.decisions` is None and nothing is logge
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
@@ -46,26 +50,74 @@ from prague.sim.costs import Fabric, Transfer
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
 from prague.sim.traffic import Bursts
+from prague.train.budget import SharedBatches
 
 
 DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
 
 
-def jitter_draws(dist: str, cv: float, seed: int, rank: int, steps: int) -> list[float] | None:
-    """``steps`` multipliers of mean 1 and coefficient of variation ``cv`` for one worker, from a
-    generator seeded by (seed, rank) only; ``None`` when there is no jitter."""
+class Jitter:
+    """One worker's compute-time multipliers, of mean 1 and coefficient of variation ``cv``, from a
+    generator seeded by (seed, rank) only; drawn ``block`` at a time as steps need them (a worker taking
+    batches from a job-wide budget has no step count known up front). The first block is the same draws
+    whatever comes later."""
+
+    def __init__(self, dist: str, cv: float, seed: int, rank: int, block: int) -> None:
+        self.dist, self.cv, self.block = dist, cv, max(1, block)
+        self._rng = np.random.default_rng([seed & 0xFFFFFFFF, rank, 0x5EED])
+        self.draws: list[float] = []
+
+    def __getitem__(self, step: int) -> float:
+        while step >= len(self.draws):
+            self.draws += self._draw(self.block)
+        return self.draws[step]
+
+    def _draw(self, count: int) -> list[float]:
+        rng, cv = self._rng, self.cv
+        if self.dist == "uniform":
+            half = cv * math.sqrt(3.0)
+            draws = rng.uniform(1.0 - half, 1.0 + half, count)
+        elif self.dist == "normal":
+            draws = np.maximum(rng.normal(1.0, cv, count), 0.05)  # truncated far in the tail: times stay > 0
+        else:  # lognormal of mean 1
+            sigma = math.sqrt(math.log1p(cv * cv))
+            draws = rng.lognormal(-sigma * sigma / 2.0, sigma, count)
+        return cast(list[float], draws.tolist())
+
+
+def jitter_for(dist: str, cv: float, seed: int, rank: int, steps: int) -> Jitter | None:
+    """A worker's :class:`Jitter`, its first block ``steps`` long; None when there is no jitter."""
     if cv == 0.0 or dist == "constant":
         return None
-    rng = np.random.default_rng([seed & 0xFFFFFFFF, rank, 0x5EED])
-    if dist == "uniform":
-        half = cv * math.sqrt(3.0)
-        draws = rng.uniform(1.0 - half, 1.0 + half, steps)
-    elif dist == "normal":
-        draws = np.maximum(rng.normal(1.0, cv, steps), 0.05)  # truncated far in the tail: times stay > 0
-    else:  # lognormal of mean 1
-        sigma = math.sqrt(math.log1p(cv * cv))
-        draws = rng.lognormal(-sigma * sigma / 2.0, sigma, steps)
-    return cast(list[float], draws.tolist())
+    return Jitter(dist, cv, seed, rank, steps)
+
+
+class MemoryStore:
+    """The part of the job's store that :class:`~prague.train.budget.SharedBatches` uses, in memory: the
+    simulated workers claim their batches from the runtime's own counter logic."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+
+    def add(self, key: str, value: int) -> int:
+        total = int(self._values.get(key, b"0")) + value
+        self._values[key] = str(total).encode()
+        return total
+
+    def set(self, key: str, value: str) -> None:
+        self._values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self._values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self._values for k in keys)
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        current = self._values.get(key)
+        if (current is None and expected_value == "") or current == expected_value.encode():
+            self._values[key] = desired_value.encode()
+        return self._values[key]
 
 
 class World:
@@ -74,7 +126,11 @@ class World:
     def __init__(self, *, cluster: Cluster, topology: Topology, scenario: Scenario, steps: int,
                  state_bytes: float, seed: int, math: NoMath | None = None,
                  trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None,
-                 cross_traffic: CrossTraffic | None = None, gradient_bytes: Sequence[float] | None = None) -> None:
+                 cross_traffic: CrossTraffic | None = None, gradient_bytes: Sequence[float] | None = None,
+                 claimed: int | None = None) -> None:
+        """``claimed``: the job-wide budget's batches, which the workers take from one counter as the
+        runtime's methods with unequal shares do (:meth:`steps_of`); ``steps`` is then only the size of the
+        compute-time draws made at once. None: every worker runs ``steps`` steps."""
         self.engine = Engine()
         self.cluster = cluster
         self.topology = topology
@@ -107,11 +163,16 @@ class World:
         self._base_s = [cluster.compute_s * cluster.speed(w) for w in range(self.n)]
         self._backward_share = cluster.backward_share
         self._overhead_s = cluster.compute_overhead_s
-        self._jitter = [jitter_draws(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
+        self._jitter = [jitter_for(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
+        self.claimed = claimed
+        store = MemoryStore()
+        self._shares = None if claimed is None else [SharedBatches(store, claimed, self.n) for _ in range(self.n)]
+        self.batch_index: list[list[int]] = [[] for _ in range(self.n)]  # claimed: each step's job-wide batch
+        self._out_of_batches = [False] * self.n
         self._slow = not scenario.is_homogeneous
         self._math_on = self.math.enabled
         if self._math_on:
-            self.math.attach(self.engine, lambda: all(len(ends) >= self.steps for ends in self.end_s))
+            self.math.attach(self.engine, lambda: all(self.finished(w) for w in range(self.n)))
         self._files = ExitStack()  # last: nothing after it can fail and leak the files
         self.decision_dir = None if decisions is None else Path(decisions)
         self.decisions: list[DecisionLog] | None = None  # per worker, when decisions are logged
@@ -125,6 +186,26 @@ class World:
     def close(self) -> None:
         """Close the decision logs and traces (after the run)."""
         self._files.close()
+
+    # -- the steps a worker runs -----------------------------------------------------------------------
+    def steps_of(self, w: int) -> Iterator[int]:
+        """Worker ``w``'s step numbers: ``0 .. steps - 1``, or, with a claimed budget, one more each time it
+        claims a batch at the start of a step (:class:`~prague.train.budget.SharedBatches`, the runtime's
+        rule: a fast worker takes more) until the budget is spent."""
+        if self._shares is None:
+            yield from range(self.steps)
+            return
+        shares, indices = self._shares[w], self.batch_index[w]
+        while (index := shares.next()) is not None:
+            indices.append(index)
+            yield len(indices) - 1
+        self._out_of_batches[w] = True
+
+    def finished(self, w: int) -> bool:
+        """Whether ``w`` has run all its steps (with a claimed budget: found it spent)."""
+        if self._shares is None:
+            return len(self.end_s[w]) >= self.steps
+        return self._out_of_batches[w] and len(self.end_s[w]) == len(self.batch_index[w])
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:

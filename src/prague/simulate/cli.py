@@ -19,6 +19,12 @@ Emulated hosts are modelled, with ``prague run``'s flags: ``--hosts H`` makes H 
 contiguous blocks; ``--nodes`` follows), ``--link-rate`` (default 1gbit) is the inter-node bandwidth
 (the intra-node link stays the cluster's: a host's loopback), ``--cross-traffic bursts:P:MB`` loads
 every node's link with the runtime's seeded bursts (:mod:`prague.sim.traffic`).
+
+``--budget epochs:E | samples:N`` is the job-wide budget as in ``prague bench``: methods whose workers
+may take unequal shares claim batches from one counter with the runtime's rule, the others take equal
+shares; with ``--math real`` the batches are the job-wide ones, every sample once per epoch. ``--compute
+paced --compute-ms T`` is accepted as what it emulates: every simulated worker computes T ms a step.
+Accuracy (``--math real``) is measured on the common clock, every ``--eval-every-s`` simulated seconds.
 """
 
 from __future__ import annotations
@@ -175,7 +181,8 @@ def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) 
                      batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
                      warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
                      momentum=run.momentum, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
-                     decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic)
+                     decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic,
+                     budget=run.budget)
 
 
 def _line(r: RunRecord) -> str:
@@ -197,10 +204,6 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
         raise ConfigError(f"--inter-gbps {args.inter_gbps} and --hosts both set the inter-node bandwidth; with "
                           "emulated hosts it is --link-rate (default 1gbit): drop --inter-gbps")
     sim_nodes(args)  # --nodes against --hosts, for every method (runs check it only for methods with --nodes)
-    for flag, given in (("--budget", args.budget is not None), ("--compute paced", args.compute == "paced")):
-        if given:
-            raise ConfigError(f"{flag} is not modelled by the simulator yet; drop it (simulated runs use --steps "
-                              "or --epochs per worker; the cluster's compute time is its pace)")
     return [config_from_args(args, algorithm=a, scenario=s, nproc=args.nproc, out=out)
             for s in scenarios for a in algorithms]
 

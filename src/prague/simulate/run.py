@@ -30,6 +30,7 @@ from prague.net.traffic import CrossTraffic, parse_cross_traffic
 from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
 from prague.sim.world import World
+from prague.train.budget import EqualShares, parse_budget
 from prague.workload.catalog import dataset_info
 
 
@@ -92,10 +93,17 @@ class SimConfig:
     decisions: Path | None = None
     link_rate: str | None = None
     cross_traffic: str | None = None
+    budget: str | None = None
 
     def __post_init__(self) -> None:
         method, variant = parse_method(self.algorithm)
         method.check_job(method.make_options(self.options, variant), self.nproc)
+        if self.budget is not None:
+            kind = parse_budget(self.budget).kind
+            if kind == "seconds":
+                raise ConfigError(f"--budget {self.budget} is not modelled by the simulator; give epochs:E or "
+                                  "samples:N (a time budget stops lockstep methods by agreement, which it does "
+                                  "not model)")
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if self.nodes < 1 or self.nproc % self.nodes:
@@ -125,6 +133,21 @@ class SimConfig:
     def topology(self) -> Topology:
         return Topology(self.nodes, self.nproc // self.nodes)
 
+    def shares(self, options: Any) -> tuple[str | None, int, int | None]:
+        """(shares, steps, claimed) under the job-wide budget: ``equal`` with each worker's
+        ``total // nproc`` steps for a method that needs every rank in every step, ``claimed`` with the
+        budget's batches for the others (``steps``: the compute-time draws made at once, about one
+        worker's share); without a budget (None, ``steps``, None)."""
+        if self.budget is None:
+            return None, self.steps, None
+        total = parse_budget(self.budget).total_batches(dataset_info(self.data).train_samples, self.batch_size)
+        assert total is not None  # epochs or samples: a time budget is refused above
+        if options.equal_shares():
+            steps = EqualShares(0, self.nproc, total).steps
+            assert steps is not None
+            return "equal", steps, None
+        return "claimed", -(-total // self.nproc), total
+
     @property
     def effective_cluster(self) -> Cluster:
         """The cluster with ``compute_s`` and the emulated hosts' ``link_rate`` (inter-node bandwidth, bits
@@ -146,15 +169,21 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     options = method.make_options({**config.options, "nodes": config.nodes}, variant, seed=config.seed)
     cluster = config.effective_cluster
     _, state_bytes = model_size(config.model, config.data)
-    math = make_math(config.math, config.nproc, config.steps, MathConfig(
+    shares, steps, claimed = config.shares(options)
+    math = make_math(config.math, config.nproc, steps, MathConfig(
         model=config.model, data=config.data, batch_size=config.batch_size, lr=config.lr,
         momentum=config.momentum, seed=config.seed, eval_every_s=config.eval_every_s,
         target_accuracy=config.target_accuracy,
     ))
     world = World(cluster=cluster, topology=config.topology,
-                  scenario=parse_scenario(config.scenario, seed=config.seed), steps=config.steps,
+                  scenario=parse_scenario(config.scenario, seed=config.seed), steps=steps,
                   state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions,
-                  cross_traffic=config.traffic, gradient_bytes=gradient_sizes(config.model, config.data))
+                  cross_traffic=config.traffic, gradient_bytes=gradient_sizes(config.model, config.data),
+                  claimed=claimed)
+    if shares == "equal":  # rank r's k-th batch is r + k n, as the runtime's EqualShares
+        math.use_global_batches(lambda w, k: w + k * config.nproc)
+    elif shares == "claimed":
+        math.use_global_batches(lambda w, k: world.batch_index[w][k])
     try:
         return world, method.sim_class()(world, options)
     except BaseException:
@@ -185,7 +214,8 @@ def simulate(config: SimConfig) -> RunRecord:
 
 def _record(config: SimConfig, world: World, method: Any, run_s: float,
             trace: list[tuple[Any, ...]] | None) -> RunRecord:
-    warmup = warmup_steps(config.steps, config.warmup_steps)
+    ran = max((len(ends) for ends in world.end_s), default=0)  # under a budget: the most any worker ran
+    warmup = warmup_steps(ran, config.warmup_steps)
     parameters, state_bytes = model_size(config.model, config.data)
     results = world.math.results()
     cluster = world.cluster
@@ -212,7 +242,9 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         algorithm=spec.name, variant=spec.variant_of(method.options), nproc=config.nproc,
         compute_mode="real" if world.math.enabled else "emulated", compute_ms=cluster.compute_s * 1e3,
         scenario=world.scenario.text, model=config.model, parameters=parameters, data=config.data,
-        steps=config.steps, seed=config.seed, backend="sim",
+        steps=ran, seed=config.seed, backend="sim",
+        budget=None if config.budget is None else parse_budget(config.budget).text,
+        shares=config.shares(method.options)[0],
         wall_s=max((e[-1] for e in world.end_s if e), default=0.0),
         job_s=max((e[-1] for e in world.end_s if e), default=0.0),  # the clock starts at 0 for every worker
         samples=sum(worker_samples), worker_samples=worker_samples,

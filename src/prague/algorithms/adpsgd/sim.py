@@ -74,7 +74,7 @@ class SimADPSGD(SimMethod):
         active = w in self.actives and bool(self.passives)
         chooser = NeighbourChooser(self.passives, w, self.options.adpsgd_seed) if active else None
         log = None if world.decisions is None else world.decisions[w]
-        for k in range(world.steps):
+        for k in world.steps_of(w):
             math.snapshot(w)
             compute = world.compute_s(w, k)
             yield compute

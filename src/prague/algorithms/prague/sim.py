@@ -201,7 +201,7 @@ class SimPrague(SimMethod):
     def _blocking(self, w: int) -> Process:
         world = self.world
         engine, math = world.engine, world.math
-        for k in range(world.steps):
+        for k in world.steps_of(w):
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
@@ -220,7 +220,7 @@ class SimPrague(SimMethod):
         """After the last step: the groups ``w`` is still committed to, blocking, as the runtime does."""
         remaining = yield self._ask(w, "finish")
         for group in remaining:
-            self._log(w, self.world.steps, group)
+            self._log(w, len(self.world.end_s[w]), group)
             sig = self._run(w, group)
             if sig is not None:
                 yield sig
@@ -232,7 +232,7 @@ class SimPrague(SimMethod):
         :meth:`prague.algorithms.prague.runtime.Prague.after_step` does."""
         world, o = self.world, self.options
         engine, math = world.engine, world.math
-        for k in range(world.steps):
+        for k in world.steps_of(w):
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
@@ -338,6 +338,7 @@ class SimPrague(SimMethod):
 
     def _overlap_stats(self) -> dict[str, Any]:
         exposed = self.exposed_s if self.options.overlap == "on" else self.averaging_s
-        return overlap_report(self.options, steps=self.world.n * self.world.steps, local_steps=self.local_steps,
+        return overlap_report(self.options, steps=sum(len(ends) for ends in self.world.end_s),
+                              local_steps=self.local_steps,
                               busy_local_steps=self.busy_local_steps, average_waits=self.average_waits,
                               averaging_s=self.averaging_s, exposed_s=exposed)

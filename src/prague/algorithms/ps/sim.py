@@ -193,7 +193,7 @@ class SimPS(SimMethod):
         engine, math = world.engine, world.math
         log = None if world.decisions is None else world.decisions[w]
         shards = self.shards.count
-        for k in range(world.steps):
+        for k in world.steps_of(w):
             compute = world.compute_s(w, k)
             yield compute
             grad = math.gradient(w, k)

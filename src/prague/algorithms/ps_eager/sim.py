@@ -48,7 +48,7 @@ class SimPSEager(SimMethod):
             self.rejections_seen += not answer.accepted
             math.install(w, answer.values)
 
-        for k in range(world.steps):
+        for k in world.steps_of(w):
             if pending is not None and pending.at_s <= engine.now:
                 install(pending)
                 pending = None
