@@ -59,12 +59,12 @@ import torch.distributed as dist
 
 from prague.comm.cache import CommunicatorCache
 from prague.comm.owned import shutdown_group
+from prague.comm.transports import pick_transport
 from prague.errors import CommError, ConfigError
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import Membership, PeerFailed
 
 GROUP_STORE_PREFIX = "prague/preduce"
-TRANSPORTS = ("auto", "groups", "world")
 WORLD = "world"  # the handshake value of every member under the world transport
 NONE_HELD = "-"  # handshake value of a member that holds no communicator for the set
 _instances = itertools.count()  # numbers each process's GroupCommunicators, so their store keys never meet
@@ -84,16 +84,6 @@ class CommStats:
         """The fields a method built on P-Reduce reports (see ``COMM_REPORTS`` in :mod:`prague.algorithms.spec`)."""
         return {"preduces": self.reduces, "communicators_created": self.created,
                 "communicator_create_s": self.create_s, "communicators_evicted": self.evicted}
-
-
-def pick_transport(transport: str, backend: str) -> str:
-    """``groups`` or ``world`` for ``transport`` (``auto``: world on NCCL, groups otherwise); see the
-    module docstring."""
-    if transport not in TRANSPORTS:
-        raise ConfigError(f"unknown P-Reduce transport {transport!r}; valid choices: {', '.join(TRANSPORTS)}")
-    if transport == "auto":
-        return "world" if backend == "nccl" else "groups"
-    return transport
 
 
 def backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:

@@ -8,7 +8,7 @@ Shaped like DDP and Horovod's ``DistributedOptimizer``::
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     trainer = prague.wrap(model, opt, algorithm="allreduce")
     for x, y in batches:
-        loss = trainer.step(lambda m: F.cross_entropy(m(x), y))
+        record = trainer.step(lambda m: F.cross_entropy(m(x), y))  # a StepRecord: times and loss
     final = trainer.averaged_model()                  # collective: the mean of all replicas
     trainer.close()
     prague.shutdown()

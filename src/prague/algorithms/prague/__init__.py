@@ -13,7 +13,7 @@ from typing import Any
 from prague.algorithms.spec import (
     COMM_REPORTS, Method, Options, check_address, check_group_size, check_seconds, option,
 )
-from prague.comm.preduce import TRANSPORTS
+from prague.comm.transports import TRANSPORTS
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
 
