@@ -342,3 +342,32 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert terminal.rstrip(" ").endswith("\r")  # leave=False: the bar's line is cleared
     assert "\r" not in stdout and "samples/s" in stdout  # the report stays on stdout, clean
 
+
+
+# What a command leaves behind
+
+
+_SUBREAPER = """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the run's orphans come here
+res = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+left = []
+for child in open(f"/proc/self/task/{os.getpid()}/children").read().split():
+    try:
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        continue
+    if state != "Z":  # an orphan that exited but was not reaped yet is not running
+        left.append(open(f"/proc/{child}/cmdline").read().replace(chr(0), " ")[:120])
+print(res.returncode, left)
+"""
+
+
+def test_run_returns_only_after_every_process_it_started_has_exited(tmp_path: Path) -> None:
+    """Whatever `prague run` started (workers, the fork server they come from, services) has exited when
+    it returns: none is re-parented to the process that ran it (a subreaper here) still running."""
+    cmd = [sys.executable, "-m", "prague", "run", *TINY, "--algorithm", "prague", "--steps", "3", "--quiet",
+           "--out", str(tmp_path / "r")]
+    res = subprocess.run([sys.executable, "-c", _SUBREAPER, *cmd], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0 []", res.stdout

@@ -537,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     except PragueError as exc:
         print(f"prague {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if args.command in ("run", "bench", "launch"):  # return only once every process started has exited
+            from prague.runtime.forkserver import stop
+
+            stop()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ give it, so the launcher treats both kinds the same (:class:`ForkedWorker` has t
 kill them when the server dies (``PR_SET_PDEATHSIG``), so none outlives the launcher.
 
 ``PRAGUE_WORKER_START=exec`` starts every worker as a fresh interpreter instead (what torchrun does).
+
+Left to itself the server would exit only once the launcher's interpreter has exited (it watches a pipe
+the launcher holds), still tearing down its imports for 1-3 s after the command returned; the CLI
+calls :func:`stop` at the end of every command, which waits for it.
 """
 
 from __future__ import annotations
@@ -82,6 +86,17 @@ def prestart(data: str | None = None) -> None:
     that its imports overlap the launcher's own preparations; the first fork waits for them."""
     if start_mode(os.environ) == "fork":
         _context(data)
+
+
+def stop() -> None:
+    """Stop this process's fork server, if it started one, and wait until it has exited (a later job
+    starts a new one). Uses ``multiprocessing``'s own stop, the one its tests use: it closes the pipe the
+    server watches and waits for the server's exit."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    stopping = getattr(server, "_stop", None)
+    if stopping is not None:
+        with _lock:
+            stopping()
 
 
 class ForkedWorker:
