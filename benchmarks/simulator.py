@@ -9,7 +9,7 @@
 ``--paper`` runs every method on the ``paper`` cluster preset (:data:`prague.sim.cluster.PAPER`: 4 nodes x
 4 GPUs, ResNet-18's 11,173,962 parameters, batch 128; its assumptions are in its comment) and prints each
 method's throughput relative to homogeneous ``allreduce`` next to the Prague paper's figures (Luo et al.,
-ASPLOS 2020; DESIGN.md section 5), plus one row per sensitivity variant. ``--scale`` keeps 4 workers per
+ASPLOS 2020: its 16-worker ResNet-18 figures), plus one row per sensitivity variant. ``--scale`` keeps 4 workers per
 node and reports, per generator, throughput as a fraction of the no-wait limit under ``paper:5`` and the
 Group Generator's load: the simulated GG thread's utilisation and the real policy code's CPU per request,
 timed while simulating. ``--engine`` times the same workload (1,024 workers x 300 iterations of compute,
@@ -35,7 +35,7 @@ GENERATORS = ("static", "smart", "random", "ready")
 PAPER_METHODS = ("allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "dssync", "prague:static",
                  "prague:smart", "prague:random", "prague:ready", "prague:smart/off", "prague:ready/off")
 # "/off": the same method with --overlap off (every worker blocks on its group, as the paper's Prague did).
-# Relative to homogeneous All-Reduce, DESIGN.md section 5 (the paper's 16-worker ResNet-18 figures; the
+# Relative to homogeneous All-Reduce, as the Prague paper reports them (its 16-worker ResNet-18 figures; the
 # paper's Prague blocked on its groups, so its figures stand beside the "/off" rows).
 PAPER_FIGURES = {
     ("prague:smart/off", "homogeneous"): 1.1, ("adpsgd", "homogeneous"): 0.6, ("ps:sync", "homogeneous"): 0.2,

@@ -419,7 +419,7 @@ def _add_run_parser(sub: Any, name: str, helptext: str) -> None:
     p.add_argument("--algorithm", default=_RUN_DEFAULTS["algorithm"], help="method, optionally NAME:VARIANT (default allreduce; "
                                                             "see prague methods)")
     p.add_argument("--slowdown", default=_RUN_DEFAULTS["slowdown"],
-                   help="heterogeneity: homogeneous | paper:X | straggler:RANK:X | crash:RANK:STEP, joined with +")
+                   help="heterogeneity: homogeneous | paper:X | straggler:RANK:X | crash:RANK:STEP | hang:RANK:STEP, joined with +")
     if name == "run":
         p.add_argument("--nproc", type=int, default=_RUN_DEFAULTS["nproc"],
                        help=f"number of worker processes (default {_RUN_DEFAULTS['nproc']})")
