@@ -111,3 +111,40 @@ def test_averaging_the_buffer_averages_the_model() -> None:
     models[0].train()
     train_step(models[0], opts[0], 20)
     assert not torch.equal(flats[0], mean)
+
+
+def _sgd_run(bind: bool, steps: int = 4) -> tuple[nn.Module, torch.optim.SGD, torch.Tensor | None]:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    flat = bind_flat(model, opt) if bind else None
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt, flat
+
+
+def test_momentum_bound_into_the_flat_buffer_is_updated_in_place_and_changes_nothing_else() -> None:
+    from prague.comm.flat import momentum_bound
+
+    plain, plain_opt, _ = _sgd_run(bind=False)
+    bound, bound_opt, flat = _sgd_run(bind=True)
+    assert flat is not None
+    # the same trajectory bit for bit (zeros before the first step act as SGD's own first buffer)
+    for a, b in zip(plain.parameters(), bound.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.parameters(), bound.parameters()):
+        assert torch.equal(plain_opt.state[a]["momentum_buffer"], bound_opt.state[b]["momentum_buffer"])
+    # the buffers are the tail of the flat buffer, after the parameters, still bound after the steps
+    assert momentum_bound(bound_opt, bound, flat)
+    n = sum(p.numel() for p in bound.parameters())
+    assert flat.numel() == 2 * n
+    assert torch.equal(flat[n:], flatten([bound_opt.state[p]["momentum_buffer"] for p in bound.parameters()]))
+    flat[n:].fill_(0.5)  # averaging the buffer reaches the optimizer's momentum
+    assert all(torch.all(bound_opt.state[p]["momentum_buffer"] == 0.5) for p in bound.parameters())
+    # a loaded optimizer state replaces the buffers: no longer bound
+    bound_opt.load_state_dict(plain_opt.state_dict())
+    assert not momentum_bound(bound_opt, bound, flat)

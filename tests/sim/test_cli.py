@@ -111,3 +111,14 @@ def test_bad_input_is_a_config_error(tmp_path: Path) -> None:
         cmd_simulate(_parse(["--algorithms", "allreduce,nope", "--out", str(tmp_path)]))
     with pytest.raises(ConfigError, match="neither a preset"):
         cmd_simulate(_parse(["--cluster", "missing.toml", "--out", str(tmp_path)]))
+
+
+def test_real_math_reads_the_data_set_from_data_dir(tmp_path: Path, mnist_dir: Path) -> None:
+    """--math real --data mnist trains on the files in --data-dir (the data set a bench would use)."""
+    out = tmp_path / "sim"
+    assert cmd_simulate(_parse(["--algorithms", "prague", "--scenarios", "homogeneous", "--nproc", "4", "--math",
+                                "real", "--model", "mlp",
+                                "--data", "mnist", "--data-dir", str(mnist_dir), "--budget", "samples:2560",
+                                "--out", str(out), "--quiet"])) == 0
+    (record,) = bench_records(out)
+    assert record["data"] == "mnist" and record["samples"] == 2560 and record["test_accuracy"] > 0.5

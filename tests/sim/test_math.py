@@ -115,3 +115,25 @@ def test_a_job_wide_budget_is_claimed_by_the_fast_workers_and_shared_equally_by_
     assert record["shares"] == "equal" and record["samples"] == 88 * 32
     with pytest.raises(ConfigError, match="seconds:5 is not modelled"):
         SimConfig(algorithm="prague", budget="seconds:5")
+
+
+def test_shared_momentum_travels_with_the_rows() -> None:
+    """prague --share-momentum on in the simulator: a group average averages the members' momentum
+    buffers too, and a delayed correction (values, corrections, add) moves both."""
+    from prague.sim.math import MathConfig, RealMath
+
+    math = RealMath(3, 4, MathConfig(lr=0.05, momentum=0.9))
+    math.share_momentum = True
+    math.local_step(0, 0)
+    math.local_step(1, 0)
+    m0, m1 = math._bufs[0].clone(), math._bufs[1].clone()
+    snaps = {0: math.values(0), 1: math.values(1)}
+    n = math.X.shape[1]
+    assert snaps[0].numel() == 2 * n and torch.equal(snaps[0][n:], m0)
+    for w, delta in math.corrections(snaps).items():
+        math.add(w, delta)
+    assert torch.allclose(math._bufs[0], (m0 + m1) / 2) and torch.allclose(math._bufs[1], (m0 + m1) / 2)
+    assert torch.allclose(math.X[0], math.X[1])
+    math.local_step(2, 1)
+    math.average([0, 2])  # worker 2's buffer and worker 0's, averaged
+    assert torch.allclose(math._bufs[0], math._bufs[2])

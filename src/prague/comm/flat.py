@@ -133,17 +133,25 @@ def _all_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> int:
     return group.size()
 
 
-def bind_flat(module: nn.Module) -> torch.Tensor:
+def bind_flat(module: nn.Module, momentum_of: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Move ``module``'s parameters and floating buffers into one contiguous buffer and return it.
 
     Afterwards each parameter's ``.data`` (and each floating buffer) is a view into the returned tensor,
     so averaging the buffer in place averages the model with no copies. Parameter objects are kept, so
     an optimizer built before the call still holds the right parameters.
+
+    With ``momentum_of`` (a ``torch.optim.SGD`` with momentum), the buffer also holds, after the state,
+    one momentum buffer per parameter (its current one, or zeros before the first step, which SGD's
+    first step then fills with the gradient as it would have), bound as the optimizer's
+    ``momentum_buffer`` state: SGD updates it in place, so averaging the flat buffer averages the
+    momentum too (:func:`momentum_bound` tells whether a loaded state replaced it since).
     """
     params = [p for p in module.parameters()]
     buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items()
                if b is not None and b.is_floating_point()]
     tensors = [p.data for p in params] + [b for _, _, b in buffers]
+    if momentum_of is not None:
+        tensors += [_momentum(momentum_of, p) for p in params]
     flat = flatten(tensors)
     offset = 0
     for p in params:
@@ -154,4 +162,25 @@ def bind_flat(module: nn.Module) -> torch.Tensor:
         n = b.numel()
         owner._buffers[name] = flat[offset : offset + n].view_as(b)
         offset += n
+    if momentum_of is not None:
+        for p in params:
+            n = p.numel()
+            momentum_of.state[p]["momentum_buffer"] = flat[offset : offset + n].view_as(p)
+            offset += n
     return flat
+
+
+def _momentum(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
+    buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+    return torch.zeros_like(param.data) if buffer is None else buffer.detach()
+
+
+def momentum_bound(optimizer: torch.optim.Optimizer, module: nn.Module, flat: torch.Tensor) -> bool:
+    """Whether every parameter's ``momentum_buffer`` is still the view of ``flat`` that
+    :func:`bind_flat` made (a loaded optimizer state replaces them with tensors of its own)."""
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    for p in module.parameters():
+        buffer = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buffer is None or not lo <= buffer.data_ptr() < hi:
+            return False
+    return True

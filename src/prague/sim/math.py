@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ _DATA_STREAM = 11  # stream of hetero.spec.uniform used for batch draws (the pap
 class MathConfig:
     model: str = "mlp"
     data: str = "digits"
+    data_dir: Path | None = None  # the data set's files (mnist)
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
@@ -62,9 +64,9 @@ class MathConfig:
 
 
 @lru_cache(maxsize=4)
-def _dataset(name: str, seed: int) -> Dataset:
+def _dataset(name: str, seed: int, data_dir: Path | None = None) -> Dataset:
     """Loaded once per process: tensors are only read."""
-    return load_dataset(name, seed=seed)
+    return load_dataset(name, data_dir, seed=seed)
 
 
 class NoMath:
@@ -72,6 +74,7 @@ class NoMath:
 
     enabled = False
     optimizer: SGDRule | None = None  # the run's optimizer rule (None: no arithmetic)
+    share_momentum = False  # prague --share-momentum on: momentum buffers are averaged with the rows
 
     def snapshot(self, w: int) -> None: ...
 
@@ -125,7 +128,7 @@ class RealMath(NoMath):
     def __init__(self, nproc: int, steps: int, config: MathConfig, dataset: Dataset | None = None) -> None:
         self.n = nproc
         self.config = config
-        self.data = dataset if dataset is not None else _dataset(config.data, config.seed)
+        self.data = dataset if dataset is not None else _dataset(config.data, config.seed, config.data_dir)
         torch.manual_seed(config.seed)
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes)
         if any(True for _ in self.model.buffers()):
@@ -217,11 +220,24 @@ class RealMath(NoMath):
     def local_step(self, w: int, step: int, scale: float = 1.0) -> None:
         self.apply(w, self.gradient(w, step), scale)
 
+    def _momentum(self, w: int) -> torch.Tensor:
+        """Worker ``w``'s momentum buffer, zeros before its first step (what SGD's first step overwrites)."""
+        buf = self._bufs.get(w)
+        if buf is None:
+            buf = self._bufs[w] = torch.zeros_like(self.X[w])
+        return buf
+
     def average(self, members: Sequence[int]) -> None:
         idx = torch.as_tensor(list(members))
         self.X[idx] = self.X[idx].mean(dim=0)
+        if self.share_momentum:
+            mean = torch.stack([self._momentum(w) for w in members]).mean(dim=0)
+            for w in members:
+                self._bufs[w] = mean.clone()
 
     def values(self, w: int) -> torch.Tensor:
+        if self.share_momentum:
+            return torch.cat([self.X[w], self._momentum(w)])
         return self.X[w].clone()
 
     def corrections(self, snapshots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -229,8 +245,12 @@ class RealMath(NoMath):
         return {w: mean - snap for w, snap in snapshots.items()}
 
     def add(self, w: int, delta: torch.Tensor | None) -> None:
-        if delta is not None:
-            self.X[w].add_(delta)
+        if delta is None:
+            return
+        n = self.X.shape[1]
+        self.X[w].add_(delta[:n])
+        if self.share_momentum:
+            self._momentum(w).add_(delta[n:])
 
     def allreduce_step(self, members: Sequence[int], step: int) -> None:
         grad = torch.stack([self._grad(self.X[w], w, step) for w in members]).mean(dim=0)

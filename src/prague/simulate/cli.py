@@ -178,7 +178,7 @@ def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) 
     decisions = run_folder(run.out, run.algorithm, run.scenario) / DECISIONS_DIR if run.log_decisions else None
     link_rate = None if run.hosts is None else run.link_rate or DEFAULT_LINK_RATE
     return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
-                     batch_size=run.batch_size, model=run.model, data=run.data, seed=run.seed,
+                     batch_size=run.batch_size, model=run.model, data=run.data, data_dir=run.data_dir, seed=run.seed,
                      warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
                      momentum=run.momentum, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
                      decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic,

@@ -79,6 +79,7 @@ class SimConfig:
     batch_size: int = 32
     model: str = "resnet18"
     data: str = "digits"
+    data_dir: Path | None = None
     seed: int = 0
     warmup_steps: int | None = None
     cluster: Cluster = PAPER
@@ -171,7 +172,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     _, state_bytes = model_size(config.model, config.data)
     shares, steps, claimed = config.shares(options)
     math = make_math(config.math, config.nproc, steps, MathConfig(
-        model=config.model, data=config.data, batch_size=config.batch_size, lr=config.lr,
+        model=config.model, data=config.data, data_dir=config.data_dir, batch_size=config.batch_size, lr=config.lr,
         momentum=config.momentum, seed=config.seed, eval_every_s=config.eval_every_s,
         target_accuracy=config.target_accuracy,
     ))

@@ -38,13 +38,22 @@ from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
     MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
 )
-from prague.comm.flat import bind_flat
+from prague.comm.flat import bind_flat, momentum_bound
 from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
-from prague.errors import CommError
+from prague.errors import CommError, ConfigError
 from prague.groups import Group
 from prague.metrics.decisions import Decision, gg_trace_path
 from prague.runtime.stall import Phase
+
+
+def check_momentum_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """``--share-momentum on`` averages SGD's momentum buffers: ConfigError for anything else."""
+    if not isinstance(optimizer, torch.optim.SGD) or not all(g.get("momentum", 0) > 0 for g in optimizer.param_groups):
+        raise ConfigError("--share-momentum on averages the momentum buffers of torch.optim.SGD with momentum > 0; "
+                          f"this run's optimizer is {type(optimizer).__name__ if optimizer is not None else 'none'}"
+                          + (" without momentum" if isinstance(optimizer, torch.optim.SGD) else "")
+                          + ": use SGD with momentum, or --share-momentum off")
 
 
 class GroupTally:
@@ -81,7 +90,11 @@ class Prague(Algorithm):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)
-        self.flat = bind_flat(model)
+        self.model, self.optimizer = model, optimizer
+        self.shared_momentum = self.options.share_momentum == "on"
+        if self.shared_momentum:
+            check_momentum_optimizer(optimizer)
+        self.flat = bind_flat(model, optimizer if self.shared_momentum else None)
         # survivors leave failed members out
         self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache, transport=self.options.transport)
         self.comms = self.groups.comms
@@ -147,6 +160,8 @@ class Prague(Algorithm):
 
     def after_step(self, step: int, times: StepTimes) -> None:
         self.steps_done = step + 1
+        if self.shared_momentum:
+            self._keep_momentum_bound()
         if self.averager is None:
             t0 = time.perf_counter()
             group = self.source.next_group(self.ctx.rank, step)
@@ -169,6 +184,17 @@ class Prague(Algorithm):
             self.average_waits += 1
             self._apply(done)
         averager.submit(self.flat, step)
+
+    def _keep_momentum_bound(self) -> None:
+        """A loaded optimizer state (a checkpoint) replaces the momentum buffers bound into the flat
+        buffer: copy the loaded values in and bind them again."""
+        assert self.optimizer is not None
+        if momentum_bound(self.optimizer, self.model, self.flat):
+            return
+        if self.averager is not None:  # the corrections still out were computed on the old buffers
+            for done in self.averager.drain():
+                self._apply(done)
+        self.flat = bind_flat(self.model, self.optimizer)
 
     def finish(self) -> None:
         """Take every average still in flight, run the groups this worker is still committed to, then

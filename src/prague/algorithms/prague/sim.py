@@ -62,6 +62,7 @@ class SimPrague(SimMethod):
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
         world.use_comm_cache(options.comm_cache)
+        world.math.share_momentum = options.share_momentum == "on"  # the momentum buffers travel with the rows
         o = options
         # Blind generators see one node; the cluster's costs keep world.topology.
         self.config = GeneratorConfig(
