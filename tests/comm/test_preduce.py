@@ -428,3 +428,36 @@ def test_world_transport_gives_every_member_the_same_bits() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r), dtype=torch.float32) / 3 for r in range(3)]
     assert torch.allclose(outs[0], sum(inputs, torch.zeros(1000)) / 3, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (e) prague --share-momentum: the optimizer's momentum travels with the parameters
+
+
+def _momentum_rank(ctx: DistContext, share: str) -> dict[str, list[torch.Tensor]]:
+    from torch import nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = prague.wrap(model, opt, algorithm="prague:static", group_size=2, overlap="off", share_momentum=share)
+    gen = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data: different gradients
+    try:
+        for _ in range(4):  # static with two ranks: local, group, local, group
+            x, y = torch.randn(8, 5, generator=gen), torch.randint(0, 2, (8,), generator=gen)
+            trainer.step(lambda m: F.cross_entropy(m(x), y))
+    finally:
+        trainer.close()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("share", ["on", "off"])
+def test_shared_momentum_is_averaged_with_the_parameters(share: str) -> None:
+    # Two ranks, static and blocking: the last step ends with a group of both, so the parameters agree;
+    # the momentum buffers agree only when they travel with them.
+    outs = run_ranks(_momentum_rank, 2, share, deadline_s=60)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"]))
+    same = all(torch.equal(a, b) for a, b in zip(outs[0]["momentum"], outs[1]["momentum"]))
+    assert same == (share == "on")
