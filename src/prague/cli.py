@@ -231,7 +231,9 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def _method_name(s: dict[str, Any]) -> str:
-    return s["algorithm"] + (f":{s['variant']}" if s.get("variant") else "")
+    from prague.metrics.record import method_label_of
+
+    return method_label_of(s["algorithm"], s.get("variant"))
 
 
 def _divergence(s: dict[str, Any]) -> str:

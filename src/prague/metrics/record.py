@@ -36,6 +36,11 @@ def _doc_list(text: str) -> Any:
     return field(default_factory=list, metadata={"doc": text})
 
 
+def method_label_of(algorithm: str, variant: str | None) -> str:
+    """A run's method as tables and messages name it: ``allreduce``, or ``prague:smart`` with a variant."""
+    return f"{algorithm}:{variant}" if variant else algorithm
+
+
 @dataclass
 class RunRecord:
     """One run of one method in one scenario (see the module docstring)."""
@@ -103,7 +108,7 @@ class RunRecord:
     @property
     def label(self) -> str:
         """``NAME`` or ``NAME:VARIANT``."""
-        return f"{self.algorithm}:{self.variant}" if self.variant else self.algorithm
+        return method_label_of(self.algorithm, self.variant)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
-from prague.metrics.record import SCHEMA_VERSION, RunRecord
+from prague.metrics.record import SCHEMA_VERSION, RunRecord, method_label_of
 from prague.metrics.summary import nominal_compute_s, scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -79,9 +79,7 @@ Record = Mapping[str, Any]
 
 def method_label(record: Record) -> str:
     """Name a run's method: ``"allreduce"``, or ``"prague:smart"`` when the record has a variant."""
-    variant = record.get("variant")
-    algorithm = str(record["algorithm"])
-    return f"{algorithm}:{variant}" if variant else algorithm
+    return method_label_of(str(record["algorithm"]), record.get("variant"))
 
 
 RecordLike = Union[RunRecord, Mapping[str, Any]]
