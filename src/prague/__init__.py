@@ -3,6 +3,11 @@
 Public API::
 
     prague.init()                      # join the job (prague launch / torchrun environment)
+    model, optimizer = prague.prepare(model, optimizer, algorithm="prague")   # your own loop:
+    loss.backward(); optimizer.step(); optimizer.zero_grad()                 # the method runs in step()
+    model.averaged_model()             # mean of all replicas (collective)
+    prague.shutdown()
+    # or the closure form:
     trainer = prague.wrap(model, optimizer, algorithm="allreduce")
     trainer.step(closure)              # one iteration
     trainer.averaged_model()           # mean of all replicas (collective)
@@ -27,6 +32,7 @@ _EXPORTS = {
     "DistributedTrainer": "prague.train.trainer",
     "StepRecord": "prague.train.trainer",
     "wrap": "prague.train.trainer",
+    "prepare": "prague.train.prepared",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -91,6 +91,12 @@ class Algorithm:
     it makes (only if the log is there) and has its services write their traces to ``decisions.folder``.
     """
 
+    #: Whether this method's gradients leave the worker in the optimizer step (``after_backward`` /
+    #: ``apply_update``: pushed to a server, summed in background rounds, reduced in chunks), rather than
+    #: inside backward (DDP) or never (parameter averaging). A mixed-precision step the scaler skips must
+    #: then not send them (:mod:`prague.train.prepared`).
+    sends_gradients_in_step = False
+
     def __init__(self, ctx: DistContext, options: Any) -> None:
         self.ctx = ctx
         self.options = options

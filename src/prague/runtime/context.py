@@ -22,6 +22,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -226,6 +227,15 @@ def communication_threads() -> list[str]:
     return sorted(n for n in names if n == GLOO_WORKER_THREAD)
 
 
+_ON_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def on_shutdown(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the start of :func:`shutdown` (what ``prague.prepare`` started ends there); the last
+    registered runs first."""
+    _ON_SHUTDOWN.append(fn)
+
+
 def shutdown() -> None:
     """Leave the job: destroy the process group and release its threads. Safe to call twice; call it
     after closing every trainer (:meth:`prague.DistributedTrainer.close`).
@@ -234,6 +244,8 @@ def shutdown() -> None:
     still running when the interpreter finalises can abort the process at exit. So this collects
     garbage after destroying the group, and warns when worker threads survive."""
     global _CONTEXT, _HEARTBEAT
+    while _ON_SHUTDOWN:
+        _ON_SHUTDOWN.pop()()
     if _HEARTBEAT is not None:
         _HEARTBEAT.stop()
         _HEARTBEAT = None

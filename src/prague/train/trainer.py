@@ -31,6 +31,7 @@ from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.registry import parse_method
+from prague.algorithms.spec import Method
 from prague.comm.flat import average_into, consensus_distance
 from prague.comm.streams import Streams, streams_for
 from prague.errors import ConfigError
@@ -129,6 +130,30 @@ class StepRecord:
         return out
 
 
+def make_algorithm(ctx: DistContext, algorithm: str, seed: int | None,
+                   options: dict[str, Any]) -> tuple[Method, str | None, Algorithm]:
+    """The method named ``algorithm`` (``NAME`` or ``NAME:VARIANT``) with ``options`` (keyword names of
+    its options; ConfigError naming the valid ones otherwise), checked against the job: (its
+    description, its variant, its runtime object, not yet set up)."""
+    method, variant = parse_method(algorithm)
+    unknown = sorted(set(options) - {o.name for o in method.option_infos})
+    if unknown:
+        valid = ", ".join(o.name for o in method.option_infos) or "none"
+        raise ConfigError(f"method {method.name!r} has no option(s) {unknown}; its options: {valid}")
+    method_options = method.make_options(options, variant, seed)
+    method.check_job(method_options, ctx.world_size)
+    return method, method.variant_of(method_options), method.runtime_class()(ctx, method_options)
+
+
+def setup_algorithm(algorithm: Algorithm, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+    """``algorithm.setup``; on failure, release what it acquired before raising."""
+    try:
+        return algorithm.setup(model, optimizer)
+    except BaseException:
+        algorithm.close(failed=True)
+        raise
+
+
 class DistributedTrainer:
     """Runs one iteration of a synchronisation method per :meth:`step` call.
 
@@ -161,26 +186,14 @@ class DistributedTrainer:
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
-        self.method, variant = parse_method(algorithm)
-        unknown = sorted(set(options) - {o.name for o in self.method.option_infos})
-        if unknown:
-            valid = ", ".join(o.name for o in self.method.option_infos) or "none"
-            raise ConfigError(f"method {self.method.name!r} has no option(s) {unknown}; its options: {valid}")
-        method_options = self.method.make_options(options, variant, seed)
-        self.method.check_job(method_options, self.ctx.world_size)
-        self.variant = self.method.variant_of(method_options)
-        self.algorithm: Algorithm = self.method.runtime_class()(self.ctx, method_options)
-        self.algorithm.decisions = decisions
         self.scenario = scenario if isinstance(scenario, Scenario) else parse_scenario(scenario or "homogeneous")
         self.scenario.check_world(self.ctx.world_size)
+        self.method, self.variant, self.algorithm = make_algorithm(self.ctx, algorithm, seed, options)
+        self.algorithm.decisions = decisions
         self.model = model.to(self.ctx.device)
         self._clock = step_clock(self.ctx.device)
         self.optimizer = optimizer
-        try:
-            self.module = self.algorithm.setup(self.model, optimizer)
-        except BaseException:
-            self.algorithm.close(failed=True)
-            raise
+        self.module = setup_algorithm(self.algorithm, self.model, optimizer)
         self.steps_done = 0
         self._failed = False
         self.phase = self.algorithm.phase

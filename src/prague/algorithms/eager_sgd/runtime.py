@@ -386,6 +386,8 @@ class _Broken(CommError):
 class EagerSGD(Algorithm):
     """See the module docstring."""
 
+    sends_gradients_in_step = True
+
     options: EagerSGDOptions
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:

@@ -307,6 +307,8 @@ class TwoLevel:
 class Lossy(Algorithm):
     """See the module docstring."""
 
+    sends_gradients_in_step = True
+
     options: LossyOptions
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import secrets
@@ -38,6 +39,7 @@ GG_TOKEN_KEY = "prague/gg/token"
 HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restarted service starts from these)
 RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
 TOKEN_ENV = "PRAGUE_GG_TOKEN"
+_instances = itertools.count()  # numbers the service sources of this process (see ServiceSource)
 MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
 
@@ -135,17 +137,23 @@ class ServiceSource:
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
         self._shared = options.uses_service and os.environ.get(MANAGED_ENV) != "1"
         store = ctx.store
+        # A service rank 0 starts is one of possibly several in the job (a script may prepare the method
+        # more than once): its keys carry the source's number, the same on every rank (sources are made
+        # in the same order everywhere). The launcher's service is the job's only one.
+        instance = next(_instances) if self._shared else None
+        self._address_key = GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}"
+        token_key = GG_TOKEN_KEY if instance is None else f"{GG_TOKEN_KEY}/{instance}"
         if options.gg_address:
             token, address = os.environ.get(TOKEN_ENV, ""), options.gg_address
         elif not self._shared:  # started by our launcher
-            token, address = os.environ[TOKEN_ENV], store.get(GG_ADDRESS_KEY).decode()
+            token, address = os.environ[TOKEN_ENV], store.get(self._address_key).decode()
         elif ctx.is_main:
             token = secrets.token_hex(16)
             address = self._start_service(options, token, resources)
-            store.set(GG_TOKEN_KEY, token)
-            store.set(GG_ADDRESS_KEY, address)
+            store.set(token_key, token)
+            store.set(self._address_key, address)
         else:
-            token, address = store.get(GG_TOKEN_KEY).decode(), store.get(GG_ADDRESS_KEY).decode()
+            token, address = store.get(token_key).decode(), store.get(self._address_key).decode()
         self._token, self._timeout_s = token, options.gg_timeout_s
         self._restartable = not options.gg_address  # a service the user started is the user's to restart
         self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
@@ -191,7 +199,7 @@ class ServiceSource:
                 continue
             sys.stderr.write(f"prague: warning: the group generator died (exit code {proc.returncode}); "
                              f"restarted it at {address} (restart {restarts})\n")
-            self._store.set(GG_ADDRESS_KEY, address)
+            self._store.set(self._address_key, address)
 
     def _retrying(self, call: Any) -> Any:
         """``call(client)``; if the service does not answer, retry with backoff for up to
@@ -209,7 +217,7 @@ class ServiceSource:
         while True:
             time.sleep(pause)
             pause = min(2 * pause, 1.0)
-            address = self._store.get(GG_ADDRESS_KEY).decode()
+            address = self._store.get(self._address_key).decode()
             if address != self.client.address:
                 old, self.client = self.client, GroupGeneratorClient(address, self._token, timeout_s=self._timeout_s,
                                                                      wait_for_ready=False)

@@ -138,6 +138,8 @@ class ParameterServerBase(Algorithm):
     Subclasses choose the shard's mode (:meth:`shard_mode`) and what happens after backward.
     """
 
+    sends_gradients_in_step = True
+
     def __init__(self, ctx: Any, options: Any) -> None:
         super().__init__(ctx, options)
         self._broken = False  # a communication failed: close() only releases

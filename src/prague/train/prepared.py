@@ -1,0 +1,300 @@
+"""Your loop, your optimizer: ``prague.prepare`` wraps a model and an optimizer, and the loop stays yours.
+
+::
+
+    prague.init()
+    model, optimizer = prague.prepare(model, optimizer, algorithm="prague:smart")
+    for x, y in batches:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # anything between backward and step
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()                                          # any LR scheduler on the prepared optimizer
+    final = model.averaged_model()                                # collective: the mean of the replicas
+    prague.shutdown()                                             # ends the method too
+
+As with ``DistributedDataParallel``, ``Horovod``'s ``DistributedOptimizer`` and Accelerate's ``prepare``,
+the method runs inside the two calls a training loop makes anyway. The returned model runs the forward
+pass through the method's module (DDP for ``allreduce``; a wrapper that installs a server's values for
+the parameter servers; the model itself otherwise). The returned optimizer's :meth:`PreparedOptimizer.step`
+is the method's iteration (:class:`prague.algorithms.api.Algorithm`'s hooks, in the order
+:class:`prague.train.trainer.DistributedTrainer` calls them): ``after_backward`` (send gradients, average
+with a partner), ``apply_update`` (the wrapped optimizer's own step, unless a server owns the update),
+``after_step`` (average parameters with a group). Gradient methods whose gradients travel inside
+backward (``allreduce``) give the loop averaged gradients, so clipping between backward and step clips
+the average, as with DDP; the others clip each worker's own gradients before they travel.
+
+Gradient accumulation: ``with model.no_sync(): loss.backward()`` for every micro-batch but the last (DDP's
+rule: ``allreduce`` skips its all-reduce there), then ``loss.backward(); optimizer.step()``.
+
+Mixed precision: ``torch.autocast`` works as it does anywhere. With ``torch.amp.GradScaler`` the prepared
+optimizer takes the scaler's verdict (``_step_supports_amp_scaling``: the scaler hands it ``grad_scale``
+and ``found_inf``): gradients are unscaled before they travel, and a step the scaler skips is skipped
+for the method too: the local update is not applied and, for a method whose gradients leave in the step
+(a server push), nothing is sent; parameter averaging still runs. Methods that need every rank's
+gradients in every step and send them in the step (``eager-sgd``, ``lossy``, ``ps:sync``) would then
+receive one rank's skip as a missing push or round, so the scaler is refused for them with the reason.
+
+Calling things in the wrong order raises :class:`~prague.errors.ConfigError` naming the fix: a step with
+no backward since the last one, two backward passes between steps outside ``no_sync()``, a step inside
+``no_sync()``, a model or optimizer used after ``prague.shutdown()``. ``optimizer.zero_grad()`` forgets the
+backward passes counted so far (the gradients are gone with them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from prague.algorithms.api import Algorithm, StepTimes
+from prague.comm.flat import average_into, consensus_distance
+from prague.errors import ConfigError
+from prague.runtime.context import DistContext, context, on_shutdown
+from prague.train.trainer import make_algorithm, setup_algorithm
+
+
+class _Session:
+    """What the prepared model and optimizer share: the method, the step count and the order checks."""
+
+    def __init__(self, ctx: DistContext, algorithm: Algorithm, lockstep: bool, label: str) -> None:
+        self.ctx = ctx
+        self.algorithm = algorithm
+        self.lockstep = lockstep  # the method needs every rank in every step
+        self.label = label
+        self.step = 0
+        self.closed = False
+        self.no_sync = 0  # depth of model.no_sync() blocks
+        self.synced: set[int] = set()  # parameters whose gradient arrived outside no_sync since the last step
+        self.accumulated: set[int] = set()  # ... inside no_sync
+        self.twice = False  # a parameter got two gradients outside no_sync since the last step
+        self.forward_ready = False  # before_compute ran for the coming step
+        self.handles: list[Any] = []
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise ConfigError(f"{what} after prague.shutdown() (or close()) ended the {self.label} method; "
+                              "prepare the model again after prague.init()")
+
+    def on_gradient(self, param: torch.Tensor) -> None:
+        key = id(param)
+        if self.no_sync:
+            self.accumulated.add(key)
+            return
+        if key in self.synced:
+            self.twice = True
+        self.synced.add(key)
+
+    def before_forward(self) -> None:
+        """The method's hook before the forward pass of the coming step, once per step, and only for a
+        pass that will be trained on (not an evaluation under ``torch.no_grad``)."""
+        self.check_open("the prepared model was called")
+        if not self.forward_ready and torch.is_grad_enabled():
+            self.algorithm.before_compute(self.step)
+            self.forward_ready = True
+
+    def close(self, failed: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self.handles:
+            handle.remove()
+        self.algorithm.close(failed=failed)
+
+
+class PreparedModel(nn.Module):
+    """The user's model, run through the method (see the module docstring). ``state_dict`` and
+    ``load_state_dict`` are the wrapped model's own (the same keys as without ``prepare``)."""
+
+    model: nn.Module
+    _session: _Session
+
+    def __init__(self, model: nn.Module, module: nn.Module, session: _Session) -> None:
+        super().__init__()
+        self.module = module  # the method's module: registered, so .train(), .to() and the like reach it
+        object.__setattr__(self, "model", model)  # the user's model (inside module, or module itself)
+        object.__setattr__(self, "_session", session)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._session.before_forward()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the block are followed by one outside it
+        and then ``optimizer.step()`` (``allreduce``: DDP skips its all-reduce inside the block)."""
+        session = self._session
+        session.check_open("model.no_sync()")
+        ddp_no_sync = getattr(self.module, "no_sync", None)
+        session.no_sync += 1
+        try:
+            with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
+                yield
+        finally:
+            session.no_sync -= 1
+
+    def averaged_model(self) -> nn.Module:
+        """A new copy of the model holding the mean of every rank's parameters and buffers. Collective:
+        every rank calls it at the same point."""
+        self._session.check_open("model.averaged_model()")
+        target = copy.deepcopy(self.model)
+        average_into(self.model, target)
+        return target
+
+    def close(self) -> None:
+        """End the method on this rank (every rank calls it; :func:`prague.shutdown` does it otherwise).
+        The model then runs as the plain model (the method's module, DDP's hold on the process group
+        with it, is let go)."""
+        self._session.close()
+        self.module = self.model
+
+    def consensus_distance(self) -> float:
+        """Mean distance of the replicas from their average (0 for all-reduce). Collective."""
+        self._session.check_open("model.consensus_distance()")
+        return consensus_distance(self.model)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise ConfigError("load_state_dict(assign=True) would replace the parameters the method holds views "
+                              "of; load with assign=False (the default)")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer; :meth:`step` is the method's iteration (see the module docstring). Its
+    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers, ``state_dict`` and
+    ``load_state_dict`` act on it."""
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands over grad_scale and found_inf
+
+    def __init__(self, optimizer: torch.optim.Optimizer, session: _Session) -> None:
+        super().__init__(optimizer.param_groups, dict(optimizer.defaults))
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.optimizer = optimizer
+        self._session = session
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's; the backward passes counted since the last step are forgotten too."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        session = self._session
+        session.synced.clear()
+        session.accumulated.clear()
+        session.twice = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self.state = self.optimizer.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_session"):  # Optimizer.__init__ adds the wrapped optimizer's groups
+            raise ConfigError("add_param_group on a prepared optimizer: the method has bound the parameters it "
+                              "was prepared with; add the group before prague.prepare")
+        super().add_param_group(param_group)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One iteration of the method after ``loss.backward()``; returns the closure's loss if given."""
+        session = self._session
+        session.check_open("optimizer.step()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_order()
+        # torch.amp.GradScaler's verdict: grad_scale unless the loop already called scaler.unscale_
+        scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        skip = False
+        if scale is not None or found_inf is not None:
+            skip = self._unscale(scale, found_inf)
+        algorithm, step, times = session.algorithm, session.step, StepTimes()
+        sends = algorithm.sends_gradients_in_step
+        if not (skip and sends):
+            algorithm.after_backward(step, times)
+        if not skip:
+            algorithm.apply_update(self.optimizer, step)
+        algorithm.after_step(step, times)
+        session.step += 1
+        session.forward_ready = False
+        session.synced.clear()
+        session.accumulated.clear()
+        session.twice = False
+        return loss
+
+    def _check_order(self) -> None:
+        session = self._session
+        if session.no_sync:
+            raise ConfigError("optimizer.step() inside model.no_sync(): run the last micro-batch's backward outside "
+                              "the block, then step")
+        if not session.synced and not session.accumulated:
+            raise ConfigError("optimizer.step() with no loss.backward() since the last step: call loss.backward() "
+                              "first")
+        if session.accumulated and not session.synced:
+            raise ConfigError("optimizer.step() after backward passes all inside model.no_sync(): run the last "
+                              "micro-batch's backward outside the block, then step")
+        if session.twice:
+            raise ConfigError("loss.backward() ran twice since the last optimizer.step() outside model.no_sync(): "
+                              "to accumulate gradients, run all but the last backward inside `with model.no_sync():`")
+
+    def _unscale(self, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> bool:
+        """Unscale the gradients in place if the scaler left them scaled (``scale``); whether it found a
+        non-finite gradient (this step is then skipped)."""
+        session = self._session
+        if session.lockstep and session.algorithm.sends_gradients_in_step:
+            for name in ("grad_scale", "found_inf"):  # the scaler, interrupted, leaves them set
+                self.__dict__.pop(name, None)
+            raise ConfigError(f"torch.amp.GradScaler with {session.label}: its gradients travel in optimizer.step() "
+                              "and every rank must send them each step, but the scaler decides on one rank's "
+                              "gradients alone; use bf16 autocast without a scaler, or a method that averages "
+                              "parameters or all-reduces in backward (allreduce, prague, adpsgd, dssync)")
+        if scale is not None:
+            inv = scale.double().reciprocal().float()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        return bool(found_inf is not None and float(found_inf.sum()) > 0)
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str = "allreduce", *,
+            ctx: DistContext | None = None, seed: int | None = None,
+            **options: Any) -> tuple[PreparedModel, PreparedOptimizer]:
+    """Wrap ``model`` and ``optimizer`` for ``algorithm`` (any name ``prague methods`` lists, with its
+    options as keywords, e.g. ``group_size=2``), after :func:`prague.init`, on every rank, with models of
+    the same architecture and initial values. ``model`` is moved to the rank's device. Returns the model
+    to train and the optimizer to step (see the module docstring); :func:`prague.shutdown` ends the
+    method (or call the model's ``close`` first, on every rank). ``seed``: the method's seed options left
+    at 0 take it (default 0)."""
+    ctx = ctx or context()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"prague.prepare needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, PreparedOptimizer) or isinstance(model, PreparedModel):
+        raise ConfigError("this model or optimizer is already prepared; prepare the originals once")
+    method, variant, runtime = make_algorithm(ctx, algorithm, seed, options)
+    label = method.name + (f":{variant}" if variant else "")
+    model = model.to(ctx.device)
+    module = setup_algorithm(runtime, model, optimizer)
+    session = _Session(ctx, runtime, method_lockstep(runtime), label)
+    for param in model.parameters():
+        if param.requires_grad:
+            session.handles.append(param.register_post_accumulate_grad_hook(session.on_gradient))
+    prepared = PreparedModel(model, module, session)
+    on_shutdown(prepared.close)
+    return prepared, PreparedOptimizer(optimizer, session)
+
+
+def method_lockstep(algorithm: Algorithm) -> bool:
+    """Whether ``algorithm`` needs every rank in every step (its options' ``equal_shares``)."""
+    equal = getattr(algorithm.options, "equal_shares", None)
+    return bool(equal()) if callable(equal) else True

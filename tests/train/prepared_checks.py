@@ -1,0 +1,196 @@
+"""Checks of ``prague.prepare`` that run inside a job (a script, started by tests/train/test_prepared.py
+alone or under ``prague launch``): ``python prepared_checks.py CHECK ALGORITHM [OPTIONS as k=v]``.
+Each check asserts what it needs and prints ``ok CHECK`` on rank 0."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import prague
+from prague.errors import ConfigError
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)  # the same initial model on every rank
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def data(rank: int, step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 10, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+
+
+def options(args: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in args:
+        key, value = item.split("=", 1)
+        out[key] = int(value) if value.isdigit() else value
+    return out
+
+
+def expect(error: str, fn: object) -> None:
+    try:
+        fn()  # type: ignore[operator]
+    except ConfigError as exc:
+        assert error in str(exc), str(exc)
+        return
+    raise AssertionError(f"expected a ConfigError about {error!r}")
+
+
+def check_order(algorithm: str, opts: dict[str, object]) -> None:
+    """Wrong orders are refused with the fix; the right one trains."""
+    base = net()
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+    ctx = prague.context()
+    expect("no loss.backward()", opt.step)
+    x, y = data(ctx.rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(model(x), y).backward()
+    expect("ran twice", opt.step)
+    opt.zero_grad()
+    with model.no_sync():
+        F.cross_entropy(model(x), y).backward()
+        expect("inside model.no_sync()", opt.step)
+    expect("all inside model.no_sync()", opt.step)
+    losses = []
+    for step in range(30):
+        x, y = data(ctx.rank, step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+    model.close()
+
+
+def check_accumulation(algorithm: str, opts: dict[str, object]) -> None:
+    """Four micro-batches under no_sync give the update of one batch four times their size (allreduce:
+    the mean gradient over every rank's samples, as DDP)."""
+    ctx = prague.context()
+    base = net()
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+    x, y = data(ctx.rank, 0, 32)
+    for i in range(4):
+        part = slice(8 * i, 8 * (i + 1))
+        loss = F.cross_entropy(model(x[part]), y[part]) / 4
+        if i < 3:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    opt.step()
+    # the reference: one batch of all ranks' 32 samples each, on a plain copy
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    xs = [data(r, 0, 32) for r in range(ctx.world_size)]
+    loss = sum(F.cross_entropy(ref(a), b) for a, b in xs) / ctx.world_size
+    loss.backward()  # type: ignore[union-attr]
+    ref_opt.step()
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(mine, theirs, atol=1e-6), (mine - theirs).abs().max()
+    model.close()
+
+
+def check_features(algorithm: str, opts: dict[str, object]) -> None:
+    """AdamW with a scheduler, clipping between backward and step, bf16 autocast, a GradScaler, and a
+    checkpoint saved and loaded."""
+    ctx = prague.context()
+    base = net()
+    model, opt = prague.prepare(base, torch.optim.AdamW(base.parameters(), lr=0.01), algorithm, **opts)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(12):
+        x, y = data(ctx.rank, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        sched.step()
+    assert abs(opt.param_groups[0]["lr"] - 0.01 * 0.5 ** 2) < 1e-12, opt.param_groups[0]["lr"]
+    assert opt.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # the scheduler moved the real one
+    # a scaled loss whose gradients overflow: the step is skipped, the parameters stay
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = data(ctx.rank, 99)
+    loss = F.cross_entropy(model(x), y) * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    if not opt._session.algorithm.sends_gradients_in_step:
+        after = list(model.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a skipped step changed the model"
+    # checkpoint: save, train on, load, and the state is back
+    folder = Path(tempfile.mkdtemp())
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / f"r{ctx.rank}.pt")
+    saved = [p.detach().clone() for p in model.parameters()]
+    assert set(model.state_dict()) == set(base.state_dict())  # the plain model's keys
+    for step in range(3):
+        x, y = data(ctx.rank, 200 + step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = torch.load(folder / f"r{ctx.rank}.pt", weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    model.close()
+
+
+def check_scaler_refused(algorithm: str, opts: dict[str, object]) -> None:
+    """A lockstep method whose gradients travel in the step refuses a GradScaler, naming the way out."""
+    ctx = prague.context()
+    base = net()
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(ctx.rank, 0)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    expect("bf16 autocast without a scaler", lambda: scaler.step(opt))
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # without the scaler the same step runs
+    opt.step()
+    model.close()
+
+
+CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
+          "scaler_refused": check_scaler_refused}
+
+
+def main() -> int:
+    checks, algorithm = sys.argv[1].split(","), sys.argv[2]
+    opts = options(sys.argv[3:])
+    prague.init()
+    try:
+        for check in checks:
+            CHECKS[check](algorithm, opts)
+        base = net()
+        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+        final = model.averaged_model()
+        assert isinstance(final, nn.Sequential)
+    finally:
+        prague.shutdown()
+    expect("after prague.shutdown()", opt.step)
+    if prague_rank() == 0:
+        print(f"ok {','.join(checks)}")
+    return 0
+
+
+def prague_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

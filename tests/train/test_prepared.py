@@ -1,0 +1,35 @@
+"""``prague.prepare``: the user's own loop (backward, step, zero_grad) with every piece of a real training
+script, on real worker processes. The checks themselves run inside the job (``prepared_checks.py``);
+here they are started alone (a job of one) and under ``prague launch``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prague_testing import run_cli, run_command
+
+pytestmark = pytest.mark.timeout(240)
+
+CHECKS = Path(__file__).with_name("prepared_checks.py")
+
+
+def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
+    res = run_command([sys.executable, str(CHECKS), "order,accumulation,features", "allreduce"], timeout_s=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ok order,accumulation,features" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,checks", [
+    ("allreduce", "order,accumulation,features"),  # a gradient method: DDP inside backward
+    ("prague", "order,features"),  # an averaging method: a Group Generator and background averages
+    ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
+])
+def test_two_workers_under_prague_launch(algorithm: str, checks: str) -> None:
+    res = run_cli("launch", "--nproc", "2", str(CHECKS), checks, algorithm, timeout_s=200)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
+    assert f"ok {checks}" in res.stdout
