@@ -1,8 +1,8 @@
-"""Your own training loop, synchronised by prague.
+"""The minimal loop: your own training loop, synchronised by prague.
 
 Run on one machine with prague's launcher, or with torchrun (same script, no change):
 
-    prague launch --nproc 4 examples/custom_loop.py --algorithm allreduce --steps 200
+    prague launch --nproc 4 examples/custom_loop.py --algorithm prague --steps 200
     torchrun --standalone --nproc-per-node 4 examples/custom_loop.py --algorithm allreduce --steps 200
 
 Each rank trains a small MLP on its own shard of scikit-learn's digits; at the end rank 0 evaluates
@@ -19,7 +19,7 @@ import prague
 from prague.workload.data import ShardLoader, load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", default="allreduce")
+parser.add_argument("--algorithm", default="allreduce", help="any name `prague methods` lists")
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--save", default=None, help="where rank 0 saves the averaged model")
 args = parser.parse_args()
@@ -31,16 +31,18 @@ loader = ShardLoader(data.train_x, data.train_y, ctx.rank, ctx.world_size, batch
 torch.manual_seed(0)  # the same initial model on every rank
 model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-trainer = prague.wrap(model, optimizer, algorithm=args.algorithm)
+model, optimizer = prague.prepare(model, optimizer, algorithm=args.algorithm)
 
 for step in range(args.steps):
     x, y = loader.batch(step)
-    record = trainer.step(lambda m: F.cross_entropy(m(x), y))
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()  # the method's iteration
+    optimizer.zero_grad()
     if ctx.rank == 0 and step % 50 == 0:
-        print(f"step {step} loss {record.loss:.4f} compute {record.compute_s * 1e3:.1f} ms comm {record.comm_s * 1e3:.1f} ms")
+        print(f"step {step} loss {loss.item():.4f}")
 
-final = trainer.averaged_model()  # collective: every rank calls it
-trainer.close()
+final = model.averaged_model()  # collective: every rank calls it
 if ctx.rank == 0:
     with torch.no_grad():
         accuracy = (final(data.test_x).argmax(1) == data.test_y).float().mean().item()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -126,12 +127,32 @@ def test_worker_entry_point_under_torchrun(tmp_path: Path) -> None:
     assert summary["nproc"] == 2 and summary["steps"] == 8
 
 
-def test_example_runs_under_launch_and_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm,launcher", [("prague", "launch"), ("allreduce", "torchrun")])
+def test_the_minimal_loop_example_runs_unchanged_under_both_launchers(tmp_path: Path, algorithm: str,
+                                                                        launcher: str) -> None:
     example = str(REPO / "examples" / "custom_loop.py")
-    res = run_cli("launch", "--nproc", "2", example, "--steps", "60", "--save", str(tmp_path / "a.pt"))
-    assert res.returncode == 0, res.stderr
-    assert "final test accuracy" in res.stdout and (tmp_path / "a.pt").exists()
-    cmd = [_torchrun(), "--standalone", "--nproc-per-node", "2", example, "--steps", "60", "--save", str(tmp_path / "b.pt")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [example, "--algorithm", algorithm, "--steps", "60", "--save", str(tmp_path / "a.pt")]
+    res = _run_example(launcher, args)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert (tmp_path / "b.pt").exists()
+    assert "final test accuracy" in res.stdout and (tmp_path / "a.pt").exists()
+
+
+@pytest.mark.parametrize("algorithm,launcher", [("allreduce", "launch"), ("prague", "torchrun")])
+def test_the_transformer_example_trains_under_both_launchers(algorithm: str, launcher: str) -> None:
+    """A few steps of the small language model (AdamW, warm-up and cosine, bf16 autocast on the CPU,
+    clipping, two micro-batches accumulated) with each method, each launcher."""
+    example = str(REPO / "examples" / "transformer_lm.py")
+    args = [example, "--algorithm", algorithm, "--steps", "4", "--batch-size", "2", "--context", "32",
+            "--layers", "2", "--width", "64", "--warmup", "2"]
+    res = _run_example(launcher, args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [float(m) for m in re.findall(r"held-out loss of the averaged model ([0-9.]+)", res.stdout)]
+    assert losses and all(0 < x < 6.0 for x in losses), res.stdout  # ln 256 = 5.55 at the start
+    assert f"method {algorithm}" in res.stdout
+
+
+def _run_example(launcher: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    if launcher == "launch":
+        return run_cli("launch", "--nproc", "2", *args)
+    cmd = [_torchrun(), "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
