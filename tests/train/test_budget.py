@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prague.errors import ConfigError
 from prague.runtime.liveness import PROGRESS_KEY, read_progress
-from prague.train.budget import (
+from prague.workload.budget import (
     Budget, EqualShares, SharedBatches, StopAgreement, claim_size, parse_budget,
 )
 from prague.workload.data import GlobalBatches

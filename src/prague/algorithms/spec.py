@@ -63,7 +63,7 @@ class Options:
         """Whether every rank must run every step (a collective over all ranks, a fixed schedule), so that
         under a job-wide ``--budget`` each rank takes the same share of the batches; False for a method
         whose workers may run different numbers of steps, which then take batches from a shared counter
-        and a fast worker does more of the work (:mod:`prague.train.budget`). True unless overridden."""
+        and a fast worker does more of the work (:mod:`prague.workload.budget`). True unless overridden."""
         return True
 
     def check_model(self, state_elements: Callable[[], int]) -> None:

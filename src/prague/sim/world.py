@@ -50,7 +50,7 @@ from prague.sim.costs import Fabric, Transfer
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
 from prague.sim.traffic import Bursts
-from prague.train.budget import SharedBatches
+from prague.workload.budget import SharedBatches
 
 
 DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
@@ -93,7 +93,7 @@ def jitter_for(dist: str, cv: float, seed: int, rank: int, steps: int) -> Jitter
 
 
 class MemoryStore:
-    """The part of the job's store that :class:`~prague.train.budget.SharedBatches` uses, in memory: the
+    """The part of the job's store that :class:`~prague.workload.budget.SharedBatches` uses, in memory: the
     simulated workers claim their batches from the runtime's own counter logic."""
 
     def __init__(self) -> None:
@@ -190,7 +190,7 @@ class World:
     # -- the steps a worker runs -----------------------------------------------------------------------
     def steps_of(self, w: int) -> Iterator[int]:
         """Worker ``w``'s step numbers: ``0 .. steps - 1``, or, with a claimed budget, one more each time it
-        claims a batch at the start of a step (:class:`~prague.train.budget.SharedBatches`, the runtime's
+        claims a batch at the start of a step (:class:`~prague.workload.budget.SharedBatches`, the runtime's
         rule: a fast worker takes more) until the budget is spent."""
         if self._shares is None:
             yield from range(self.steps)

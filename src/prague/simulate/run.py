@@ -30,7 +30,7 @@ from prague.net.traffic import CrossTraffic, parse_cross_traffic
 from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
 from prague.sim.world import World
-from prague.train.budget import EqualShares, parse_budget
+from prague.workload.budget import EqualShares, parse_budget
 from prague.workload.catalog import dataset_info
 
 

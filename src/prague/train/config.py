@@ -145,7 +145,7 @@ class RunConfig:
         if self.compute == "paced" and self.compute_ms == 0:
             raise ConfigError("--compute paced needs a pace: give --compute-ms above 0 (the nominal step time)")
         if self.budget is not None:
-            from prague.train.budget import parse_budget
+            from prague.workload.budget import parse_budget
 
             parse_budget(self.budget)
             if self.checkpoint_every is not None:

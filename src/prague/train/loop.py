@@ -32,7 +32,7 @@ from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY, read_progress
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
-from prague.train.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
+from prague.workload.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
 from prague.train.divergence import DivergenceFlag, LossWatch, divergence_line
@@ -148,7 +148,7 @@ class FixedSteps:
 def plan_work(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, data: Dataset | None,
               train_samples: int, per_epoch: int) -> Work:
     """This rank's :class:`Work`: its own steps over its shard (``--steps``/``--epochs``), or its share of
-    the job-wide ``--budget`` (:mod:`prague.train.budget`). A method that needs every rank in every step
+    the job-wide ``--budget`` (:mod:`prague.workload.budget`). A method that needs every rank in every step
     (``equal_shares``) stops on a step all ranks agree on when a time budget or ``--stop-at-target`` ends
     the job early."""
     lockstep = trainer.algorithm.options.equal_shares()

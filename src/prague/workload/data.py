@@ -319,7 +319,7 @@ class ShardLoader:
 
 class GlobalBatches:
     """Mini-batches of the whole training set, addressed by a job-wide batch index (the job-wide budget,
-    :mod:`prague.train.budget`).
+    :mod:`prague.workload.budget`).
 
     Epoch e is a permutation of every training sample drawn from ``(seed, e)``, cut into
     ``batches_per_epoch = n_samples // batch_size`` full batches (the incomplete tail is left out, a
