@@ -28,6 +28,7 @@ def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
     ("allreduce", "order,accumulation,features"),  # a gradient method: DDP inside backward
     ("prague", "order,features"),  # an averaging method: a Group Generator and background averages
     ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
+    ("ps-eager", "order"),  # a parameter server: rank 0 starts the shards, the model installs their values
 ])
 def test_two_workers_under_prague_launch(algorithm: str, checks: str) -> None:
     res = run_cli("launch", "--nproc", "2", str(CHECKS), checks, algorithm, timeout_s=200)

@@ -50,6 +50,7 @@ shard), applied and rejected counts, and the final server version.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -115,6 +116,9 @@ def shard_services(options: Any, mode: str, nproc: int, folder: Path, exit_when_
     )
 
 
+_own_servers = itertools.count()  # parameter servers this process set up with shards of its job's own
+
+
 def start_own_shards(options: Any, mode: str, nproc: int, resources: contextlib.ExitStack,
                      grace_s: Callable[[], float]) -> None:
     """No launcher manages the job (torchrun, ``prague launch``): rank 0 runs the shards itself, as its
@@ -164,6 +168,13 @@ class ParameterServerBase(Algorithm):
         self.pushes = 0
         self.shard_records: list[dict[str, Any]] = []
         self.final_versions: list[int] = []
+        if os.environ.get(MANAGED_ENV) != "1":
+            # The shards rank 0 starts find the job through store keys that are the job's, not this
+            # object's: a second parameter server in the same job would meet the first one's keys.
+            if next(_own_servers):
+                raise ConfigError("a parameter-server method was already set up in this job without a launcher "
+                                  "that manages its shards; a job (a prague launch or torchrun script) runs one: "
+                                  "prepare it once, or start each run with prague run")
         if ctx.is_main:
             if os.environ.get(MANAGED_ENV) != "1":
                 start_own_shards(opts, self.shard_mode(opts), ctx.world_size, self.resources,
