@@ -149,6 +149,10 @@ def check_features(algorithm: str, opts: dict[str, object]) -> None:
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    # after a load the groups are shared again: a scheduler still moves the wrapped optimizer's rate
+    assert opt.param_groups is opt.optimizer.param_groups and opt.state is opt.optimizer.state
+    sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     model.close()
 
 

@@ -194,7 +194,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's; it replaces its groups and state, so they are shared again (an LR
+        scheduler on this optimizer must keep moving the wrapped one's learning rate)."""
         self.optimizer.load_state_dict(state_dict)
+        self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
