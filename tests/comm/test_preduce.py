@@ -461,3 +461,60 @@ def test_shared_momentum_is_averaged_with_the_parameters(share: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"]))
     same = all(torch.equal(a, b) for a, b in zip(outs[0]["momentum"], outs[1]["momentum"]))
     assert same == (share == "on")
+
+
+# ---------------------------------------------------------------------------------------------------
+# (f) survivors settle a collective that a freezing peer completed on some members and broke on others
+
+
+def _half_done_rank(ctx: DistContext, transport: str) -> dict[str, Any]:
+    """Ranks 0-2 reduce one group. Rank 2 completes the collective and freezes before it settles (it
+    is declared failed, as a hung worker is); rank 1's collective breaks, rank 0's completes. Then ranks
+    0, 1 and 3 reduce a group of the three of them."""
+    from prague.comm import surviving
+    from prague.runtime.liveness import Failure, declare_failure
+
+    groups = surviving.LiveGroups(ctx, capacity=4, transport=transport)
+    rank = ctx.rank
+    buf = torch.full((64,), float(3 * rank))
+    out: dict[str, Any] = {}
+    if rank == 2:
+        def freeze(members: tuple[int, ...], ok: bool) -> bool:
+            declare_failure(ctx.store, Failure(2, 0, "hang"))
+            os._exit(0)
+
+        groups.comms.settle = freeze  # type: ignore[method-assign]
+    if rank == 1:
+        real, broken = surviving.preduce, []
+
+        def breaks_once(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators) -> None:
+            real(buffer, members, comms)
+            if not broken:
+                broken.append(members)
+                raise CommError(f"P-Reduce over ranks {list(members)} failed on rank 1: connection reset")
+
+        surviving.preduce = breaks_once  # type: ignore[assignment]
+    if rank < 3:
+        out["first"] = groups.reduce((0, 1, 2), buf)
+        out["after_first"] = buf.clone()
+    buf.fill_(float(3 * rank))
+    out["second"] = groups.reduce((0, 1, 3), buf)
+    out["after_second"] = buf.clone()
+    out["shrunk"] = groups.shrunk
+    groups.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["groups", "world"])
+def test_a_collective_half_done_by_a_freezing_peer_is_retried_by_every_survivor(transport: str) -> None:
+    # Without settling, rank 0 kept the 3-way mean and went on to the next group while rank 1 retried
+    # the pair (0, 1) and waited there for rank 0: each waited for the other until the job's timeout.
+    outs = run_ranks(_half_done_rank, 4, transport, may_exit=frozenset({2}), deadline_s=40)
+    full = lambda v: torch.full((64,), v)  # noqa: E731
+    for r in (0, 1):
+        assert outs[r]["first"] == (0, 1), r  # both retried without rank 2
+        assert torch.equal(outs[r]["after_first"], full(1.5)), r  # the mean of 0 and 3, not of 0, 3 and 6
+        assert outs[r]["shrunk"] == 1, r
+    for r in (0, 1, 3):
+        assert outs[r]["second"] == (0, 1, 3)
+        assert torch.equal(outs[r]["after_second"], full(4.0)), r

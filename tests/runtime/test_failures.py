@@ -68,6 +68,55 @@ def test_waiting_for_a_member_ends_when_it_is_declared_failed() -> None:
     assert not isinstance(info2.value, PeerFailed)
 
 
+class _LateStore:
+    """The job's store, except that its first wait runs out, as a slice does when a key arrives just
+    after it: the key is there by the time the waiter looks at the failed set."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store, self.waits = store, 0
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self.waits += 1
+        if self.waits == 1:
+            raise RuntimeError("wait timed out")
+        self._store.wait(keys, timeout)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def test_a_key_written_before_the_declaration_lets_every_waiter_pass() -> None:
+    """A member that wrote its handshake key and then froze is declared failed: a waiter that looks at
+    the failed set after the declaration passes, as one that saw the key first did; so either every
+    member passes the handshake or none does."""
+    store = _store()
+    view = Membership(store.clone(), 3)
+    store.set("hs/0", "x")
+    store.set("hs/1", "x")  # rank 1 wrote its key, then froze and was declared
+    declare_failure(store, Failure(1, 4, "hang"))
+    late = _LateStore(store.clone())
+    view.wait_keys(late, ["hs/0", "hs/1"], (0, 1), timeout_s=30.0, what="handshake", slice_s=0.2)  # type: ignore[arg-type]
+    assert late.waits == 1  # it passed on the failed-set look, not on a second wait
+    with pytest.raises(PeerFailed):  # a key missing with its writer declared failed: nobody passes
+        view.wait_keys(_LateStore(store.clone()), ["hs/0", "hs/2"], (0, 1), timeout_s=30.0,  # type: ignore[arg-type]
+                       what="handshake", slice_s=0.2)
+
+
+def test_reports_leave_out_the_members_declared_failed_without_one() -> None:
+    store = _store()
+    view = Membership(store.clone(), 4)
+    store.set("end/0", "1")
+    store.set("end/2", "0")  # rank 2 reported, then failed: its report still counts
+    declare_failure(store, Failure(2, 3, "crash"))
+    threading.Timer(0.3, declare_failure, (store.clone(), Failure(3, 3, "hang"))).start()
+    threading.Timer(0.5, store.set, ("end/1", "1")).start()
+    keys = {r: f"end/{r}" for r in range(4)}
+    assert view.wait_reports(store.clone(), keys, timeout_s=30.0, what="outcome", slice_s=0.2) == {
+        0: b"1", 1: b"1", 2: b"0"}
+    with pytest.raises(Exception, match=r"ranks \[1\] did not report within 0.5 s"):
+        view.wait_reports(store.clone(), {0: "end/0", 1: "never/1"}, timeout_s=0.5, what="outcome", slice_s=0.2)
+
+
 def test_survivors_are_the_done_ranks_once_every_rank_is_done_or_failed() -> None:
     store = _store()
     view = Membership(store.clone(), 3)

@@ -16,8 +16,9 @@ from prague.errors import CommError
 
 
 def shutdown_group(pg: dist.ProcessGroup) -> None:
-    """Ask ``pg`` to shut down (closing its connections where the backend supports it), best effort: a
-    group whose peer is gone may fail to."""
+    """Ask ``pg`` to shut down, best effort: a group whose peer is gone may fail to. A gloo group's
+    connections stay open until its last reference is dropped (its ``shutdown()`` and ``abort()`` leave
+    them): a caller whose peers may still wait in a collective on it must drop every reference."""
     try:
         if hasattr(pg, "shutdown"):
             pg.shutdown()

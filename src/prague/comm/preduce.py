@@ -128,6 +128,7 @@ class GroupCommunicators:
         self._rendezvous_stores: list[dist.Store] = []
         self.stats = CommStats()
         self.membership = membership  # when set, a member declared failed ends a handshake at once
+        self._agreed: tuple[tuple[int, ...], int] | None = None  # the latest handshake that passed here
 
     def _check(self, members: tuple[int, ...]) -> None:
         if self.ctx.rank not in members:
@@ -151,9 +152,39 @@ class GroupCommunicators:
         else:
             self.membership.wait_keys(store, keys, members, self.timeout.total_seconds(),
                                       f"communicator handshake for ranks {list(members)}")
+        self._agreed = (members, use)
         if use >= 2:  # every member read use-2's keys before writing use-1's, which we have seen
             store.delete_key(f"{base}{use - 2}/{rank}")
         return held is not None and all(v.decode() == held for v in store.multi_get(keys))
+
+    def settle(self, members: tuple[int, ...], ok: bool) -> bool:
+        """After the latest use of ``members`` (:meth:`get` or :meth:`meet`, then the collective): tell
+        the other members whether it succeeded here, and learn the same of them. Returns True only if no
+        member reported a failure; members declared failed without a report are left out (needs a
+        membership).
+
+        A collective can succeed on some members and fail on others: a peer that froze after sending
+        its last piece to one member, but not to another, completes the first and breaks the second.
+        The first would go on to its next group while the second retries without the frozen peer and
+        waits for it there: both wait forever, each for the other. Settling makes every member see the
+        same outcome, so either all keep the result or all retry.
+
+        A use whose handshake did not pass here passed on no member (:meth:`Membership.wait_keys`):
+        there is nothing to settle, and this returns False at once."""
+        if self.membership is None:
+            raise ConfigError("settling a group's outcome needs a membership (the failed set)")
+        store, rank = self.store, self.ctx.rank
+        use = self._uses[members] - 1
+        if self._agreed != (members, use):
+            return False
+        base = f"{self._prefix}/{_set_name(members)}/end"
+        store.set(f"{base}{use}/{rank}", "1" if ok else "0")
+        reports = self.membership.wait_reports(store, {r: f"{base}{use}/{r}" for r in members},
+                                               self.timeout.total_seconds(),
+                                               f"outcome of the group of ranks {list(members)}")
+        if use >= 2:  # every member read use-2's reports before it took part in use-1
+            store.delete_key(f"{base}{use - 2}/{rank}")
+        return all(v == b"1" for v in reports.values())
 
     def start(self) -> None:
         """Collective over every rank of the job, once, before the first group: creates the world
@@ -290,6 +321,10 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
     try:
         pg.allreduce([buffer]).wait()
     except RuntimeError as exc:
+        # Only dropping the last reference closes a gloo group's connections (shutdown() and abort() do
+        # not): a member still inside this collective, waiting for data this rank will never relay,
+        # then fails at once instead of at the timeout. The exception's frames must not keep it.
+        del pg
         comms.discard(members)
         raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {comms.ctx.rank}: {exc}") from exc
     buffer.div_(len(members))

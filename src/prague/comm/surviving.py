@@ -15,7 +15,10 @@ launcher through the store (:mod:`prague.runtime.liveness`). For a group of memb
 Members that learn of a failure at different moments still meet: one that already knew runs the
 group without the failed member; one that did not waits for it in the handshake, learns of the
 failure there, and retries the same smaller group. The failed set only grows, so every live member
-ends up running the same group.
+ends up running the same group. After every attempt the members settle its outcome
+(:meth:`GroupCommunicators.settle`): a collective that a freezing peer completed on one member and
+broke on another is retried by both, never kept by one and retried by the other (which would leave
+each waiting for the other in different groups).
 """
 
 from __future__ import annotations
@@ -55,17 +58,27 @@ class LiveGroups:
                 self._before = torch.empty_like(buffer)
             before = self._before.copy_(buffer)
         while len(live) > 1:
+            error: CommError | None = None
             try:
                 preduce(buffer, live, self.comms)
-                return live
             except CommError as exc:
-                lost = self._lost(live, exc)
-                if not lost:
-                    raise
-                buffer.copy_(before)
-                if len(live) == len(members):
-                    self.shrunk += 1
-                live = self.current = tuple(r for r in live if r not in lost)
+                error = exc
+            if self.membership is None:
+                if error is not None:
+                    raise error
+                return live
+            if self.comms.settle(live, error is None):
+                return live
+            lost = self._lost(live, error)
+            if not lost:
+                if error is not None:
+                    raise error
+                raise CommError(f"P-Reduce over ranks {list(live)} failed on another member, and none of "
+                                f"them was declared failed within {DECLARE_WAIT_S:g} s")
+            buffer.copy_(before)
+            if len(live) == len(members):
+                self.shrunk += 1
+            live = self.current = tuple(r for r in live if r not in lost)
         return live
 
     def _live(self, members: Sequence[int]) -> tuple[int, ...]:
@@ -74,8 +87,9 @@ class LiveGroups:
         failed = set(self.membership.failed_among(members))
         return tuple(r for r in members if r not in failed)
 
-    def _lost(self, live: tuple[int, ...], exc: CommError) -> list[int]:
-        """The members of ``live`` that failed, if ``exc`` came from one (waiting for the declaration)."""
+    def _lost(self, live: tuple[int, ...], exc: CommError | None) -> list[int]:
+        """The members of ``live`` that failed, if the failure (``exc`` here, or one another member
+        reported: ``exc`` None) came from one, waiting for the declaration."""
         if self.membership is None:
             return []
         if isinstance(exc, PeerFailed):

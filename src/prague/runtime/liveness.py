@@ -128,7 +128,8 @@ class Membership:
         set, looking at the failed set between slices: raise :class:`PeerFailed` as soon as a member is
         declared failed, :class:`CommError` on timeout. (A slice that runs out costs the store client a
         reconnection, so slices are long.) The timeout counts inactivity: it starts again whenever a
-        member reports another training step."""
+        member reports another training step. A member declared failed after it wrote its key does not
+        fail the wait: every waiter then sees the same keys, so all of them pass or none does."""
         members = tuple(members)
         deadline = time.monotonic() + timeout_s
         progress = Progress(store)
@@ -140,11 +141,41 @@ class Membership:
             except RuntimeError as exc:  # a slice ran out
                 lost = self.failed_among(members)
                 if lost:
+                    if store.check(keys):  # written before the declaration: every waiter sees them all
+                        return
                     raise PeerFailed(lost, f"{what}: rank(s) {lost} failed") from None
                 if progress.moved(members):  # the timeout counts inactivity: members still stepping
                     deadline = time.monotonic() + timeout_s
                 if time.monotonic() >= deadline:
                     raise CommError(f"{what}: not every member arrived within {timeout_s:g} s ({exc})") from exc
+
+
+    def wait_reports(self, store: dist.Store, keys: Mapping[int, str], timeout_s: float, what: str,
+                     slice_s: float = 1.0) -> dict[int, bytes]:
+        """Wait on ``store`` (the caller's connection) until each member of ``keys`` (rank -> the key it
+        writes once) has written its key or has been declared failed; returns the values written, by
+        rank. A member's write happens before its declaration or not at all (a declared worker is dead
+        or fenced), and the keys are read after the declaration is seen, so every caller gets the same
+        values. :class:`CommError` after ``timeout_s`` of inactivity (as :meth:`wait_keys`)."""
+        waiting = dict(keys)
+        deadline = time.monotonic() + timeout_s
+        progress = Progress(store)
+        while waiting:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(list(waiting.values()), timedelta(seconds=max(0.001, min(slice_s, left))))
+                break
+            except RuntimeError as exc:  # a slice ran out
+                failed = self.failed_among(waiting)
+                waiting = {r: k for r, k in waiting.items() if r not in failed}
+                if progress.moved(waiting):
+                    deadline = time.monotonic() + timeout_s
+                if waiting and time.monotonic() >= deadline:
+                    silent = sorted(r for r, k in waiting.items() if not store.check([k]))
+                    raise CommError(f"{what}: ranks {silent} did not report within {timeout_s:g} s "
+                                    f"({exc})") from exc
+        present = {r: k for r, k in keys.items() if r in waiting or store.check([k])}
+        return dict(zip(present, store.multi_get(list(present.values()))))
 
 
 class PeerFailed(CommError):
