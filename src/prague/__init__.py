@@ -31,6 +31,7 @@ _EXPORTS = {
     "shutdown": "prague.runtime.context",
     "DistributedTrainer": "prague.train.trainer",
     "StepRecord": "prague.train.trainer",
+    "StepHooks": "prague.train.trainer",
     "wrap": "prague.train.trainer",
     "prepare": "prague.train.prepared",
 }

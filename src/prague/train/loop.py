@@ -1,7 +1,8 @@
 """The built-in worker: what every process of ``prague run`` (or of torchrun) executes.
 
 One short, linear function (:func:`train`) over the public :class:`DistributedTrainer` API; it never
-branches on the method's name. Each rank writes ``metrics/rankR.jsonl`` (and, with ``--log-decisions``,
+branches on the method's name. The experiment's injected faults, slowdowns and paced compute are its
+:class:`~prague.train.harness.Harness`, hooked into the trainer's steps. Each rank writes ``metrics/rankR.jsonl`` (and, with ``--log-decisions``,
 ``decisions/rankR.jsonl``: :mod:`prague.metrics.decisions`); rank 0 writes ``summary.json`` at the end.
 """
 
@@ -40,6 +41,7 @@ from prague.train.evaluator import StateFiles, stop_requested
 from prague.train.evaluation import (
     DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, start_together,
 )
+from prague.train.harness import Harness
 from prague.train.trainer import DistributedTrainer, StepRecord
 from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 from prague.workload.data import Dataset, GlobalBatches, ShardLoader, load_dataset
@@ -181,19 +183,19 @@ def plan_work(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, dat
     return work
 
 
-def save_checkpoint(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, training: Training,
-                    wall_s: float) -> None:
+def save_checkpoint(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, harness: Harness,
+                    training: Training, wall_s: float) -> None:
     """Write this rank's file of the checkpoint at ``trainer.steps_done`` (:mod:`prague.train.checkpoint`)."""
     state = checkpoint.WorkerState(
         step=trainer.steps_done, model=trainer.model.state_dict(),
         optimizer=trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
-        trainer=trainer.state_dict(), records=[r.as_dict() for r in training.records],
+        trainer={**trainer.state_dict(), **harness.state_dict()}, records=[r.as_dict() for r in training.records],
         snapshots=list(training.snapshots.entries.items()), wall_s=wall_s, rng=checkpoint.rng_state(),
     )
     checkpoint.write(Path(cfg.out), ctx.rank, ctx.world_size, state)
 
 
-def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, work: Work,
+def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, harness: Harness, work: Work,
               snapshots: SnapshotLog | None, resumed: checkpoint.WorkerState | None = None) -> Training:
     """Run this rank's steps (those after the ``resumed`` checkpoint's step) until its :class:`Work` is
     done, logging each to ``OUT/metrics/rankR.jsonl``, publishing progress, keeping the model's state at
@@ -231,6 +233,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, wor
                 x, y = work.loader.batch(index)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 rec = trainer.step(lambda m: F.cross_entropy(m(x), y))
+            harness.finish_step(rec)
             rec.t_end_s = clock.now()
             if cfg.budget is not None:
                 rec.batch = index
@@ -240,7 +243,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, wor
             done = trainer.steps_done
             ctx.store.set(progress, f"{done},{max(work.expected, done)},{rec.loss if rec.loss is not None else ''}")
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < work.expected:
-                save_checkpoint(cfg, ctx, trainer, training, clock.now())
+                save_checkpoint(cfg, ctx, trainer, harness, training, clock.now())
         if keep:
             training.snapshots.observe(trainer.model, clock.now())
     training.wall_s = clock.now()  # the method's close included: the job ends when its last group is done
@@ -298,17 +301,21 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             raise ConfigError("--stop-at-target needs the evaluator `prague run` starts beside the workers, which "
                               "reads their states from this machine's disk; under torchrun drop it")
         files = StateFiles(Path(cfg.out), ctx.rank)
+    nominal_s: float | None = getattr(model, "nominal_compute_s", None)  # emulated compute's own
+    if nominal_s is None and cfg.nominal_compute_ms is not None:
+        nominal_s = cfg.nominal_compute_ms / 1e3
+    harness = Harness(scenario, ctx.rank, ctx.world_size, nominal_s, paced=cfg.compute == "paced")
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
-        trainer = DistributedTrainer(model, optimizer, cfg.algorithm, scenario=scenario, ctx=ctx, seed=cfg.seed,
-                                     decisions=decisions, stall_warn_s=cfg.stall_warn_s,
-                                     compute_ms=cfg.nominal_compute_ms, paced=cfg.compute == "paced", **cfg.options)
+        trainer = DistributedTrainer(model, optimizer, cfg.algorithm, ctx=ctx, seed=cfg.seed, decisions=decisions,
+                                     stall_warn_s=cfg.stall_warn_s, hooks=harness, **cfg.options)
         if resumed is not None:
             trainer.load_state_dict(resumed.trainer)
+            harness.load_state_dict(resumed.trainer)
             checkpoint.set_rng_state(resumed.rng)
         work = plan_work(cfg, ctx, trainer, data, train_samples, per_epoch)
         # closes the method: its last groups are logged
-        training = run_steps(cfg, ctx, trainer, work, snapshot_log(cfg, model, files), resumed)
+        training = run_steps(cfg, ctx, trainer, harness, work, snapshot_log(cfg, model, files), resumed)
         if files is not None:
             files.write_final(flatten(state_tensors(trainer.model)))
     finally:
