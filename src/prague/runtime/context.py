@@ -16,6 +16,7 @@ import gc
 import json
 import signal
 import os
+import socket
 import sys
 import time
 import traceback
@@ -121,6 +122,26 @@ def _env_int(name: str, default: int | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def service_host() -> str:
+    """The address at which a service this process starts (a rank that hosts the Group Generator under
+    torchrun) is reached by every rank of the job: loopback when the whole job runs on this machine
+    (``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``, or no job environment), else this machine's address on
+    its route to the job's store (``MASTER_ADDR``), the one the other machines already reach it by."""
+    world = _env_int("WORLD_SIZE", 1)
+    if _env_int("LOCAL_WORLD_SIZE", world) >= world:
+        return "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "1") or 1)
+    try:
+        family, _, _, _, where = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # a UDP connect sends nothing: it picks a route
+            probe.connect(where)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ConfigError(f"cannot find this machine's address towards the job's store at MASTER_ADDR={master!r} "
+                          f"({exc}); the other machines could not reach a service started here") from exc
 
 
 def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:

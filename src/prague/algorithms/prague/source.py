@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
-from prague.runtime.context import DistContext
+from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.liveness import Membership, read_keys
@@ -176,7 +176,7 @@ class ServiceSource:
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        self._spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address"),
+        self._spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
                                          env={TOKEN_ENV: token})
         proc, address = start_service(self._spec)
         resources.callback(lambda: stop_process(self._proc, 0.0) if self._proc else None)  # unless leave() stopped it

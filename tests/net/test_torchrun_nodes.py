@@ -1,0 +1,96 @@
+"""Several machines for real: network namespaces as machines, each running its own torchrun
+(``--nnodes 2 --rdzv-backend c10d``), so the job's store, the ranks' connections and the services a rank
+starts (the Group Generator, parameter-server shards) are reached over the emulated links, never over a
+loopback the machines would not share. Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN): skipped, with
+the reason, without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from prague.net.hosts import INNER_IF, EmulatedHosts, missing_privileges, parse_rate
+
+pytestmark = pytest.mark.timeout(240)
+REASON = missing_privileges()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated machines unavailable: {REASON}")
+
+NODES, PER_NODE = 2, 2
+RDZV_PORT = 29431
+
+
+@pytest.fixture(scope="module")
+def machines() -> Iterator[EmulatedHosts]:
+    with EmulatedHosts(NODES, parse_rate("10gbit")) as net:
+        yield net
+
+
+def torchrun_nodes(net: EmulatedHosts, worker_args: Sequence[str], job: str,
+                   timeout_s: float = 150.0) -> list[tuple[int | None, str]]:
+    """Start one torchrun per machine, the first hosting the rendezvous store at its own address (its
+    hostname is every namespace's, so torchrun is told, with ``is_host``, which one hosts it, and
+    ``--local-addr`` gives each machine's address to its workers); each runs ``prague worker
+    WORKER_ARGS``. Returns each machine's exit code and output; kills what is left at ``timeout_s``."""
+    procs = []
+    for node in range(NODES):
+        argv = ["ip", "netns", "exec", net.namespace(node), sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--node-rank", str(node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{RDZV_PORT}", "--rdzv-id", job,
+                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node),
+                "-m", "prague", "worker", *worker_args]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": INNER_IF, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      start_new_session=True))
+    results: list[tuple[int | None, str]] = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        results.append((proc.returncode, out))
+    return results
+
+
+@needs_netns
+@pytest.mark.parametrize("algorithm", ["allreduce", "prague", "ps-eager"])
+def test_two_machines_train_with_every_service_reached_over_the_links(machines: EmulatedHosts, tmp_path: Path,
+                                                                      algorithm: str) -> None:
+    # prague: rank 0 starts the Group Generator, which the other machine's ranks must reach at rank 0's
+    # machine address (it listened on loopback before); ps-eager: rank 0 starts the shards
+    out = tmp_path / "run"
+    results = torchrun_nodes(machines, ["--algorithm", algorithm, "--steps", "30", "--compute", "emulated",
+                                        "--compute-ms", "10", "--quiet", "--out", str(out)], job=f"two-{algorithm}")
+    for node, (code, text) in enumerate(results):
+        assert code == 0, f"machine {node} exited {code}:\n{text[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nproc"] == NODES * PER_NODE
+    assert summary["completed_steps"] == [30] * (NODES * PER_NODE) and summary["failures"] == []
+
+
+def test_a_service_listens_on_loopback_only_when_the_job_is_on_one_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prague.errors import ConfigError
+    from prague.runtime.context import service_host
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert service_host() == "127.0.0.1"  # a job of one
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    assert service_host() == "127.0.0.1"  # every rank on this machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.2")
+    assert service_host() == "127.0.0.1"  # the address this machine reaches the store from
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(ConfigError, match="MASTER_ADDR='no-such-host.invalid'"):
+        service_host()
