@@ -32,8 +32,8 @@ def machines() -> Iterator[EmulatedHosts]:
         yield net
 
 
-def torchrun_nodes(net: EmulatedHosts, worker_args: Sequence[str], job: str,
-                   timeout_s: float = 150.0) -> list[tuple[int | None, str]]:
+def torchrun_nodes(net: EmulatedHosts, worker_args: Sequence[str], job: str, timeout_s: float = 150.0,
+                   torchrun_args: Sequence[str] = ()) -> list[tuple[int | None, str]]:
     """Start one torchrun per machine, the first hosting the rendezvous store at its own address (its
     hostname is every namespace's, so torchrun is told, with ``is_host``, which one hosts it, and
     ``--local-addr`` gives each machine's address to its workers); each runs ``prague worker
@@ -43,7 +43,7 @@ def torchrun_nodes(net: EmulatedHosts, worker_args: Sequence[str], job: str,
         argv = ["ip", "netns", "exec", net.namespace(node), sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--node-rank", str(node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{RDZV_PORT}", "--rdzv-id", job,
-                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node),
+                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node), *torchrun_args,
                 "-m", "prague", "worker", *worker_args]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": INNER_IF, "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -94,3 +94,17 @@ def test_a_service_listens_on_loopback_only_when_the_job_is_on_one_machine(monke
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     with pytest.raises(ConfigError, match="MASTER_ADDR='no-such-host.invalid'"):
         service_host()
+
+
+@needs_netns
+def test_allreduce_on_two_machines_survives_a_crash_by_restarting_from_its_checkpoint(machines: EmulatedHosts,
+                                                                                      tmp_path: Path) -> None:
+    out = tmp_path / "run"  # one disk for both machines here: the checkpoint is complete where both read it
+    results = torchrun_nodes(machines, ["--algorithm", "allreduce", "--steps", "60", "--checkpoint-every", "10",
+                                        "--slowdown", "crash:2:20", "--compute", "emulated", "--compute-ms", "10",
+                                        "--quiet", "--out", str(out)], job="two-restart",
+                             torchrun_args=["--max-restarts", "1"])
+    for node, (code, text) in enumerate(results):
+        assert code == 0, f"machine {node} exited {code}:\n{text[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["completed_steps"] == [60] * (NODES * PER_NODE)

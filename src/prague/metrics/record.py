@@ -94,6 +94,8 @@ class RunRecord:
     diverged: dict[str, Any] | None = _doc(
         "null, or where the run diverged and stopped: `{rank, step, loss, last_finite_loss, reason}` (loss null: "
         "not finite); its accuracy is that of the broken model, and benches count it as never reaching the target")
+    restarts: int | None = _doc("how many times torchrun (`--max-restarts`) restarted the job, each time from its last "
+                                "complete checkpoint (null: not a torchrun run of the built-in worker)")
     simulated: bool = _doc("true for `prague simulate`", False)
     sim: dict[str, Any] | None = _doc("simulated runs: nodes, cluster, event count, simulator run time")
 

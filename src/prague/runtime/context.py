@@ -124,6 +124,15 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def attempt_store(store: dist.Store) -> dist.Store:
+    """The job's store as this attempt of the job sees it. torchrun (``--max-restarts``) starts the workers
+    again on the same store, which outlives them: a restart's keys go under a prefix of their own (as
+    torch's env:// rendezvous does), so an earlier attempt's (its ranks' addresses, its failed set, its
+    services) cannot mislead this one. The first attempt, and every other launch, use the store as is."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store if attempt in ("", "0") else dist.PrefixStore(f"prague/attempt{attempt}", store)
+
+
 def service_host() -> str:
     """The address at which a service this process starts (a rank that hosts the Group Generator under
     torchrun) is reached by every rank of the job: loopback when the whole job runs on this machine
@@ -176,10 +185,10 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store: dist.Store = dist.TCPStore(
+        store: dist.Store = attempt_store(dist.TCPStore(
             host, port, world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
             multi_tenant=not agent_store,
-        )
+        ))
     else:
         rank, world_size, local_rank = 0, 1, 0
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)

@@ -6,7 +6,9 @@ None of this is in the library's training API: :class:`Harness` is a
 
 * ``crash:R:STEP`` raises :class:`~prague.hetero.spec.InjectedCrash` at the step's start; ``hang:R:STEP``
   freezes the process there (SIGSTOP: it neither exits nor beats its heartbeat until someone kills or
-  continues it);
+  continues it). Each fires once per job: it is written down (``fired``, a file of this rank's) before
+  it fires, and a job that goes on after it (resumed from a checkpoint, or restarted by torchrun) reads
+  the file and does not fire it again;
 * the scenario's slowdown factor f makes the step longer: under emulated or real compute by a sleep of
   (f - 1) x the nominal compute time (the emulated model's, ``compute_ms``, or else this rank's running
   average of its measured compute), before the forward pass;
@@ -16,14 +18,17 @@ None of this is in the library's training API: :class:`Harness` is a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from prague.algorithms.api import StepTimes
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario
+from prague.io import atomic_write_json
 from prague.train.trainer import StepHooks, StepRecord
 
 
@@ -77,10 +82,12 @@ class Harness(StepHooks):
     """The built-in loop's faults, slowdowns and pacing for rank ``rank`` of ``world_size`` (see the module
     docstring). ``nominal_s``: the nominal compute time of a step that slowdowns scale (None: this rank's
     running average of its measured compute); ``paced``: pad each real pass to it (needs ``nominal_s``).
-    After each step the loop hands the trainer's record to :meth:`finish_step`."""
+    After each step the loop hands the trainer's record to :meth:`finish_step`. ``fired``: the file that
+    records the faults this rank fired (None: none is recorded); ``continued``: the job continues an
+    earlier attempt, so faults that file lists do not fire again (otherwise the file is cleared)."""
 
     def __init__(self, scenario: Scenario, rank: int, world_size: int, nominal_s: float | None = None,
-                 paced: bool = False) -> None:
+                 paced: bool = False, fired: Path | None = None, continued: bool = False) -> None:
         scenario.check_world(world_size)
         if paced and not nominal_s:
             raise ConfigError("paced compute needs compute_ms > 0: the nominal step time each step is padded to")
@@ -93,6 +100,23 @@ class Harness(StepHooks):
         self._t0 = 0.0
         self._real_start = 0.0
         self._real_end = 0.0
+        self._fired_path = fired
+        self.fired: set[tuple[str, int]] = set()
+        if fired is not None and continued and fired.exists():
+            self.fired = {(str(kind), int(step)) for kind, step in json.loads(fired.read_text())}
+        elif fired is not None:
+            fired.unlink(missing_ok=True)
+
+    def _fires(self, kind: str, step: int) -> bool:
+        """Whether the fault ``kind`` at ``step`` fires now: not if it fired before in this job; recorded
+        first, since a crash or a hang leaves no chance to record it afterwards."""
+        if (kind, step) in self.fired:
+            return False
+        self.fired.add((kind, step))
+        if self._fired_path is not None:
+            self._fired_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self._fired_path, sorted(self.fired))
+        return True
 
     def _delay_s(self, factor: float) -> float:
         base = self.nominal_s if self.nominal_s is not None else self.ema_s
@@ -100,9 +124,9 @@ class Harness(StepHooks):
 
     def before_compute(self, step: int) -> None:
         rank = self.rank
-        if self.scenario.crashes_at(rank, step):
+        if self.scenario.crashes_at(rank, step) and self._fires("crash", step):
             raise InjectedCrash(f"injected crash of rank {rank} at step {step} (scenario {self.scenario.text!r})")
-        if self.scenario.hangs_at(rank, step):
+        if self.scenario.hangs_at(rank, step) and self._fires("hang", step):
             os.kill(os.getpid(), signal.SIGSTOP)
         self._t0 = time.perf_counter()
         self._factor = self.scenario.slowdown(rank, step, self.world_size)

@@ -49,6 +49,19 @@ from prague.workload.emulate import EmulatedCompute
 from prague.workload.models import build_model, parameter_count
 
 
+#: Where each rank records the injected faults it fired (:class:`~prague.train.harness.Harness`).
+FAULTS_DIR = "faults"
+
+
+def elastic_restarts() -> int:
+    """How many times torchrun (``--max-restarts``) has restarted this job's workers; 0 otherwise."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a count; it is torchrun's to set") from None
+
+
 def total_steps(cfg: RunConfig, per_epoch: int) -> int:
     if cfg.steps is not None:
         return cfg.steps
@@ -290,7 +303,10 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
     model, optimizer, n_params = build(cfg, shape, classes, ctx)
     resumed = None
-    if cfg.resume:  # before the method's setup, which may publish rank 0's model (DDP, parameter servers)
+    restarts = elastic_restarts()
+    # torchrun --max-restarts started this attempt again: it continues from the last complete checkpoint
+    restarted = restarts > 0 and checkpoint.latest_complete(Path(cfg.out), ctx.world_size) is not None
+    if cfg.resume or restarted:  # before the method's setup, which may publish rank 0's model (DDP, servers)
         resumed = checkpoint.read(Path(cfg.out), checkpoint.resume_step(Path(cfg.out), ctx.world_size), ctx.rank)
         model.load_state_dict(resumed.model)
         if optimizer is not None and resumed.optimizer is not None:
@@ -304,7 +320,9 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     nominal_s: float | None = getattr(model, "nominal_compute_s", None)  # emulated compute's own
     if nominal_s is None and cfg.nominal_compute_ms is not None:
         nominal_s = cfg.nominal_compute_ms / 1e3
-    harness = Harness(scenario, ctx.rank, ctx.world_size, nominal_s, paced=cfg.compute == "paced")
+    harness = Harness(scenario, ctx.rank, ctx.world_size, nominal_s, paced=cfg.compute == "paced",
+                      fired=Path(cfg.out) / FAULTS_DIR / f"rank{ctx.rank}.json",
+                      continued=cfg.resume or restarts > 0)
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.algorithm, ctx=ctx, seed=cfg.seed, decisions=decisions,
@@ -370,6 +388,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares, job_s=job_s,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
         diverged=diverged.as_dict() if diverged is not None else None,
+        restarts=elastic_restarts() if "TORCHELASTIC_RESTART_COUNT" in os.environ else None,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     if cfg.timeline:  # every rank's step records are complete: all closed their runs

@@ -81,6 +81,7 @@ from prague.algorithms.ps.rules import accepts, sgd_rule, update_scale
 from prague.errors import CommError, ConfigError, unknown_choice
 from prague.io import JsonLines, atomic_write_text
 from prague.metrics.decisions import ShardPush, shard_trace_path
+from prague.runtime.context import attempt_store
 
 
 class ShardState:
@@ -372,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     timeout = timedelta(seconds=args.timeout_s)
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
+    store = attempt_store(dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                                        is_master=False, timeout=timeout))
     atomic_write_text(args.ready_file, f"ps-shard {args.shard} pid {os.getpid()}\n")
 
     layout = Layout.decode(store.get(LAYOUT_KEY))  # published by worker rank 0 in setup()
