@@ -108,3 +108,23 @@ def test_allreduce_on_two_machines_survives_a_crash_by_restarting_from_its_check
         assert code == 0, f"machine {node} exited {code}:\n{text[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["completed_steps"] == [60] * (NODES * PER_NODE)
+
+
+@needs_netns
+@pytest.mark.parametrize("algorithm,fault", [("prague", "crash:2:20"), ("prague", "hang:0:20"), ("dssync", "crash:2:20"),
+                                             ("eager-sgd", "hang:2:20")])
+def test_two_machines_go_on_without_a_failed_worker(machines: EmulatedHosts, tmp_path: Path, algorithm: str,
+                                                     fault: str) -> None:
+    # each rank's guard declares its own worker failed; hang:0:20 freezes the worker of the rank whose guard
+    # runs the Group Generator, on the machine that also holds the rendezvous store
+    out = tmp_path / "run"
+    kind, rank, _ = fault.split(":")
+    results = torchrun_nodes(machines, ["--algorithm", algorithm, "--steps", "60", "--slowdown", fault, "--lease-s", "2",
+                                        "--compute", "emulated", "--compute-ms", "10", "--quiet", "--out", str(out)],
+                             job=f"fail-{algorithm}-{kind}-{rank}")
+    for node, (code, text) in enumerate(results):
+        assert code == 0, f"machine {node} exited {code}:\n{text[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == [{"rank": int(rank), "step": 20, "kind": kind}]
+    world = NODES * PER_NODE
+    assert summary["completed_steps"] == [20 if r == int(rank) else 60 for r in range(world)]

@@ -1,8 +1,9 @@
-"""A worker that fails under torchrun: torchrun stops the job in bounded time, exits non-zero naming the
-rank, and no process (worker, or the Group Generator that rank 0 started) is left behind.
+"""Workers that fail under torchrun. A method that needs every rank (``allreduce``): torchrun stops the job
+in bounded time, exits non-zero naming the rank, and nothing is left behind; with ``--max-restarts`` it
+restarts from the last checkpoint. A method that goes on without a failed worker: each rank's guard
+(:mod:`prague.runtime.guard`) declares its crashed or hung worker failed and the others finish.
 
-Runs torchrun as ``python -m torch.distributed.run`` with this interpreter; what prague owes here is that
-the failing rank's error reaches torchrun and that rank 0's service dies with rank 0."""
+Runs torchrun as ``python -m torch.distributed.run`` with this interpreter."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 def test_a_crashing_worker_under_torchrun_fails_the_job_naming_its_rank(tmp_path: Path) -> None:
     out, case = tmp_path / "crash", uuid.uuid4().hex  # every process of this job carries ``case``
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "prague", "worker", "--algorithm", "prague", "--steps", "100000", "--slowdown", "crash:1:5",
+           "-m", "prague", "worker", "--algorithm", "allreduce", "--steps", "100000", "--slowdown", "crash:1:5",
            "--compute", "emulated", "--compute-ms", "10", "--data", "synthetic", "--out", str(out)]
     # Bounded by the hard timeout: rank 0 must be stopped, not waited for (100000 steps).
     res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
@@ -52,3 +53,48 @@ def test_torchrun_restarts_a_method_that_needs_every_rank_from_its_last_checkpoi
     steps = [json.loads(line)["step"] for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
     assert steps == list(range(40))  # the checkpoint's 20 steps, then the resumed attempt's 20
     assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+@pytest.mark.parametrize("algorithm,fault", [("prague", "crash:1:20"), ("prague:smart", "hang:1:20"),
+                                             ("prague", "crash:0:20"), ("adpsgd", "hang:1:20")])
+def test_under_torchrun_the_others_go_on_without_a_failed_worker(tmp_path: Path, algorithm: str, fault: str) -> None:
+    # crash:0:20 kills the worker of the rank whose guard runs the Group Generator: the service lives on
+    out, case = tmp_path / "survive", uuid.uuid4().hex
+    kind, rank, _ = fault.split(":")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "prague", "worker", "--algorithm", algorithm, "--steps", "40", "--slowdown", fault, "--lease-s", "2",
+           "--compute", "emulated", "--compute-ms", "10", "--quiet", "--out", str(out)]
+    res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"warning: rank {rank} " in res.stderr, res.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == [{"rank": int(rank), "step": 20, "kind": kind}]
+    assert summary["completed_steps"] == [20 if r == int(rank) else 40 for r in range(3)]
+    assert summary["ranks"] == [r for r in range(3) if r != int(rank)]
+    if algorithm.startswith("prague"):  # rank 0's guard started it and wrote where it runs
+        services = json.loads((out / "services.json").read_text())["services"]
+        assert [s["name"] for s in services] == ["group-generator"]
+    assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+def test_a_worker_with_settings_that_cannot_work_fails_the_job_under_torchrun(tmp_path: Path) -> None:
+    # exit 2 is the same on every rank: the guard passes it on instead of going on without the worker
+    out, case = tmp_path / "bad", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "prague", "worker", "--algorithm", "prague", "--steps", "20", "--compute", "paced",
+           "--compute-ms", "0.001", "--quiet", "--out", str(out)]
+    res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    assert res.returncode != 0 and "exitcode  : 2" in res.stderr, res.stderr[-4000:]
+    assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+def test_only_a_worker_torchrun_started_guards() -> None:
+    from prague.runtime.guard import GUARDED_ENV, under_torchrun
+    from prague.runtime.parent import LAUNCHER_PID_ENV
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "0"}
+    assert under_torchrun(torchrun)
+    assert not under_torchrun({**torchrun, GUARDED_ENV: "1"})  # the guard's child trains
+    assert not under_torchrun({**torchrun, LAUNCHER_PID_ENV: "1"})  # prague run's launcher sets the same variables
+    assert not under_torchrun({"RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert not under_torchrun({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # no store to reach as a client

@@ -131,12 +131,10 @@ class Membership:
         member reports another training step. A member declared failed after it wrote its key does not
         fail the wait: every waiter then sees the same keys, so all of them pass or none does."""
         members = tuple(members)
-        deadline = time.monotonic() + timeout_s
-        progress = Progress(store)
+        idle = Inactivity(store, timeout_s, slice_s)
         while True:
-            left = deadline - time.monotonic()
             try:
-                store.wait(keys, timedelta(seconds=max(0.001, min(slice_s, left))))
+                store.wait(keys, idle.next_slice())
                 return
             except RuntimeError as exc:  # a slice ran out
                 lost = self.failed_among(members)
@@ -144,11 +142,8 @@ class Membership:
                     if store.check(keys):  # written before the declaration: every waiter sees them all
                         return
                     raise PeerFailed(lost, f"{what}: rank(s) {lost} failed") from None
-                if progress.moved(members):  # the timeout counts inactivity: members still stepping
-                    deadline = time.monotonic() + timeout_s
-                if time.monotonic() >= deadline:
+                if idle.expired(members):
                     raise CommError(f"{what}: not every member arrived within {timeout_s:g} s ({exc})") from exc
-
 
     def wait_reports(self, store: dist.Store, keys: Mapping[int, str], timeout_s: float, what: str,
                      slice_s: float = 1.0) -> dict[int, bytes]:
@@ -158,19 +153,15 @@ class Membership:
         or fenced), and the keys are read after the declaration is seen, so every caller gets the same
         values. :class:`CommError` after ``timeout_s`` of inactivity (as :meth:`wait_keys`)."""
         waiting = dict(keys)
-        deadline = time.monotonic() + timeout_s
-        progress = Progress(store)
+        idle = Inactivity(store, timeout_s, slice_s)
         while waiting:
-            left = deadline - time.monotonic()
             try:
-                store.wait(list(waiting.values()), timedelta(seconds=max(0.001, min(slice_s, left))))
+                store.wait(list(waiting.values()), idle.next_slice())
                 break
             except RuntimeError as exc:  # a slice ran out
                 failed = self.failed_among(waiting)
                 waiting = {r: k for r, k in waiting.items() if r not in failed}
-                if progress.moved(waiting):
-                    deadline = time.monotonic() + timeout_s
-                if waiting and time.monotonic() >= deadline:
+                if waiting and idle.expired(waiting):
                     silent = sorted(r for r, k in waiting.items() if not store.check([k]))
                     raise CommError(f"{what}: ranks {silent} did not report within {timeout_s:g} s "
                                     f"({exc})") from exc
@@ -193,18 +184,15 @@ def wait_settled(store: dist.Store, membership: Membership, timeout_s: float,
     starts again whenever a rank still running reports another step (:data:`PROGRESS_KEY`), so a fast
     worker waits for a slow one as long as the slow one makes progress. ``done_key``: the prefix of the
     keys that say a rank is done (a method's own closing phases use their own)."""
-    deadline = time.monotonic() + timeout_s
+    idle = Inactivity(store, timeout_s, slice_s=0.05)
     keys = {r: f"{done_key}{r}" for r in range(membership.world_size)}
-    progress = Progress(store)
     while True:
         failed = membership.failed()
         done = [r for r, key in keys.items() if r not in failed and store.check([key])]
         if len(done) + len(failed) >= membership.world_size:
             return tuple(done)
         missing = sorted(set(keys) - set(done) - set(failed))
-        if progress.moved(missing):
-            deadline = time.monotonic() + timeout_s
-        if time.monotonic() > deadline:
+        if idle.expired(missing):
             raise CommError(f"ranks {missing} neither finished nor failed, nor made progress, for {timeout_s:g} s")
         time.sleep(0.05)
 
@@ -227,6 +215,27 @@ class Progress:
                 moved = rank in self._last or moved
                 self._last[rank] = value
         return moved
+
+
+class Inactivity:
+    """The deadline of a store wait that counts inactivity: ``timeout_s`` after the last step some awaited
+    member reported (:class:`Progress`), looked at between slices of at most ``slice_s``. Without a store
+    (nothing to read progress from) it is ``timeout_s`` from the start."""
+
+    def __init__(self, store: dist.Store | None, timeout_s: float, slice_s: float = 1.0) -> None:
+        self.timeout_s, self.slice_s = timeout_s, slice_s
+        self.deadline = time.monotonic() + timeout_s
+        self._progress = Progress(store) if store is not None else None
+
+    def next_slice(self) -> timedelta:
+        """How long the next store wait may take: a slice, or what is left before the deadline."""
+        return timedelta(seconds=max(0.001, min(self.slice_s, self.deadline - time.monotonic())))
+
+    def expired(self, members: Iterable[int]) -> bool:
+        """After a slice ran out: whether the deadline passed; it moves on when ``members`` stepped."""
+        if self._progress is not None and self._progress.moved(members):
+            self.deadline = time.monotonic() + self.timeout_s
+        return time.monotonic() >= self.deadline
 
 
 class Heartbeat:

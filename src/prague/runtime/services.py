@@ -50,8 +50,7 @@ class ServiceNotReady(CommError):
     """A service exited, or did not write its ready file in time."""
 
     def __init__(self, name: str, exitcode: int | None, why: str) -> None:
-        self.name = name
-        self.exitcode = exitcode
+        self.name, self.exitcode, self.why = name, exitcode, why
         super().__init__(f"service {name!r} {why}")
 
 
@@ -72,17 +71,31 @@ def wait_ready(name: str, ready_file: Path, exitcode: Callable[[], int | None], 
     return ready_file.read_text().strip()
 
 
-def start_service(spec: ServiceSpec) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``spec`` as a child of this process (its output goes to ours; it dies with this process,
-    :mod:`prague.runtime.parent`) and wait until it is ready; return the process and its ready file's
-    text. On failure the child is killed before raising."""
+def start_service(spec: ServiceSpec, log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``spec`` as a child of this process (its output goes to ``log``, appended, or else to ours; it
+    dies with this process, :mod:`prague.runtime.parent`) and wait until it is ready; return the process
+    and its ready file's text. On failure the child is killed before raising, naming ``log``."""
     if spec.ready_file is None:
         raise ValueError(f"service {spec.name!r} has no ready file to wait for")
     spec.ready_file.unlink(missing_ok=True)
     env = {**os.environ, **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
-    proc = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL)
+    out = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "ab")
+    try:
+        proc = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own copy
     try:
         return proc, wait_ready(spec.name, spec.ready_file, proc.poll, spec.ready_timeout_s)
+    except ServiceNotReady as exc:
+        stop_process(proc, grace_s=0.0)
+        if log is not None:
+            raise ServiceNotReady(spec.name, exc.exitcode, f"{exc.why} (its output: {log})") from None
+        raise
     except BaseException:
         stop_process(proc, grace_s=0.0)
         raise

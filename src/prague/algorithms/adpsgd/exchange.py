@@ -55,7 +55,7 @@ from prague.comm.flat import StagingBuffer
 from prague.comm.owned import HoldsGroup
 from prague.errors import CommError
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import DECLARE_WAIT_S, Membership, Progress
+from prague.runtime.liveness import DECLARE_WAIT_S, Inactivity, Membership
 
 STORE_PREFIX = "prague/adpsgd/pg"
 #: The backend of :func:`exchange_group`, whatever the job's backend.
@@ -205,8 +205,7 @@ class PassiveServer(HoldsGroup):
         takes longer than ``timeout_s`` in all). An active that failed between exchanges never says
         it is done: once every other one has, the thread is left blocked in its receive (it holds no
         lock and touches nothing; the process ends soon after)."""
-        deadline = time.monotonic() + timeout_s
-        progress = Progress(store) if store is not None else None
+        idle = Inactivity(store, timeout_s)
         while True:
             self._thread.join(timeout=0.1)
             self.check()
@@ -217,8 +216,6 @@ class PassiveServer(HoldsGroup):
             waiting = [a for a in waiting if a not in failed]
             if not waiting:
                 return
-            if progress is not None and progress.moved(waiting):
-                deadline = time.monotonic() + timeout_s
-            if time.monotonic() >= deadline:
+            if idle.expired(waiting):
                 raise CommError(f"rank {self.rank} (passive) waited {timeout_s:g} s for the active workers "
                                 f"{waiting} to finish, and they made no progress")

@@ -1,0 +1,242 @@
+"""A worker under torchrun that the job survives losing: each rank's process guards the one that trains.
+
+torchrun ends the whole job (or, with ``--max-restarts``, starts every worker again) as soon as one of its
+processes exits non-zero, and nothing under it watches heartbeats. Methods that go on without a failed
+worker (``Method.survives_failures``) need what ``prague run``'s launcher gives them on one machine: someone
+outside the worker who sees it crash or hang, declares it failed in the job's store (the survivors read
+the failed set there, :class:`~prague.runtime.liveness.Membership`), and kills a hung one so that its
+peers' connections to it fail at once. Under torchrun every rank's own process does this for its worker:
+
+- ``prague worker`` started by torchrun for such a method becomes the rank's *guard*: it starts the same
+  command again as its child (``PRAGUE_GUARDED=1``), which trains, and holds the child's lease
+  (:class:`~prague.runtime.liveness.LeaseWatch` over its heartbeat in the store);
+- a child that exits non-zero is declared failed (kind ``crash``); one whose heartbeat stops for
+  ``--lease-s`` is declared failed (``hang``) and then killed. The guard itself exits 0, so torchrun sees
+  no failure and the other ranks go on; a child that exits 2 (settings that cannot work, the same on
+  every rank) fails the job as before;
+- rank 0's guard owns the job's services (:class:`ServiceKeeper`, as the launcher does on one machine):
+  it starts those the method declares (the Group Generator) before its child, on this machine's address
+  towards the store, publishes their addresses and the environment every rank's child needs (the
+  generator's token) in the store, starts a service that dies again from the workers' state, and keeps
+  ``services.json`` current. A crash of rank 0's *worker* therefore leaves the services running;
+- every guard waits at the end until every rank's guard has seen its child end, so that rank 0's
+  services outlive every worker that may still ask them, then exits: 0 if at least one worker finished.
+
+What cannot be survived: the death of a guard (its whole process tree: a killed torchrun agent, a lost
+machine). torchrun then sees a failed worker and stops or restarts the job, as for any torchrun job; if
+that machine held the rendezvous store (the ``--rdzv-endpoint`` host), every rank loses the store and the
+job ends. A rank 0 guard that dies takes the services with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from prague.errors import EXIT_USAGE, CommError
+from prague.io import atomic_write_json
+from prague.runtime.context import attempt_store
+from prague.runtime.liveness import (
+    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, declare_failure, progress_steps, read_counters,
+    read_keys,
+)
+from prague.runtime.parent import LAUNCHER_PID_ENV
+from prague.runtime.services import MAX_RESTARTS, ServiceSpec, restarted, start_service, stop_process
+
+GUARDED_ENV = "PRAGUE_GUARDED"  # set in the child: it trains, it does not guard
+ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
+ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
+TICK_S = 0.2
+
+
+def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether this process was started by torchrun's agent (not by ``prague run``'s launcher, which sets
+    the same rank variables), and is not already a guarded child."""
+    return ("TORCHELASTIC_RUN_ID" in env and LAUNCHER_PID_ENV not in env and env.get(GUARDED_ENV) != "1"
+            and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+@dataclass
+class ServiceKeeper:
+    """Starts a job's services, publishes their ready text in the store, starts one that died again
+    (``ServiceSpec.restore``, at most :data:`MAX_RESTARTS` times) and keeps ``services_file`` current."""
+
+    store: dist.Store
+    specs: Sequence[ServiceSpec]
+    services_file: Path | None = None
+    log_dir: Path | None = None  # each service's output: NAME.log there (else this process's output)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def start(self) -> None:
+        for spec in self.specs:
+            proc, address = start_service(spec, self._log(spec))
+            self.procs.append(proc)
+            self._publish(spec, address)
+            self.records.append({"name": spec.name, "pid": proc.pid, "address": address, "restarts": 0})
+        self._write()
+
+    def _log(self, spec: ServiceSpec) -> Path | None:
+        return None if self.log_dir is None else self.log_dir / f"{spec.name}.log"
+
+    def _publish(self, spec: ServiceSpec, address: str) -> None:
+        if spec.publish_key:
+            self.store.set(spec.publish_key, address)
+
+    def _write(self) -> None:
+        if self.services_file is not None and self.specs:
+            atomic_write_json(self.services_file, {"launcher_pid": os.getpid(), "services": self.records})
+
+    def watch(self) -> None:
+        """Start again each service that died, if it can continue the job; warn about one that cannot."""
+        for index, (spec, proc) in enumerate(zip(self.specs, self.procs)):
+            code = proc.poll()
+            if code is None:
+                continue
+            record = self.records[index]
+            if spec.restore is None or record["restarts"] >= MAX_RESTARTS:
+                if record.get("gave_up") is None:
+                    record["gave_up"] = code
+                    self._write()
+                    sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}) and is not "
+                                     "started again\n")
+                continue
+            try:
+                self.procs[index], address = start_service(restarted(spec, self.store), self._log(spec))
+            except CommError as exc:
+                sys.stderr.write(f"prague: warning: could not restart service {spec.name!r}: {exc}\n")
+                continue
+            self._publish(spec, address)
+            record.update(pid=self.procs[index].pid, address=address, restarts=record["restarts"] + 1)
+            self._write()
+            sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}); restarted it at "
+                             f"{address} (restart {record['restarts']})\n")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            stop_process(proc, grace_s)
+
+
+class Guard:
+    """One rank's guard; see the module docstring. ``argv``: the child's command; ``services``/``env``: what
+    the method declared (used on rank 0); ``out``: the run's folder (``services.json``)."""
+
+    def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
+                 lease_s: float, out: Path, timeout_s: float) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.argv, self.lease_s, self.timeout_s = list(argv), lease_s, timeout_s
+        self.store = attempt_store(dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), self.world_size,
+            is_master=False, timeout=timedelta(seconds=timeout_s)))
+        # the services run with the environment the method declared for the job (the generator's token)
+        specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
+        self.keeper = ServiceKeeper(self.store, specs, out / "services.json", out / "logs")
+        self.env = env
+        self.child: subprocess.Popen[bytes] | None = None
+        self.failure: Failure | None = None
+
+    def run(self) -> int:
+        """Guard the child until the job has settled; the exit code for torchrun."""
+        signal.signal(signal.SIGTERM, self._on_signal)  # torchrun stops its workers with SIGTERM
+        try:
+            env = self._job_env()
+            self.child = subprocess.Popen(self.argv, env={**os.environ, **env, GUARDED_ENV: "1",
+                                                          LAUNCHER_PID_ENV: str(os.getpid())})
+            code = self._watch_child()
+            self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
+            if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded
+                return code
+            try:
+                self._wait_for_every_rank()
+            except CommError as exc:
+                sys.stderr.write(f"prague: error: {exc}\n")
+                return 1
+            return 0 if code == 0 or (self.failure is not None and self._someone_finished()) else (code or 1)
+        finally:
+            self._stop_child()
+            self.keeper.stop()
+
+    def _job_env(self) -> dict[str, str]:
+        """Rank 0: start the services and publish the children's environment; the others read it."""
+        if self.rank == 0:
+            self.keeper.start()
+            self.store.set(ENV_KEY, json.dumps(self.env))
+            return self.env
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # in slices: torchrun's SIGTERM (rank 0 failed) is handled between them
+            try:
+                self.store.wait([ENV_KEY], timedelta(seconds=1))
+                return dict(json.loads(self.store.get(ENV_KEY)))
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise CommError(f"rank {self.rank}'s guard: rank 0 did not publish the job's services "
+                                    f"within {self.timeout_s:g} s") from None
+
+    def _watch_child(self) -> int:
+        assert self.child is not None
+        leases = LeaseWatch(self.lease_s)
+        while True:
+            code = self.child.poll()
+            if code is not None:
+                if code not in (0, EXIT_USAGE):
+                    self._declare("crash", f"crashed (exit code {code})")
+                return code
+            self.keeper.watch()
+            if leases.observe(read_counters(self.store, [self.rank]), time.monotonic()):
+                self._declare("hang", f"stopped making progress (no heartbeat for {self.lease_s:g} s; --lease-s)")
+                self.child.kill()  # fencing: its peers' connections to it fail now
+                self.child.wait()
+                return -signal.SIGKILL
+            time.sleep(TICK_S)
+
+    def _declare(self, kind: str, detail: str) -> None:
+        steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
+        self.failure = Failure(self.rank, steps, kind, detail)
+        if declare_failure(self.store, self.failure):
+            sys.stderr.write(f"prague: warning: rank {self.rank} {detail} after {steps} steps; the other workers "
+                             "go on without it\n")
+            sys.stderr.flush()
+
+    def _wait_for_every_rank(self) -> None:
+        """Until every rank's child has ended (rank 0's services serve them to the end); the wait counts
+        inactivity, as every wait on peers does."""
+        idle = Inactivity(self.store, self.timeout_s, slice_s=TICK_S)
+        while True:
+            ended = read_keys(self.store, ENDED_KEY, range(self.world_size))
+            waiting = [r for r in range(self.world_size) if r not in ended]
+            if not waiting:
+                return
+            self.keeper.watch()
+            if idle.expired(waiting):
+                raise CommError(f"rank {self.rank}'s guard: ranks {waiting} neither ended nor made progress "
+                                f"for {self.timeout_s:g} s")
+            time.sleep(TICK_S)
+
+    def _someone_finished(self) -> bool:
+        ended = read_keys(self.store, ENDED_KEY, range(self.world_size))
+        return any(v == b"0" for v in ended.values())
+
+    def _stop_child(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # the finally clauses stop the child and the services
+
