@@ -38,22 +38,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from prague.errors import EXIT_USAGE, CommError
-from prague.io import atomic_write_json
 from prague.runtime.context import attempt_store
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, Inactivity, LeaseWatch, declare_failure, progress_steps, read_counters,
     read_keys,
 )
 from prague.runtime.parent import LAUNCHER_PID_ENV
-from prague.runtime.services import MAX_RESTARTS, ServiceSpec, restarted, start_service, stop_process
+from prague.runtime.services import ServiceKeeper, ServiceSpec
 
 GUARDED_ENV = "PRAGUE_GUARDED"  # set in the child: it trains, it does not guard
 ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
@@ -66,70 +63,6 @@ def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     the same rank variables), and is not already a guarded child."""
     return ("TORCHELASTIC_RUN_ID" in env and LAUNCHER_PID_ENV not in env and env.get(GUARDED_ENV) != "1"
             and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-
-
-@dataclass
-class ServiceKeeper:
-    """Starts a job's services, publishes their ready text in the store, starts one that died again
-    (``ServiceSpec.restore``, at most :data:`MAX_RESTARTS` times) and keeps ``services_file`` current."""
-
-    store: dist.Store
-    specs: Sequence[ServiceSpec]
-    services_file: Path | None = None
-    log_dir: Path | None = None  # each service's output: NAME.log there (else this process's output)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    def start(self) -> None:
-        for spec in self.specs:
-            proc, address = start_service(spec, self._log(spec))
-            self.procs.append(proc)
-            self._publish(spec, address)
-            self.records.append({"name": spec.name, "pid": proc.pid, "address": address, "restarts": 0})
-        self._write()
-
-    def _log(self, spec: ServiceSpec) -> Path | None:
-        return None if self.log_dir is None else self.log_dir / f"{spec.name}.log"
-
-    def _publish(self, spec: ServiceSpec, address: str) -> None:
-        if spec.publish_key:
-            self.store.set(spec.publish_key, address)
-
-    def _write(self) -> None:
-        if self.services_file is not None and self.specs:
-            atomic_write_json(self.services_file, {"launcher_pid": os.getpid(), "services": self.records})
-
-    def watch(self) -> None:
-        """Start again each service that died, if it can continue the job; warn about one that cannot."""
-        for index, (spec, proc) in enumerate(zip(self.specs, self.procs)):
-            code = proc.poll()
-            if code is None:
-                continue
-            record = self.records[index]
-            if spec.restore is None or record["restarts"] >= MAX_RESTARTS:
-                if record.get("gave_up") is None:
-                    record["gave_up"] = code
-                    self._write()
-                    sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}) and is not "
-                                     "started again\n")
-                continue
-            try:
-                self.procs[index], address = start_service(restarted(spec, self.store), self._log(spec))
-            except CommError as exc:
-                sys.stderr.write(f"prague: warning: could not restart service {spec.name!r}: {exc}\n")
-                continue
-            self._publish(spec, address)
-            record.update(pid=self.procs[index].pid, address=address, restarts=record["restarts"] + 1)
-            self._write()
-            sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}); restarted it at "
-                             f"{address} (restart {record['restarts']})\n")
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            stop_process(proc, grace_s)
 
 
 class Guard:
@@ -146,7 +79,7 @@ class Guard:
             is_master=False, timeout=timedelta(seconds=timeout_s)))
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
-        self.keeper = ServiceKeeper(self.store, specs, out / "services.json", out / "logs")
+        self.keeper = ServiceKeeper(self.store, specs, services_file=out / "services.json", log_dir=out / "logs")
         self.env = env
         self.child: subprocess.Popen[bytes] | None = None
         self.failure: Failure | None = None
@@ -197,13 +130,19 @@ class Guard:
                 if code not in (0, EXIT_USAGE):
                     self._declare("crash", f"crashed (exit code {code})")
                 return code
-            self.keeper.watch()
+            self._watch_services()
             if leases.observe(read_counters(self.store, [self.rank]), time.monotonic()):
                 self._declare("hang", f"stopped making progress (no heartbeat for {self.lease_s:g} s; --lease-s)")
                 self.child.kill()  # fencing: its peers' connections to it fail now
                 self.child.wait()
                 return -signal.SIGKILL
             time.sleep(TICK_S)
+
+    def _watch_services(self) -> None:
+        for name, code, output in self.keeper.watch():  # the workers asking it fail, and are declared so
+            sys.stderr.write(f"prague: warning: service {name!r} exited (code {code}) and cannot be started "
+                             f"again:\n{output}\n")
+            sys.stderr.flush()
 
     def _declare(self, kind: str, detail: str) -> None:
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
@@ -222,7 +161,7 @@ class Guard:
             waiting = [r for r in range(self.world_size) if r not in ended]
             if not waiting:
                 return
-            self.keeper.watch()
+            self._watch_services()
             if idle.expired(waiting):
                 raise CommError(f"rank {self.rank}'s guard: ranks {waiting} neither ended nor made progress "
                                 f"for {self.timeout_s:g} s")

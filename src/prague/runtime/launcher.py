@@ -14,9 +14,9 @@ and guarantees that no process outlives it:
   worker's rank and traceback; when the method survives it, declares the failure in the store (the
   survivors read it there), kills a hung worker (so its peers' connections to it fail at once), warns
   on stderr naming the rank, and waits for the others (:attr:`Job.failures`);
-- starts a service that dies mid-run again, if it can continue the job (``ServiceSpec.restore``: the
-  Group Generator, from the groups the workers published), up to :data:`MAX_RESTARTS` times, and
-  keeps ``services.json`` (pid, address, restarts) current;
+- keeps the job's services with a :class:`~prague.runtime.services.ServiceKeeper`: starts one that dies
+  mid-run again if it can continue the job (``ServiceSpec.restore``: the Group Generator, from the groups
+  the workers published), and keeps ``services.json`` (pid, address, restarts) current;
 - prints on its stderr the stall warnings the workers publish (:mod:`prague.runtime.stall`);
 - Ctrl-C (SIGINT) or SIGTERM to the launcher does the same and raises ``KeyboardInterrupt``.
 
@@ -30,6 +30,7 @@ importing torch again.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -46,14 +47,13 @@ from typing import IO
 import torch.distributed as dist
 
 from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
-from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, declare_failure, progress_steps, read_counters, read_keys,
 )
-from prague.runtime.services import MAX_RESTARTS, ServiceNotReady, ServiceSpec, restarted, wait_ready
+from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
 from prague.runtime.stall import STALL_KEY, stall_message
 
 
@@ -146,10 +146,10 @@ class Job:
                                    timeout=timedelta(seconds=60))
         self.port = self.store.port
         self.workers: list[_Proc] = []
-        self.services: list[_Proc] = []
+        self.services = ServiceKeeper(self.store, [], services_file=spec.services_file, log_dir=spec.log_dir,
+                                      new_session=True)
         self.leases = LeaseWatch(spec.lease_s)
         self.failures: dict[int, Failure] = {}  # workers lost by a method that survives them
-        self.service_records: list[dict[str, object]] = []
         self._stalls_seen: dict[int, bytes] = {}
         self._stalls_read = 0.0
 
@@ -173,15 +173,12 @@ class Job:
 
     def start(self) -> None:
         env = self.base_env()
-        for svc in self.spec.services:
-            if svc.ready_file is not None:
-                svc.ready_file.unlink(missing_ok=True)
-            proc = _Proc(svc.name, svc.argv, {**env, **self.spec.service_env, **svc.env}, self._log_path(svc.name),
-                         False)
-            self.services.append(proc)
-            address = self._await_ready(svc, proc) if svc.ready_file is not None else None
-            self.service_records.append({"name": svc.name, "pid": proc.popen.pid, "address": address, "restarts": 0})
-            self._write_services()
+        self.services.specs = [dataclasses.replace(svc, env={**env, **self.spec.service_env, **svc.env})
+                               for svc in self.spec.services]
+        try:
+            self.services.start()
+        except ServiceNotReady as exc:
+            raise WorkerFailed(-1, exc.exitcode, str(exc)) from None
         for rank in range(self.spec.nproc):
             wenv = {**env, **(self.spec.rank_env[rank] if self.spec.rank_env else {}), "RANK": str(rank),
                     "LOCAL_RANK": str(rank)}
@@ -189,22 +186,6 @@ class Job:
                 _Proc(f"rank {rank}", self.spec.argv, wenv, self._log_path(f"rank{rank}"), rank in self.spec.echo_ranks,
                       fork=True)
             )
-
-    def _write_services(self) -> None:
-        """``services.json``: each service's name, pid, address (its ready file's text) and restarts."""
-        if self.spec.services_file is not None:
-            atomic_write_json(self.spec.services_file, {"launcher_pid": os.getpid(), "services": self.service_records})
-
-    def _await_ready(self, svc: ServiceSpec, proc: _Proc) -> str:
-        assert svc.ready_file is not None  # only called for services with one
-        try:
-            text = wait_ready(svc.name, svc.ready_file, proc.poll, svc.ready_timeout_s)
-        except ServiceNotReady as exc:
-            proc.finish()
-            raise WorkerFailed(-1, exc.exitcode, f"{exc}:\n{''.join(proc.tail) or '(no output)'}") from None
-        if svc.publish_key:
-            self.store.set(svc.publish_key, text)
-        return text
 
     def progress(self) -> dict[int, str]:
         """Latest progress string each worker published (``step,steps,loss``)."""
@@ -272,28 +253,6 @@ class Job:
                          "the other workers go on without it\n")
         sys.stderr.flush()
 
-    def _restart(self, index: int, code: int) -> bool:
-        """Start service ``index`` again after it died mid-run, if it can be (``ServiceSpec.restore``) and
-        has not died :data:`MAX_RESTARTS` times; publish its new address and record it. True if restarted."""
-        spec, record = self.spec.services[index], self.service_records[index]
-        restarts = int(record["restarts"])  # type: ignore[call-overload]
-        if spec.restore is None or restarts >= MAX_RESTARTS:
-            return False
-        argv = restarted(spec, self.store).argv
-        if spec.ready_file is not None:
-            spec.ready_file.unlink(missing_ok=True)
-        proc = _Proc(spec.name, argv, {**self.base_env(), **self.spec.service_env, **spec.env},
-                     self._log_path(f"{spec.name}.{restarts + 1}"),
-                     False)
-        self.services[index] = proc
-        record.update(pid=proc.popen.pid, restarts=restarts + 1)
-        record["address"] = self._await_ready(spec, proc) if spec.ready_file else None
-        self._write_services()
-        sys.stderr.write(f"prague: warning: service {spec.name!r} exited (code {code}); restarted it "
-                         f"(pid {proc.popen.pid}, restart {restarts + 1})\n")
-        sys.stderr.flush()
-        return True
-
     def report_stalls(self, every_s: float = 1.0) -> None:
         """Print each stall warning a worker published since the last look (:mod:`prague.runtime.stall`);
         looks at most every ``every_s``."""
@@ -313,10 +272,11 @@ class Job:
 
     def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL those still alive after the grace period."""
-        procs = self.workers + self.services
+        procs = self.workers
         for p in procs:
             if p.poll() is None:
                 p.signal_group(signal.SIGTERM)
+        self.services.terminate()
         deadline = time.monotonic() + self.spec.grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
@@ -327,6 +287,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 pass
             p.finish()
+        self.services.stop(grace_s=max(0.0, deadline - time.monotonic()))
 
     def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = 0.2) -> None:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
@@ -352,15 +313,11 @@ class Job:
                 failure = self.first_failure(settle_s=0.0)
                 self.stop()
                 raise failure
-            for index, svc in enumerate(self.services):
-                code = svc.poll()
-                if code is not None and any(c is None for c in codes):
-                    svc.finish()
-                    if self._restart(index, code):
-                        continue
-                    detail = "".join(svc.tail) or "(no output)"
-                    self.stop()
-                    raise WorkerFailed(-1, code, f"service {svc.label!r} exited early:\n{detail}")
+            lost = self.services.watch() if any(c is None for c in codes) else []
+            if lost:
+                name, code, output = lost[0]
+                self.stop()
+                raise WorkerFailed(-1, code, f"service {name!r} exited early:\n{output}")
             if all(c == 0 or r in self.failures for r, c in enumerate(codes)):
                 self.stop()
                 return

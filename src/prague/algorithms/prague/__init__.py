@@ -55,7 +55,8 @@ class PragueOptions(Options):
     max_in_flight: int = option(1, "overlap: averages a worker may have in flight at once")
     share_momentum: str = option("off", "on: the SGD momentum buffers travel with the parameters and are averaged in "
                                  "every group (twice the bytes; needs torch.optim.SGD with momentum); off: each "
-                                 "worker keeps its own", choices=("on", "off"))
+                                 "worker keeps its own (default: on did not move the accuracy curve, MNIST, 8 "
+                                 "workers, straggler:3:4, 3 seeds)", choices=("on", "off"))
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)

@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.liveness import Membership, read_keys
-from prague.runtime.services import MAX_RESTARTS, ServiceSpec, restarted, start_service, stop_process
+from prague.runtime.services import ServiceKeeper, ServiceSpec
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
@@ -133,10 +132,11 @@ class ServiceSource:
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
         self.ctx = ctx
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._keeper: ServiceKeeper | None = None  # the service this rank started (under torchrun, rank 0)
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
         self._shared = options.uses_service and os.environ.get(MANAGED_ENV) != "1"
         store = ctx.store
+        self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service rank 0 starts is one of possibly several in the job (a script may prepare the method
         # more than once): its keys carry the source's number, the same on every rank (sources are made
         # in the same order everywhere). The launcher's service is the job's only one.
@@ -149,14 +149,12 @@ class ServiceSource:
             token, address = os.environ[TOKEN_ENV], store.get(self._address_key).decode()
         elif ctx.is_main:
             token = secrets.token_hex(16)
-            address = self._start_service(options, token, resources)
             store.set(token_key, token)
-            store.set(self._address_key, address)
+            address = self._start_service(options, token, resources)  # published under the address key
         else:
             token, address = store.get(token_key).decode(), store.get(self._address_key).decode()
         self._token, self._timeout_s = token, options.gg_timeout_s
         self._restartable = not options.gg_address  # a service the user started is the user's to restart
-        self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service this job restarts is found through the store, not by waiting at a dead address.
         self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s,
                                            wait_for_ready=not self._restartable)
@@ -168,7 +166,7 @@ class ServiceSource:
         self._excluded: set[int] = set()
         self._leaving = threading.Event()
         self._watch: threading.Thread | None = None
-        if self._proc is not None:  # under torchrun this rank restarts the service it started
+        if self._keeper is not None:  # under torchrun this rank restarts the service it started
             self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
             self._watch.start()
             resources.callback(self._leaving.set)  # after a failure too: no restart once this rank is closing
@@ -176,30 +174,20 @@ class ServiceSource:
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        self._spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
-                                         env={TOKEN_ENV: token})
-        proc, address = start_service(self._spec)
-        resources.callback(lambda: stop_process(self._proc, 0.0) if self._proc else None)  # unless leave() stopped it
-        self._proc = proc
-        return address
+        spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
+                                   env={TOKEN_ENV: token}, publish_key=self._address_key)
+        self._keeper = ServiceKeeper(self._store, [spec])
+        self._keeper.start()
+        resources.callback(lambda: self._keeper.stop(0.0) if self._keeper else None)  # unless leave() stopped it
+        return str(self._keeper.records[0]["address"])
 
     def _watch_service(self) -> None:
-        """Rank 0 under torchrun: start the service again if it dies before everyone left (at most
-        ``MAX_RESTARTS`` times) and publish its new address."""
-        restarts = 0
+        """Rank 0 under torchrun: start the service again if it dies before everyone left (the keeper
+        publishes its new address)."""
+        assert self._keeper is not None
         while not self._leaving.wait(0.5):
-            proc = self._proc
-            if proc is None or proc.poll() is None or restarts >= MAX_RESTARTS:
-                continue
-            restarts += 1
-            try:
-                self._proc, address = start_service(restarted(self._spec, self._store))
-            except CommError as exc:
-                sys.stderr.write(f"prague: warning: could not restart the group generator: {exc}\n")
-                continue
-            sys.stderr.write(f"prague: warning: the group generator died (exit code {proc.returncode}); "
-                             f"restarted it at {address} (restart {restarts})\n")
-            self._store.set(self._address_key, address)
+            for name, code, _ in self._keeper.watch():
+                sys.stderr.write(f"prague: warning: the {name} exited (code {code}) and cannot be started again\n")
 
     def _retrying(self, call: Any) -> Any:
         """``call(client)``; if the service does not answer, retry with backoff for up to
@@ -266,13 +254,14 @@ class ServiceSource:
         if not self._shared:
             return
         dist.barrier()
-        if self._proc is not None:
+        if self._keeper is not None:
             self._leaving.set()
             if self._watch is not None:
                 self._watch.join()
-            with contextlib.suppress(CommError):  # it may go before its reply does: stop_process makes sure
+            with contextlib.suppress(CommError):  # it may go before its reply does: stop makes sure
                 self.client.shutdown()
-            stop_process(self._proc, grace_s=30.0)
+            self._keeper.stop(grace_s=30.0)
+            self._keeper = None
 
     def stats(self) -> dict[str, Any]:
         return self._service_stats
