@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 
 def test_a_crashing_worker_under_torchrun_fails_the_job_naming_its_rank(tmp_path: Path) -> None:
+    # allreduce cannot go on without a worker (prague would: each rank's guard keeps the job going)
     out, case = tmp_path / "crash", uuid.uuid4().hex  # every process of this job carries ``case``
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "prague", "worker", "--algorithm", "allreduce", "--steps", "100000", "--slowdown", "crash:1:5",
@@ -30,9 +31,10 @@ def test_a_crashing_worker_under_torchrun_fails_the_job_naming_its_rank(tmp_path
     res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
     assert res.returncode != 0
     assert "InjectedCrash" in res.stderr and "[rank 1] Traceback" in res.stderr, res.stderr[-3000:]
-    # torchrun's report blames rank 1 as the first failure.
-    root = res.stderr[res.stderr.index("Root Cause"):]
-    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), res.stderr[-3000:]
+    # torchrun's report lists rank 1 (rank 0's collective breaks in the same second, so either may be
+    # named the root cause: torchrun orders failures by time)
+    report = res.stderr[res.stderr.index("prague FAILED"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\n\s*exitcode\s*:\s*1", report), res.stderr[-3000:]
     assert processes_of_session(case, within_s=10.0, kill=True) == []
     assert not (out / "summary.json").exists()
 
