@@ -41,7 +41,7 @@ class EagerSGDOptions(Options):
 
 def rounds_report(*, quorum: str, rounds: int, sync_rounds: int, gradients: int, fresh: int,
                   staleness: Mapping[int, int], waits: int, recoveries: int = 0, lost_gradients: int = 0,
-                  diverged_rounds: int = 0) -> dict[str, Any]:
+                  recovered_rounds: int = 0) -> dict[str, Any]:
     """``eager-sgd``'s stats (the fields :data:`METHOD` reports) from the counts the runtime keeps per worker
     and the simulator for the whole job: ``gradients`` and ``fresh`` summed over the rounds,
     ``staleness`` as {rounds late: gradients}; the last three only a run with failed workers has."""
@@ -58,7 +58,7 @@ def rounds_report(*, quorum: str, rounds: int, sync_rounds: int, gradients: int,
         "waits": waits,
         "recoveries": recoveries,
         "lost_gradients": lost_gradients,
-        "diverged_rounds": diverged_rounds,
+        "recovered_rounds": recovered_rounds,
     }
 
 
@@ -87,7 +87,8 @@ METHOD = Method(
         "waits": "iterations in which this worker waited for its round",
         "recoveries": "times the rounds went on over the survivors after workers failed",
         "lost_gradients": "this worker's gradients in rounds that broke when a worker failed (not applied)",
-        "diverged_rounds": "rounds this worker had applied that the survivors ran again after a failure",
+        "recovered_rounds": "rounds whose all-reduce broke here when a worker failed but completed on another "
+                            "survivor, which sent their result over",
     },
     survives_failures=True,
 )

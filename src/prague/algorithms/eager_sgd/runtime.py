@@ -36,14 +36,16 @@ a dead peer at once; a survivor whose own peers are alive sees theirs break in t
 for an activation notices the declaration within :data:`_WAKE_S`. Each survivor's thread then
 **recovers** (:meth:`RoundThread._recover`): it drops the broken communicator, publishes in the store
 how many rounds it completed, and once every rank that took part is either published or declared
-failed, the published ranks are the new set. They resume at the first round not every one of them
-completed, on a new communicator over that set (a round's mean and ``majority``'s initiators are over
-the survivors from then on) and re-activate the rounds their workers already reached. The
-contributions carried by the round that broke are lost (one gradient per survivor, counted in
-``lost_gradients``); a result some survivor already applied while another had not completed it is
-kept by the first and run again by all (``diverged_rounds``: the replicas then differ by that one
-update; only a failure in the last moments of a round can cause it). A second failure during a
-recovery is fatal.
+failed, the published ranks are the new set. A round's all-reduce can complete on some
+survivors and break on others (a peer failed after its last send); since every round needs every
+rank's part of the one before, their counts differ by at most one. They resume after the last round
+any of them completed, on a new communicator over that set (a round's mean and ``majority``'s
+initiators are over the survivors from then on): the lowest survivor that completed that round first
+broadcasts its result to the ones it broke on (``recovered_rounds``), so every survivor applies the
+same sequence of results and the replicas stay identical. The rounds the survivors' workers already
+reached are re-activated. The contributions carried by a round that broke on every survivor are lost
+(one gradient per survivor, counted in ``lost_gradients``). A second failure during a recovery is
+fatal.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
-from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, stale_weight, starts_round
+from prague.algorithms.eager_sgd.decisions import Contribution, Ledger, is_sync_round, result_capacity, stale_weight, starts_round
 from prague.comm.flat import bind_flat, views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
@@ -122,7 +124,11 @@ class RoundThread:
         self.staleness: Counter[int] = Counter()
         self.recoveries = 0  # times the rounds went on without failed ranks
         self.lost_gradients = 0  # this worker's gradients in rounds that broke
-        self.diverged_rounds = 0
+        self.recovered_rounds = 0  # rounds that broke here and were completed by a survivor, which sent them
+        # Survivable rounds: the latest completed result (a survivor it broke on may need it) and what
+        # this worker contributed to the round that broke here (counted after all if a survivor completed it).
+        self._last: torch.Tensor | None = self._new_buffer() if membership is not None else None
+        self._broken: tuple[int, Contribution] | None = None
         self._thread = threading.Thread(target=self._loop, name="eager-sgd-rounds", daemon=True)
         self._thread.start()
 
@@ -311,11 +317,17 @@ class RoundThread:
             del pg  # the traceback must not keep the communicator alive: _recover destroys it
             with self._cond:
                 self.lost_gradients += mine.count
+                self._broken = (round_id, mine)
                 self._free.append(send)
             raise _Broken(f"rank {self.rank}: eager-sgd round {round_id}'s all-reduce failed: {broke}")
+        self._complete(round_id, send, len(self.live), mine)
+
+    def _complete(self, round_id: int, send: torch.Tensor, size: int, mine: Contribution) -> None:
+        """Round ``round_id``'s result is in ``send`` (over ``size`` ranks; ``mine``: this worker's part)."""
         if send.is_cuda:
             torch.cuda.synchronize(send.device)
-        size = len(self.live)
+        if self._last is not None:
+            self._last.copy_(send)
         n_finished = int(round(float(send[_FINISHED])))
         if n_finished not in (0, size):
             raise CommError(
@@ -346,21 +358,43 @@ class RoundThread:
             completed = self.completed
         self.store.set(f"{prefix}/{self.rank}", str(completed))
         published = self._gather_survivors(prefix, membership)
-        live = tuple(sorted(published))
-        resume = min(published.values())
+        live, size = tuple(sorted(published)), len(self.live)
+        resume = max(published.values())
+        if min(published.values()) < resume - 1:  # every round needs every rank's part of the one before
+            raise CommError(f"rank {self.rank}: eager-sgd recovery: the survivors' completed rounds {published} "
+                            "differ by more than one")
         with self._cond:
-            handed_out = self.completed - len(self._results)
-            kept = deque(r for r in self._results if r[0] < resume)
-            self._free.extend(buf for round_id, buf, _ in self._results if round_id >= resume)
-            self._results = kept
-            self.diverged_rounds += max(0, handed_out - resume)
-            self.completed = self.started = resume
+            self.started = resume
             self.live = live
             reached = self.ledger.deposited
+        pg = self.make_group(f"{prefix}/pg", live.index(self.rank), len(live))
+        if min(published.values()) < resume:  # round resume - 1 broke on some: its lowest holder sends it
+            self._hand_over(pg, resume - 1, live.index(min(r for r, done in published.items() if done == resume)),
+                            size)
+        self._broken = None
         for round_id in range(resume, reached):  # rounds this worker's thread would have activated
             self.main_store.compare_set(self._key(round_id), "", "go")
-        self.pg = self.make_group(f"{prefix}/pg", live.index(self.rank), len(live))
+        self.pg = pg
         return resume
+
+    def _hand_over(self, pg: dist.ProcessGroup, round_id: int, root: int, size: int) -> None:
+        """Round ``round_id`` (over ``size`` ranks) completed on the survivor of index ``root`` in ``pg``
+        and broke on others: it broadcasts the result, and those it broke on complete it with that."""
+        holds = self.completed > round_id
+        buf = self._last if holds else self._new_buffer()
+        assert buf is not None
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        pg.broadcast([buf], opts).wait()
+        if holds:
+            return
+        broken = self._broken
+        if broken is None or broken[0] != round_id:
+            raise CommError(f"rank {self.rank}: eager-sgd recovery: round {round_id} was not the round that broke here")
+        with self._cond:
+            self.lost_gradients -= broken[1].count  # its gradients are in the result after all
+            self.recovered_rounds += 1
+        self._complete(round_id, buf, size, broken[1])
 
     def _gather_survivors(self, prefix: str, membership: Membership) -> dict[int, int]:
         """Wait until every rank of :attr:`live` has published its completed rounds under ``prefix`` or is
@@ -525,4 +559,4 @@ class EagerSGD(Algorithm):
         return rounds_report(quorum=self.options.quorum, rounds=rounds.completed, sync_rounds=rounds.sync_rounds,
                              gradients=rounds.gradients, fresh=rounds.fresh, staleness=rounds.staleness,
                              waits=self.waits, recoveries=rounds.recoveries, lost_gradients=rounds.lost_gradients,
-                             diverged_rounds=rounds.diverged_rounds)
+                             recovered_rounds=rounds.recovered_rounds)
