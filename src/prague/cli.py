@@ -317,17 +317,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from prague.runtime.guard import under_torchrun
 
     if under_torchrun():
-        code = _guarded_worker(args)
-        if code is not None:
-            return code
+        return _guarded_worker(args)
     run_worker(body, backend=args.backend or "auto", timeout_s=args.timeout_s or 300.0)
     return 0
 
 
-def _guarded_worker(args: argparse.Namespace) -> int | None:
-    """Under torchrun, a method that survives failed workers: guard a child that trains
-    (:mod:`prague.runtime.guard`) and return the exit code; None for a method that does not (torchrun
-    stops or restarts the job when one of its workers fails)."""
+def _guarded_worker(args: argparse.Namespace) -> int:
+    """Under torchrun: guard a child that trains (:mod:`prague.runtime.guard`) and return the exit code."""
     from prague.runtime.context import service_host
     from prague.runtime.guard import Guard
     from prague.train.config import config_from_args
@@ -335,12 +331,10 @@ def _guarded_worker(args: argparse.Namespace) -> int | None:
     world_size = int(os.environ["WORLD_SIZE"])
     cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=world_size,
                            out=args.out or Path("runs") / "torchrun")
-    resources, survivable = method_resources(cfg, host=service_host() if int(os.environ["RANK"]) == 0 else "127.0.0.1")
-    if not survivable:
-        return None
+    resources, survives = method_resources(cfg, host=service_host() if int(os.environ["RANK"]) == 0 else "127.0.0.1")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     guard = Guard([sys.executable, "-m", "prague", *sys.argv[1:]], services=resources.services, env=resources.env,
-                  lease_s=cfg.lease_s, out=Path(cfg.out), timeout_s=args.timeout_s or 300.0)
+                  survives=survives, lease_s=cfg.lease_s, out=Path(cfg.out), timeout_s=args.timeout_s or 300.0)
     return guard.run()
 
 

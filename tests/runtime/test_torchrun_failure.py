@@ -1,6 +1,6 @@
 """Workers that fail under torchrun. A method that needs every rank (``allreduce``): torchrun stops the job
 in bounded time, exits non-zero naming the rank, and nothing is left behind; with ``--max-restarts`` it
-restarts from the last checkpoint. A method that goes on without a failed worker: each rank's guard
+restarts from the last checkpoint, after a crash or a hang that the rank's guard detects. A method that goes on without a failed worker: each rank's guard
 (:mod:`prague.runtime.guard`) declares its crashed or hung worker failed and the others finish.
 
 Runs torchrun as ``python -m torch.distributed.run`` with this interpreter."""
@@ -39,21 +39,31 @@ def test_a_crashing_worker_under_torchrun_fails_the_job_naming_its_rank(tmp_path
     assert not (out / "summary.json").exists()
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "ps:sync", "ps-eager"])
-def test_torchrun_restarts_a_method_that_needs_every_rank_from_its_last_checkpoint(tmp_path: Path,
-                                                                                   algorithm: str) -> None:
-    # The crash fires once per job: the restarted attempt resumes at step 20, where it fired, and goes on.
+@pytest.mark.parametrize("algorithm,fault", [("allreduce", "crash:1:20"), ("ps:sync", "crash:1:20"),
+                                             ("ps-eager", "crash:1:20"), ("allreduce", "hang:1:20")])
+def test_torchrun_restarts_a_method_that_needs_every_rank_from_its_last_checkpoint(tmp_path: Path, algorithm: str,
+                                                                                   fault: str) -> None:
+    # The fault fires once per job: the restarted attempt resumes at step 20, where it fired, and goes on.
+    # A hang is found by rank 1's guard within --lease-s (not the 300 s communication timeout), which kills
+    # the worker and fails, so that torchrun restarts the job.
     out, case = tmp_path / "restart", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            "-m", "prague", "worker", "--algorithm", algorithm, "--steps", "40", "--checkpoint-every", "10",
-           "--slowdown", "crash:1:20", "--compute", "emulated", "--compute-ms", "10", "--quiet", "--out", str(out)]
+           "--slowdown", fault, "--lease-s", "2", "--compute", "emulated", "--compute-ms", "10", "--quiet",
+           "--out", str(out)]
     res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
     assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stderr.count("InjectedCrash: injected crash of rank 1 at step 20") == 1, res.stderr[-4000:]
+    if fault.startswith("crash"):
+        assert res.stderr.count("InjectedCrash: injected crash of rank 1 at step 20") == 1, res.stderr[-4000:]
+    else:
+        assert res.stderr.count("error: rank 1 stopped making progress") == 1, res.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["completed_steps"] == [40, 40] and summary["failures"] == []
     steps = [json.loads(line)["step"] for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
     assert steps == list(range(40))  # the checkpoint's 20 steps, then the resumed attempt's 20
+    if algorithm.startswith("ps"):  # rank 0's guard runs the shards, as prague run's launcher does
+        services = json.loads((out / "services.json").read_text())["services"]
+        assert [s["name"] for s in services] == ["ps-shard-0"] and services[0]["pid"] > 0
     assert processes_of_session(case, within_s=10.0, kill=True) == []
 
 

@@ -1,24 +1,29 @@
-"""A worker under torchrun that the job survives losing: each rank's process guards the one that trains.
+"""The built-in worker under torchrun: each rank's process guards the one that trains.
 
 torchrun ends the whole job (or, with ``--max-restarts``, starts every worker again) as soon as one of its
-processes exits non-zero, and nothing under it watches heartbeats. Methods that go on without a failed
-worker (``Method.survives_failures``) need what ``prague run``'s launcher gives them on one machine: someone
-outside the worker who sees it crash or hang, declares it failed in the job's store (the survivors read
-the failed set there, :class:`~prague.runtime.liveness.Membership`), and kills a hung one so that its
-peers' connections to it fail at once. Under torchrun every rank's own process does this for its worker:
+processes exits non-zero, and nothing under it watches heartbeats: a hung worker holds the job until the
+communication timeout. What ``prague run``'s launcher gives the workers on one machine, someone outside
+each worker who sees it crash or hang, declares it failed in the job's store (the survivors read the
+failed set there, :class:`~prague.runtime.liveness.Membership`) and kills a hung one so that its peers'
+connections to it fail at once, is under torchrun done by every rank's own process for its worker:
 
-- ``prague worker`` started by torchrun for such a method becomes the rank's *guard*: it starts the same
-  command again as its child (``PRAGUE_GUARDED=1``), which trains, and holds the child's lease
+- ``prague worker`` started by torchrun becomes the rank's *guard*: it starts the same command again as
+  its child (``PRAGUE_GUARDED=1``), which trains, and holds the child's lease
   (:class:`~prague.runtime.liveness.LeaseWatch` over its heartbeat in the store);
 - a child that exits non-zero is declared failed (kind ``crash``); one whose heartbeat stops for
-  ``--lease-s`` is declared failed (``hang``) and then killed. The guard itself exits 0, so torchrun sees
-  no failure and the other ranks go on; a child that exits 2 (settings that cannot work, the same on
-  every rank) fails the job as before;
+  ``--lease-s`` is declared failed (``hang``) and then killed;
+- for a method that goes on without a failed worker (``Method.survives_failures``) the guard then exits
+  0, so torchrun sees no failure and the other ranks go on. For one that needs every worker (``allreduce``,
+  the parameter servers, ``lossy``) it exits 1, and torchrun stops the job or, with ``--max-restarts``,
+  starts it again from its last checkpoint (:mod:`prague.train.loop`) without waiting for the
+  communication timeout; the guards whose children only failed because of that one say nothing. A child
+  that exits 2 (settings that cannot work, the same on every rank) fails the job in either case;
 - rank 0's guard owns the job's services (:class:`ServiceKeeper`, as the launcher does on one machine):
-  it starts those the method declares (the Group Generator) before its child, on this machine's address
-  towards the store, publishes their addresses and the environment every rank's child needs (the
-  generator's token) in the store, starts a service that dies again from the workers' state, and keeps
-  ``services.json`` current. A crash of rank 0's *worker* therefore leaves the services running;
+  it starts those the method declares (the Group Generator, the parameter-server shards) before its
+  child, on this machine's address towards the store, publishes their addresses and the environment
+  every rank's child needs (the generator's token) in the store, starts a service that dies again from
+  the workers' state, and keeps ``services.json`` current. A crash of rank 0's *worker* therefore leaves
+  the services running;
 - every guard waits at the end until every rank's guard has seen its child end, so that rank 0's
   services outlive every worker that may still ask them, then exits: 0 if at least one worker finished.
 
@@ -46,7 +51,7 @@ import torch.distributed as dist
 from prague.errors import EXIT_USAGE, CommError
 from prague.runtime.context import attempt_store
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, declare_failure, progress_steps, read_counters,
+    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, progress_steps, read_counters,
     read_keys,
 )
 from prague.runtime.parent import LAUNCHER_PID_ENV
@@ -67,19 +72,21 @@ def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
 
 class Guard:
     """One rank's guard; see the module docstring. ``argv``: the child's command; ``services``/``env``: what
-    the method declared (used on rank 0); ``out``: the run's folder (``services.json``)."""
+    the method declared (used on rank 0); ``survives``: whether the method goes on without a failed
+    worker; ``out``: the run's folder (``services.json``)."""
 
     def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
-                 lease_s: float, out: Path, timeout_s: float) -> None:
+                 survives: bool, lease_s: float, out: Path, timeout_s: float) -> None:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
-        self.argv, self.lease_s, self.timeout_s = list(argv), lease_s, timeout_s
+        self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
         self.store = attempt_store(dist.TCPStore(
             os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), self.world_size,
             is_master=False, timeout=timedelta(seconds=timeout_s)))
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
         self.keeper = ServiceKeeper(self.store, specs, services_file=out / "services.json", log_dir=out / "logs")
+        self.membership = Membership(self.store, self.world_size)
         self.env = env
         self.child: subprocess.Popen[bytes] | None = None
         self.failure: Failure | None = None
@@ -95,6 +102,8 @@ class Guard:
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded
                 return code
+            if code != 0 and not self.survives:  # torchrun stops the job, or restarts it
+                return code if code > 0 else 1
             try:
                 self._wait_for_every_rank()
             except CommError as exc:
@@ -145,12 +154,15 @@ class Guard:
             sys.stderr.flush()
 
     def _declare(self, kind: str, detail: str) -> None:
+        if not self.survives and self.membership.failed():
+            return  # the job is ending: this worker failed because another did, which is declared
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
         self.failure = Failure(self.rank, steps, kind, detail)
-        if declare_failure(self.store, self.failure):
-            sys.stderr.write(f"prague: warning: rank {self.rank} {detail} after {steps} steps; the other workers "
-                             "go on without it\n")
-            sys.stderr.flush()
+        if self.survives:
+            announce_failure(self.store, self.failure)
+        else:
+            announce_failure(self.store, self.failure, "the method needs every worker: torchrun stops the job, or "
+                             "with --max-restarts starts it again from its last checkpoint", level="error")
 
     def _wait_for_every_rank(self) -> None:
         """Until every rank's child has ended (rank 0's services serve them to the end); the wait counts

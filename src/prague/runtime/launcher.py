@@ -51,7 +51,7 @@ from prague.runtime.context import ERROR_KEY
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, LeaseWatch, declare_failure, progress_steps, read_counters, read_keys,
+    PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
 from prague.runtime.stall import STALL_KEY, stall_message
@@ -246,12 +246,9 @@ class Job:
         """A survivable failure: declare it, fence a hung worker, warn."""
         failure = Failure(rank, self.steps_done(rank), kind, detail)
         self.failures[rank] = failure
-        declare_failure(self.store, failure)
         if kind == "hang":
             self.workers[rank].signal_group(signal.SIGKILL)  # fencing: its peers' connections fail now
-        sys.stderr.write(f"prague: warning: rank {rank} {detail} after {failure.step} steps; "
-                         "the other workers go on without it\n")
-        sys.stderr.flush()
+        announce_failure(self.store, failure)
 
     def report_stalls(self, every_s: float = 1.0) -> None:
         """Print each stall warning a worker published since the last look (:mod:`prague.runtime.stall`);

@@ -20,6 +20,7 @@ failed (:func:`wait_settled`).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -69,6 +70,21 @@ def declare_failure(store: dist.Store, failure: Failure) -> bool:
     if store.compare_set(key, "", text).decode() != text:
         return False  # someone declared this rank first
     store.add(EPOCH_KEY, 1)
+    return True
+
+
+#: What a declared failure means for the job, when the others go on without the failed worker.
+GO_ON = "the other workers go on without it"
+
+
+def announce_failure(store: dist.Store, failure: Failure, consequence: str = GO_ON, level: str = "warning") -> bool:
+    """Declare ``failure`` (:func:`declare_failure`) and, if this call recorded it, say on stderr which rank
+    failed, how, after how many steps, and ``consequence``; returns whether it was recorded."""
+    if not declare_failure(store, failure):
+        return False
+    sys.stderr.write(f"prague: {level}: rank {failure.rank} {failure.detail} after {failure.step} steps; "
+                     f"{consequence}\n")
+    sys.stderr.flush()
     return True
 
 
