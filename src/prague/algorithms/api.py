@@ -24,15 +24,18 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from prague.metrics.decisions import DecisionLog
+from prague.runtime.background import BackgroundWork
 from prague.runtime.context import DistContext
 from prague.runtime.services import ServiceSpec
 from prague.runtime.stall import Phase
+
+W = TypeVar("W", bound=BackgroundWork)
 
 
 @dataclass
@@ -102,7 +105,7 @@ class Algorithm:
         self.options = options
         self.decisions: DecisionLog | None = None
         self.phase = Phase()  # the trainer's: a method whose communication starts inside backward says when
-        self.background_phase: Phase | None = None  # a method's background communication, if it has one
+        self.background: list[BackgroundWork] = []  # the method's background communication (in_background)
         self.resources = contextlib.ExitStack()
         self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
         self._closed = False
@@ -148,6 +151,15 @@ class Algorithm:
         with self.resources:
             if not failed:
                 self.finish()
+
+    def in_background(self, work: W) -> W:
+        """Register a background communication thread started by :meth:`setup`: stall warnings watch its
+        operations, the timeline shows them, and :meth:`close` (through :attr:`resources`, at this point
+        of the order) stops and joins it (:meth:`~prague.runtime.background.BackgroundWork.shutdown`:
+        after a failure without waiting for a collective with a dead peer)."""
+        self.background.append(work)
+        self.resources.callback(lambda: work.shutdown(self.failed, self.ctx.timeout_s))
+        return work
 
     def peers(self) -> Sequence[int] | None:
         """The ranks this worker's communication of the moment involves (a P-Reduce group, a partner),

@@ -10,8 +10,9 @@ publishes it under ``prague/stall/RANK`` (the launcher prints it on its own stde
 
     prague: warning: rank 0 has waited 3.1 s in step 41 for rank 2 (last reported computing step 41)
 
-A method that communicates on a background thread (``prague``'s overlapped averages) marks that
-operation with a phase of its own (:meth:`Phase.background`), watched the same way:
+A method that communicates on background threads (:class:`~prague.runtime.background.BackgroundWork`:
+``prague``'s overlapped averages, ``eager-sgd``'s rounds, ...) has each thread's operation watched the
+same way while it is ``communicating``, named by the work:
 
     prague: warning: rank 0's background average has waited 3.1 s in step 41 for rank 2 (...)
 
@@ -31,12 +32,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import IO
 
 import torch.distributed as dist
 
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.runtime.liveness import read_keys
 
 PHASE_KEY = "prague/phase/"
@@ -45,7 +46,7 @@ POLL_S = 0.25
 FACTOR = 10.0
 MIN_WARN_S = 1.0
 MIN_STEPS = 3
-COMPUTE, COMM, IDLE = "compute", "comm", "idle"
+COMPUTE, COMM = "compute", "comm"
 
 
 class Phase:
@@ -66,16 +67,6 @@ class Phase:
         if kind != COMM:
             self.state = (step, COMM, time.monotonic())
 
-    @contextmanager
-    def background(self, step: int) -> Iterator[None]:
-        """For a background thread's operation on behalf of ``step`` (an overlapped average): communicating
-        while the ``with`` block runs, idle after."""
-        self.state = (step, COMM, time.monotonic())
-        try:
-            yield
-        finally:
-            self.state = (step, IDLE, time.monotonic())
-
 
 def holding_up(step: int, peers: Sequence[int], phases: dict[int, tuple[int, str]]) -> list[int]:
     """The peers that keep a worker in ``step`` waiting: those still computing (or that never reported a
@@ -95,12 +86,12 @@ class StallWatch:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, phase: Phase,
                  peers: Callable[[], Sequence[int] | None], warn_s: float | None = None,
-                 out: IO[str] | None = None, background: Phase | None = None) -> None:
+                 out: IO[str] | None = None, background: Sequence[BackgroundWork] = ()) -> None:
         if warn_s is not None and not warn_s > 0:
             raise ValueError(f"stall warning threshold must be > 0 s, got {warn_s!r}")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.phase, self.peers, self.warn_s = phase, peers, warn_s
-        self.watched = [("", phase)] + ([("background average ", background)] if background is not None else [])
+        self.background = list(background)
         self.out = out if out is not None else sys.stderr
         self.durations: deque[float] = deque(maxlen=50)
         self.warnings: list[dict[str, object]] = []
@@ -131,20 +122,29 @@ class StallWatch:
                     self.store.set(f"{PHASE_KEY}{self.rank}", encoded)
                     self._published = encoded
                 limit = self.threshold_s()
-                for what, phase in self.watched:
-                    step, kind, since = phase.state
-                    if limit is None or kind != COMM:  # computing: this worker is the one being waited for
+                for key, what, step, waiting, since in self._watched():
+                    if limit is None or not waiting:  # computing: this worker is the one being waited for
                         continue
-                    start, next_warn = due.get(what, (-1.0, 0.0))
+                    start, next_warn = due.get(key, (-1.0, 0.0))
                     if start != since:
                         start, next_warn = since, limit
                     waited = time.monotonic() - since
                     if waited >= next_warn:
                         self._warn(what, step, waited)
                         next_warn = 2 * waited
-                    due[what] = (start, next_warn)
+                    due[key] = (start, next_warn)
             except (RuntimeError, ValueError):  # the store is gone: the job is ending
                 return
+
+    def _watched(self) -> list[tuple[str, str, int, bool, float]]:
+        """What may wait on peers: (key, name in the warning, step, whether it waits now, since): the
+        training thread's phase, then each background thread's operation."""
+        step, kind, since = self.phase.state
+        out = [("", "", step, kind == COMM, since)]
+        for work in self.background:
+            for index, (step, stage, since) in enumerate(work.stages()):
+                out.append((f"{work.what}/{index}", f"{work.what} ", step, stage == COMMUNICATING, since))
+        return out
 
     def _warn(self, what: str, step: int, waited: float) -> None:
         peers = self.peers()

@@ -174,7 +174,7 @@ class DistributedTrainer:
         if self.ctx.world_size > 1:
             self.stall_watch = StallWatch(self.ctx.private_store(), self.ctx.rank, self.ctx.world_size, self.phase,
                                           self.algorithm.peers, stall_warn_s,
-                                          background=self.algorithm.background_phase)
+                                          background=self.algorithm.background)
         self._emulated = getattr(model, "nominal_compute_s", None) is not None  # no loss to report
 
     def step(self, closure: Closure) -> StepRecord:

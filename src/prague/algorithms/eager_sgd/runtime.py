@@ -51,7 +51,6 @@ fatal.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -69,6 +68,7 @@ from prague.comm.flat import bind_flat, views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.runtime.liveness import DECLARE_WAIT_S, Membership, read_keys
 
 #: Extra elements after the state in a round buffer: gradients' weight, their count, fresh ones, finished flag.
@@ -81,17 +81,20 @@ _FINAL = b"final"
 _instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 
 
-class RoundThread:
+class RoundThread(BackgroundWork):
     """One worker's side of every round: the accumulator, the thread, the finished results.
 
     The main thread calls :meth:`deposit`, :meth:`activate`, :meth:`wait_for`, :meth:`take_results`,
-    :meth:`recycle` and :meth:`finish`; the thread runs :meth:`_loop`. One lock guards the
-    accumulator, its ledger and the result queue.
+    :meth:`recycle` and :meth:`finish`; the thread runs :meth:`run`, each round one operation
+    (:class:`~prague.runtime.background.BackgroundWork`: ``waiting`` for its activation,
+    ``communicating`` in its all-reduce or a recovery). One lock (:attr:`cond`) guards the accumulator,
+    its ledger and the result queue.
     """
 
     def __init__(self, *, make_group: Callable[[str, int, int], dist.ProcessGroup], store: dist.Store,
                  main_store: dist.Store, prefix: str, rank: int, nproc: int, n_grads: int, buffers: torch.Tensor,
                  options: EagerSGDOptions, timeout_s: float, membership: Membership | None = None) -> None:
+        super().__init__("eager-sgd round thread", "eager-sgd-rounds")
         self.make_group = make_group  # (store prefix, this rank's index, size) -> a communicator
         self.pg: dist.ProcessGroup | None = make_group(f"{prefix}/pg", rank, nproc)
         self.membership = membership  # None: a broken round is fatal
@@ -105,7 +108,6 @@ class RoundThread:
         self.options = options
         self.device, self.dtype = buffers.device, buffers.dtype
         self.capacity = result_capacity(options.sync_every)
-        self._cond = threading.Condition()
         self.acc = self._new_buffer()
         self.acc[n_grads:self.state_size].copy_(buffers)  # a worker without a gradient yet sends these
         self.ledger = Ledger()
@@ -115,8 +117,6 @@ class RoundThread:
         self.started = 0  # rounds the thread has taken
         self.completed = 0  # rounds whose result is in
         self.finished_at: int | None = None  # this worker's step count, once it has finished
-        self._error: BaseException | None = None
-        self._stop = False
         # What the rounds carried (global figures, from the reduced extras) and this worker's share.
         self.sync_rounds = 0
         self.gradients = 0
@@ -129,8 +129,7 @@ class RoundThread:
         # this worker contributed to the round that broke here (counted after all if a survivor completed it).
         self._last: torch.Tensor | None = self._new_buffer() if membership is not None else None
         self._broken: tuple[int, Contribution] | None = None
-        self._thread = threading.Thread(target=self._loop, name="eager-sgd-rounds", daemon=True)
-        self._thread.start()
+        self.start()
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.zeros(self.state_size + EXTRAS, dtype=self.dtype, device=self.device)
@@ -143,8 +142,8 @@ class RoundThread:
         """Add a gradient (one tensor per parameter) computed on ``version`` applied rounds, and the
         current floating buffers, to what this worker contributes next; weighted by how late the next
         round this thread takes will be for it (:func:`~.decisions.stale_weight`)."""
-        with self._cond:
-            self._raise_if_failed()
+        with self.cond:
+            self.raise_if_failed()
             acc = self.acc
             views = views_of(acc, grads)
             weight = stale_weight(self.options.stale_weight, self.started - version)
@@ -158,7 +157,7 @@ class RoundThread:
             if acc.is_cuda:  # the round thread's collective must see the finished copy
                 torch.cuda.current_stream(acc.device).synchronize()
             self.ledger.deposit(version, weight)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def activate(self, round_id: int) -> bool:
         """Start round ``round_id`` if this worker's quorum rule says so and it has not started; returns
@@ -167,7 +166,7 @@ class RoundThread:
         opts = self.options
         if is_sync_round(round_id, opts.sync_every):
             return False
-        with self._cond:
+        with self.cond:
             live = self.live
             if self.started > round_id:
                 return False
@@ -180,82 +179,69 @@ class RoundThread:
 
     def wait_for(self, round_id: int, timeout_s: float) -> bool:
         """Block until round ``round_id`` is done; returns whether it had to wait."""
-        with self._cond:
+        with self.cond:
             if self.completed > round_id:
-                self._raise_if_failed()
+                self.raise_if_failed()
                 return False
-            ok = self._cond.wait_for(lambda: self.completed > round_id or self._error is not None, timeout_s)
-            self._raise_if_failed()
-            if not ok:
-                raise CommError(f"rank {self.rank}: eager-sgd round {round_id} did not finish within {timeout_s:g} s")
-            return True
+        if not self.wait_until(lambda: self.completed > round_id, timeout_s):
+            raise CommError(f"rank {self.rank}: eager-sgd round {round_id} did not finish within {timeout_s:g} s")
+        return True
 
     def take_results(self) -> list[tuple[int, torch.Tensor, int]]:
         """The finished rounds not handed out yet, oldest first, each as (round, result, how many ranks
         took part); hand each buffer back with :meth:`recycle`."""
-        with self._cond:
-            self._raise_if_failed()
+        with self.cond:
+            self.raise_if_failed()
             out = list(self._results)
             self._results.clear()
             return out
 
     def recycle(self, buffer: torch.Tensor) -> None:
-        with self._cond:
+        with self.cond:
             self._free.append(buffer)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def finish(self, timeout_s: float) -> None:
         """This worker has run its last step (one deposit per step): start the final round here and wait
         for it."""
-        with self._cond:
+        with self.cond:
             steps = self.finished_at = self.ledger.deposited
-            self._cond.notify_all()
+            self.cond.notify_all()
         self.main_store.set(self._key(steps), _FINAL.decode())
         if steps > 0:
             self.main_store.delete_key(self._key(steps - 1))
         self.wait_for(steps, timeout_s)
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-
-    def join(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def release_group(self) -> None:
-        pg, self.pg = self.pg, None
-        if pg is not None:
-            shutdown_group(pg)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def shutdown(self, failed: bool, timeout_s: float) -> bool:
+        """Stop and join the thread; its communicator is released once it has ended (after a failure a
+        thread stuck in a collective keeps it)."""
+        ended = super().shutdown(failed, timeout_s)
+        if ended:
+            pg, self.pg = self.pg, None
+            if pg is not None:
+                shutdown_group(pg)
+        return ended
 
     # -- the thread ----------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            round_id = 0
-            while True:
+    def run(self, index: int) -> None:
+        round_id = 0
+        while True:
+            with self.operation(round_id) as op:
                 try:
                     if not self._start(round_id):
                         return
+                    op.to(COMMUNICATING)
                     self._run(round_id)
                     round_id += 1
                 except _Broken as exc:
+                    op.to(COMMUNICATING)
                     round_id = self._recover(exc)
-        except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
-            with self._cond:
-                self._error = exc if isinstance(exc, CommError) else CommError(
-                    f"rank {self.rank}: eager-sgd round thread failed: {exc}")
-                self._cond.notify_all()
 
     def _start(self, round_id: int) -> bool:
         """Wait until round ``round_id`` may start here; False when the worker is done (or stopping)."""
-        with self._cond:  # room for one more result: the worker holds at most `capacity` unapplied
-            self._cond.wait_for(lambda: self._stop or self._allocated - 1 - len(self._free) < self.capacity)
-            if self._stop:
+        with self.cond:  # room for one more result: the worker holds at most `capacity` unapplied
+            self.cond.wait_for(lambda: self.stopping or self._allocated - 1 - len(self._free) < self.capacity)
+            if self.stopping:
                 return False
             if self.finished_at is not None and round_id > self.finished_at:
                 return False
@@ -267,8 +253,8 @@ class RoundThread:
                 self.store.wait([self._key(round_id)], timedelta(seconds=_WAKE_S))
                 break
             except RuntimeError as exc:  # a timeout slice (DistStoreError); look again
-                with self._cond:
-                    if self._stop:
+                with self.cond:
+                    if self.stopping:
                         return False
                 lost = self.membership.failed_among(self.live) if self.membership is not None else []
                 if lost:
@@ -283,12 +269,12 @@ class RoundThread:
     def _wait_own_gradient(self, round_id: int) -> bool:
         """A synchronous or final round starts here once this worker's gradient of that iteration is in,
         or once it has finished (the final round)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._stop or self.ledger.deposited > round_id or self.finished_at is not None)
-            return not self._stop
+        with self.cond:
+            self.cond.wait_for(lambda: self.stopping or self.ledger.deposited > round_id or self.finished_at is not None)
+            return not self.stopping
 
     def _run(self, round_id: int) -> None:
-        with self._cond:
+        with self.cond:
             if self._free:
                 spare = self._free.pop()  # stale values: the next deposit copies rather than adds
             else:
@@ -315,7 +301,7 @@ class RoundThread:
             broke = str(exc)
         if broke:
             del pg  # the traceback must not keep the communicator alive: _recover destroys it
-            with self._cond:
+            with self.cond:
                 self.lost_gradients += mine.count
                 self._broken = (round_id, mine)
                 self._free.append(send)
@@ -333,14 +319,14 @@ class RoundThread:
             raise CommError(
                 f"eager-sgd round {round_id}: {n_finished} of {size} ranks had finished and the others had "
                 "not; every rank must run the same number of steps")
-        with self._cond:
+        with self.cond:
             self.sync_rounds += is_sync_round(round_id, self.options.sync_every) or n_finished > 0
             self.gradients += int(round(float(send[_COUNT])))
             self.fresh += int(round(float(send[_FRESH])))
             self.staleness.update(mine.staleness)
             self._results.append((round_id, send, size))
             self.completed = round_id + 1
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def _recover(self, broken: _Broken) -> int:
         """Go on without the failed ranks (see the module docstring); returns the round to resume at."""
@@ -354,7 +340,7 @@ class RoundThread:
             del old
         self.recoveries += 1
         prefix = f"{self.prefix}/recovery{self.recoveries}"
-        with self._cond:
+        with self.cond:
             completed = self.completed
         self.store.set(f"{prefix}/{self.rank}", str(completed))
         published = self._gather_survivors(prefix, membership)
@@ -363,7 +349,7 @@ class RoundThread:
         if min(published.values()) < resume - 1:  # every round needs every rank's part of the one before
             raise CommError(f"rank {self.rank}: eager-sgd recovery: the survivors' completed rounds {published} "
                             "differ by more than one")
-        with self._cond:
+        with self.cond:
             self.started = resume
             self.live = live
             reached = self.ledger.deposited
@@ -391,7 +377,7 @@ class RoundThread:
         broken = self._broken
         if broken is None or broken[0] != round_id:
             raise CommError(f"rank {self.rank}: eager-sgd recovery: round {round_id} was not the round that broke here")
-        with self._cond:
+        with self.cond:
             self.lost_gradients -= broken[1].count  # its gradients are in the result after all
             self.recovered_rounds += 1
         self._complete(round_id, buf, size, broken[1])
@@ -442,11 +428,11 @@ class EagerSGD(Algorithm):
         def make_group(name: str, index: int, size: int) -> dist.ProcessGroup:
             return backend_group(ctx, dist.PrefixStore(name, ctx.store), index, size, ctx.timeout)
 
-        self.rounds = RoundThread(make_group=make_group, store=ctx.private_store(), main_store=ctx.private_store(),
-                                  prefix=f"eager-sgd/{instance}", rank=ctx.rank, nproc=ctx.world_size,
-                                  n_grads=self.n_grads, buffers=self.flat[self.n_grads:], options=self.options,
-                                  timeout_s=ctx.timeout_s, membership=Membership(ctx.private_store(), ctx.world_size))
-        self.resources.callback(self._release)
+        self.rounds = self.in_background(RoundThread(
+            make_group=make_group, store=ctx.private_store(), main_store=ctx.private_store(),
+            prefix=f"eager-sgd/{instance}", rank=ctx.rank, nproc=ctx.world_size, n_grads=self.n_grads,
+            buffers=self.flat[self.n_grads:], options=self.options, timeout_s=ctx.timeout_s,
+            membership=Membership(ctx.private_store(), ctx.world_size)))
         return model
 
     def before_compute(self, step: int) -> None:
@@ -483,14 +469,6 @@ class EagerSGD(Algorithm):
             assert self._saved is not None
             self.flat[:self.n_grads].copy_(self._saved)
             self._shifted = False
-
-    def _release(self) -> None:
-        rounds = self.rounds
-        if rounds is None:
-            return
-        rounds.stop()
-        if rounds.join(0.0 if self.failed else 5.0):
-            rounds.release_group()  # after a failure a thread stuck in a collective keeps the group
 
     # -- hooks
 

@@ -41,7 +41,6 @@ with it. On the CPU those orderings hold by themselves.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from prague.comm.streams import HOST, Streams
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.groups import Group
 
 #: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one);
@@ -106,11 +106,14 @@ class Backlog:
             self._kept.append((index, correction))
 
 
-class BackgroundAverager:
-    """One background thread that averages snapshots in submission order; see the module docstring."""
+class BackgroundAverager(BackgroundWork):
+    """One background thread that averages snapshots in submission order; see the module docstring.
+    Each request is one operation of the thread (:class:`~prague.runtime.background.BackgroundWork`):
+    ``waiting`` while it asks for its group, ``communicating`` while the group averages."""
 
     def __init__(self, next_group: NextGroup, run_group: RunGroup, *, name: str = "prague-averager",
                  streams: Streams = HOST) -> None:
+        super().__init__("background average", name)
         self._next_group = next_group
         self._run_group = run_group
         self._streams = streams  # the values' device: a side stream and events on CUDA, nothing on the CPU
@@ -118,22 +121,19 @@ class BackgroundAverager:
             queue.SimpleQueue()
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # free (snapshot, work) pairs
         self._done: deque[Averaged] = deque()
-        self._cond = threading.Condition()
         self._submitted = 0
         self._finished = 0
         self._taken = 0  # corrections handed to the worker (which adds each before its next submit)
         self._backlog = Backlog()  # the thread's
-        self._error: BaseException | None = None
         self._closed = False
         self.busy_s = 0.0  # seconds the thread spent on requests (asking plus reducing)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.start()
 
     # -- the worker's side -------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
         """Requests submitted whose correction has not been taken yet."""
-        with self._cond:
+        with self.cond:
             return self._submitted - self._finished + len(self._done)
 
     def submit(self, values: torch.Tensor, step: int | None = None) -> int:
@@ -141,8 +141,8 @@ class BackgroundAverager:
         group, asked for after the worker's step ``step`` (default: the request's index); returns the
         request's index. ``values`` must hold every correction taken so far (from
         :meth:`take_ready`, :meth:`take_oldest`, :meth:`drain`): the thread adds the later ones itself."""
-        self._raise_if_failed()
-        with self._cond:
+        self.raise_if_failed()
+        with self.cond:
             index = self._submitted
             self._submitted += 1
             taken = self._taken
@@ -158,13 +158,13 @@ class BackgroundAverager:
 
     def recycle(self, done: Averaged) -> None:
         """Hand back a finished request's buffers (after adding its correction) for later snapshots."""
-        with self._cond:
+        with self.cond:
             self._pool.append((done.snapshot, done.correction))
 
     def take_ready(self) -> list[Averaged]:
         """The requests finished so far, oldest first, without waiting."""
-        with self._cond:
-            self._raise_if_failed()
+        with self.cond:
+            self.raise_if_failed()
             out = list(self._done)
             self._done.clear()
             self._taken += len(out)
@@ -172,11 +172,9 @@ class BackgroundAverager:
 
     def take_oldest(self, timeout_s: float | None = None) -> Averaged:
         """Wait for the oldest request still pending and return it (raise if the thread failed)."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._done or self._error is not None, timeout_s)
-            self._raise_if_failed()
-            if not ok:
-                raise TimeoutError(f"no average came back within {timeout_s} s")
+        if not self.wait_until(lambda: bool(self._done), timeout_s):
+            raise TimeoutError(f"no average came back within {timeout_s} s")
+        with self.cond:
             self._taken += 1
             return self._done.popleft()
 
@@ -188,56 +186,47 @@ class BackgroundAverager:
         return out
 
     def close(self) -> None:
-        """Stop the thread after the requests already submitted (does not wait for a failed peer: the
-        thread is a daemon and its P-Reduce times out on its own)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
+        """Stop the thread after the requests already submitted (:meth:`stop`)."""
+        self.stop()
 
-    def join(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the thread to end; whether it did."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def wake(self) -> None:
+        if not self._closed:  # the thread ends at this mark, after every request before it
+            self._closed = True
+            self._jobs.put(None)
 
     # -- the thread --------------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self, index: int) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            index, taken, snapshot, work, step, copied = job
-            try:
-                t0 = time.perf_counter()
-                group = self._next_group(step)
-                t1 = time.perf_counter()
-                averaged: bool | None
-                with self._streams.side():
-                    self._streams.wait(copied)  # the snapshot's copy on the compute stream is done
-                    if group.is_local:  # a group of one: nothing to average, no correction
-                        averaged = False
-                    else:
-                        # The earlier corrections read here may sit in pairs the worker has recycled: a
-                        # pair is reused only by a request submitted after its correction was taken,
-                        # which this thread runs later and which forgets that correction before writing
-                        # the pair.
-                        work.copy_(self._backlog.catch_up(snapshot, taken))
-                        averaged = self._run_group(group, work)
-                    correction = work.zero_() if averaged is False else work.sub_(snapshot)
-                    self._streams.finish(self._streams.mark())  # the correction is complete on the device
-                t2 = time.perf_counter()
-                self._backlog.finished(index, None if averaged is False else correction)
-            except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread, which raises it
-                with self._cond:
-                    self._error = exc
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self.busy_s += t2 - t0
-                self._finished += 1
-                self._done.append(Averaged(index, group, correction, t1 - t0, t2 - t1, snapshot))
-                self._cond.notify_all()
+            self._average(*job)
+
+    def _average(self, index: int, taken: int, snapshot: torch.Tensor, work: torch.Tensor, step: int,
+                 copied: Any) -> None:
+        with self.operation(step) as op:
+            t0 = time.perf_counter()
+            group = self._next_group(step)
+            t1 = time.perf_counter()
+            averaged: bool | None
+            with self._streams.side():
+                self._streams.wait(copied)  # the snapshot's copy on the compute stream is done
+                if group.is_local:  # a group of one: nothing to average, no correction
+                    averaged = False
+                else:
+                    # The earlier corrections read here may sit in pairs the worker has recycled: a
+                    # pair is reused only by a request submitted after its correction was taken,
+                    # which this thread runs later and which forgets that correction before writing
+                    # the pair.
+                    work.copy_(self._backlog.catch_up(snapshot, taken))
+                    op.to(COMMUNICATING)
+                    averaged = self._run_group(group, work)
+                correction = work.zero_() if averaged is False else work.sub_(snapshot)
+                self._streams.finish(self._streams.mark())  # the correction is complete on the device
+            t2 = time.perf_counter()
+            self._backlog.finished(index, None if averaged is False else correction)
+        with self.cond:
+            self.busy_s += t2 - t0
+            self._finished += 1
+            self._done.append(Averaged(index, group, correction, t1 - t0, t2 - t1, snapshot))
+            self.cond.notify_all()

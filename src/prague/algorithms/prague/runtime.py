@@ -44,7 +44,6 @@ from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
 from prague.groups import Group
 from prague.metrics.decisions import Decision, gg_trace_path
-from prague.runtime.stall import Phase
 
 
 def check_momentum_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
@@ -115,12 +114,10 @@ class Prague(Algorithm):
         self.averager: BackgroundAverager | None = None
         if self.options.overlap == "on":
             rank = self.ctx.rank
-            self.background_phase = Phase()
             # each request says after which step it comes, so the generator counts iterations (smart's threshold)
-            self.averager = BackgroundAverager(lambda step: self._checked(self.source.next_group(rank, step)),
-                                               self._reduce_in_background, name=f"prague-averager-{rank}",
-                                               streams=streams_for(self.flat.device))
-            self.resources.callback(self._stop_averager)
+            self.averager = self.in_background(BackgroundAverager(
+                lambda step: self._checked(self.source.next_group(rank, step)), self._reduce,
+                name=f"prague-averager-{rank}", streams=streams_for(self.flat.device)))
         return model
 
     def _checked(self, group: Group) -> Group:
@@ -134,11 +131,6 @@ class Prague(Algorithm):
         if group.is_local:
             return True
         return len(self.groups.reduce(group.members, buffer)) > 1
-
-    def _reduce_in_background(self, group: Group, buffer: torch.Tensor) -> bool:
-        assert self.background_phase is not None
-        with self.background_phase.background(self.steps_done):
-            return self._reduce(group, buffer)
 
     def _record(self, group: Group, step: int) -> None:
         self.tally.add(group)
@@ -207,13 +199,6 @@ class Prague(Algorithm):
         for group in self.source.finish(self.ctx.rank):
             self._run(group, self.steps_done)
         self.source.leave()
-
-    def _stop_averager(self) -> None:
-        """Stop the background thread: after the drain it is idle; after a failure it may still be inside
-        a P-Reduce with a dead peer, which ends at the communicators' timeout (the thread is a daemon)."""
-        assert self.averager is not None
-        self.averager.close()
-        self.averager.join(1.0 if self.failed else self.ctx.timeout_s)
 
     def peers(self) -> Sequence[int] | None:
         return self.groups.current

@@ -1,0 +1,200 @@
+"""One primitive for a method's background communication: :class:`BackgroundWork`.
+
+Every method that communicates beside the training thread (``prague``'s overlapped averages, ``eager-sgd``'s
+rounds, ``lossy``'s chunk streams, ``ps-eager``'s reply completer, ``adpsgd``'s passive server) runs it
+on a :class:`BackgroundWork`: one or more daemon threads with
+
+* **operations with a stage**: the thread runs each unit of work (one average, one round, one request)
+  inside :meth:`BackgroundWork.operation`, which yields an :class:`Operation` handle whose stage moves
+  from ``waiting`` (for a group, a round's start, a request: no peer is blocked on it yet) to
+  ``communicating`` (inside a collective or an exchange with peers) to ``done``. The stage of each
+  thread's current operation is what stall warnings watch (:mod:`prague.runtime.stall`: a long
+  ``communicating`` stage names the peers holding it up), and every finished stage is kept as a
+  :class:`Span` for the run's timeline (:mod:`prague.metrics.timeline`);
+* **one error path**: an exception that ends a thread is kept (:meth:`BackgroundWork.fail`) and raised
+  on the training thread by the next call that waits on or hands work to the thread
+  (:meth:`BackgroundWork.raise_if_failed`, :meth:`BackgroundWork.wait_until`): the project's own errors
+  as they are (a wrong setting stays a :class:`~prague.errors.ConfigError`, exit 2), any other as a
+  :class:`~prague.errors.CommError` naming the work;
+* **one stop/join protocol**: :meth:`BackgroundWork.stop` asks every thread to end after what it was
+  given; :meth:`BackgroundWork.shutdown` stops and joins, and after a failure waits at most
+  :data:`FAILED_JOIN_S`: a thread blocked in a collective with a dead peer ends only at that
+  collective's timeout, and as a daemon it never keeps the process alive.
+
+The same handle-with-stages shape as hivemind's ``StepControl`` (Ryabinin et al., "Moshpit SGD",
+NeurIPS 2021), reduced to what a method here needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from prague.errors import CommError, PragueError
+
+WAITING = "waiting"
+COMMUNICATING = "communicating"
+DONE = "done"
+STAGES = (WAITING, COMMUNICATING, DONE)
+#: After a failure, how long :meth:`BackgroundWork.shutdown` waits for the threads.
+FAILED_JOIN_S = 1.0
+#: Finished stages kept per work for the timeline (the oldest go first).
+MAX_SPANS = 200_000
+
+
+@dataclass(frozen=True)
+class Span:
+    """One stage of one operation: ``stage`` from ``start_s`` to ``end_s`` (``time.time``), on behalf of
+    the worker's step ``step``, on thread ``thread`` of the work."""
+
+    stage: str
+    step: int
+    start_s: float
+    end_s: float
+    thread: int = 0
+
+
+class Operation:
+    """One unit of background work (an average, a round, a request), handed out by
+    :meth:`BackgroundWork.operation`; the thread moves it through its stages with :meth:`to`. Read from
+    other threads as one tuple (:attr:`state`), replaced whole."""
+
+    def __init__(self, work: BackgroundWork, thread: int, step: int, stage: str) -> None:
+        self._work, self.thread, self.step = work, thread, step
+        self.state: tuple[str, float, float] = (stage, time.monotonic(), time.time())  # stage, since, wall start
+
+    @property
+    def stage(self) -> str:
+        return self.state[0]
+
+    def to(self, stage: str, step: int | None = None) -> None:
+        """Enter ``stage`` (``step``: the operation turned out to be on behalf of another step)."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+        self._work._record(self)
+        if step is not None:
+            self.step = step
+        self.state = (stage, time.monotonic(), time.time())
+
+
+class BackgroundWork:
+    """The threads of one method's background communication; see the module docstring.
+
+    ``what`` names the work in warnings and errors ("background average", "eager-sgd round thread");
+    ``name`` is the threads' name; ``threads`` how many run :meth:`run` (each with its index).
+    Subclasses implement :meth:`run` and call :meth:`start` at the end of their constructor; they guard
+    their own state with :attr:`cond`, which :meth:`wait_until` and :meth:`fail` use too.
+    """
+
+    def __init__(self, what: str, name: str, threads: int = 1) -> None:
+        self.what = what
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.spans: deque[Span] = deque(maxlen=MAX_SPANS)
+        self._current: list[Operation | None] = [None] * threads
+        self._threads = [threading.Thread(target=self._main, args=(i,), name=name if threads == 1 else f"{name}-{i}",
+                                          daemon=True) for i in range(threads)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def run(self, index: int) -> None:
+        """Thread ``index``'s body: return when :attr:`stopping` (or the work is over); raise to fail."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Make a thread blocked outside :attr:`cond` (on a queue) notice :attr:`stopping`."""
+
+    # -- stages ------------------------------------------------------------------------------------
+    @contextmanager
+    def operation(self, step: int, stage: str = WAITING, thread: int = 0) -> Iterator[Operation]:
+        """Run one operation on behalf of the worker's step ``step`` (this thread's current one until the
+        block ends, then ``done``)."""
+        op = Operation(self, thread, step, stage)
+        self._current[thread] = op
+        try:
+            yield op
+        finally:
+            self._record(op)
+            op.state = (DONE, time.monotonic(), time.time())
+
+    def _record(self, op: Operation) -> None:
+        stage, _, start = op.state
+        if stage != DONE:
+            self.spans.append(Span(stage, op.step, start, time.time(), op.thread))
+
+    def stages(self) -> list[tuple[int, str, float]]:
+        """Each thread's current operation as (step, stage, since ``time.monotonic``); ``done`` for a
+        thread between operations. Safe from any thread."""
+        out = []
+        for op in self._current:
+            if op is None:
+                out.append((-1, DONE, 0.0))
+            else:
+                stage, since, _ = op.state
+                out.append((op.step, stage, since))
+        return out
+
+    # -- errors ------------------------------------------------------------------------------------
+    def _main(self, index: int) -> None:
+        try:
+            self.run(index)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep ``exc`` (the first failure stands) and wake every waiter."""
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        """Raise the threads' failure, if any, on the calling thread: one of the project's errors as it is
+        (a :class:`~prague.errors.ConfigError` from a service, a :class:`CommError`), any other exception
+        wrapped in a :class:`CommError` that names the work."""
+        exc = self.error
+        if exc is None:
+            return
+        if isinstance(exc, PragueError):
+            raise exc
+        raise CommError(f"the {self.what} failed: {exc!r}") from exc
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Block until ``ready()`` (evaluated holding :attr:`cond`; notify it when it may have changed) or
+        ``timeout_s`` passes; returns whether it became true. Raises the threads' failure first."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.error is not None or ready(), timeout_s)
+            self.raise_if_failed()
+            return ok
+
+    # -- stop and join -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask every thread to end once it has finished what it was given."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.wake()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every thread to end; whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def shutdown(self, failed: bool, timeout_s: float) -> bool:
+        """:meth:`stop`, then :meth:`join` for ``timeout_s`` (after a failure at most :data:`FAILED_JOIN_S`);
+        whether every thread ended."""
+        self.stop()
+        return self.join(min(timeout_s, FAILED_JOIN_S) if failed else timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)

@@ -1,0 +1,131 @@
+"""``BackgroundWork``: the one primitive of a method's background communication: operations with stages,
+one error path to the training thread, one stop/join protocol, spans for the timeline, and stall
+warnings for an operation stuck communicating."""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from prague.errors import CommError, ConfigError
+from prague.runtime.background import COMMUNICATING, DONE, WAITING, BackgroundWork
+from prague.runtime.stall import Phase, StallWatch
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Echo(BackgroundWork):
+    """Takes numbers from a queue; each is one operation: ``waiting`` until ``go`` is set, then
+    ``communicating`` until ``release`` is set. A number below 0 raises ``errors[n]``."""
+
+    def __init__(self, errors: dict[int, BaseException] | None = None) -> None:
+        super().__init__("echo work", "echo")
+        self.jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.go, self.release = threading.Event(), threading.Event()
+        self.errors = errors or {}
+        self.done: list[int] = []
+        self.start()
+
+    def wake(self) -> None:
+        self.jobs.put(None)
+
+    def run(self, index: int) -> None:
+        while (job := self.jobs.get()) is not None:
+            with self.operation(job) as op:
+                self.go.wait()
+                op.to(COMMUNICATING)
+                self.release.wait()
+                if job < 0:
+                    raise self.errors[job]
+            with self.cond:
+                self.done.append(job)
+                self.cond.notify_all()
+
+
+def _until(predicate: object, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_an_operation_moves_through_its_stages_and_leaves_spans() -> None:
+    work = Echo()
+    assert work.stages()[0][1] == DONE  # between operations
+    work.jobs.put(7)
+    _until(lambda: work.stages()[0][1] == WAITING)
+    assert work.stages()[0][0] == 7
+    work.go.set()
+    _until(lambda: work.stages()[0][1] == COMMUNICATING)
+    work.release.set()
+    assert work.wait_until(lambda: work.done == [7], timeout_s=10)
+    assert work.stages()[0][1] == DONE
+    assert [(s.stage, s.step) for s in work.spans] == [(WAITING, 7), (COMMUNICATING, 7)]
+    assert all(s.start_s <= s.end_s for s in work.spans)
+    assert work.spans[0].end_s <= work.spans[1].start_s
+    assert work.shutdown(failed=False, timeout_s=10) and not work.alive
+
+
+def test_a_failure_reaches_the_training_thread_named_and_wakes_its_waits() -> None:
+    work = Echo({-1: ValueError("bad bytes")})
+    work.go.set()
+    work.release.set()
+    work.jobs.put(-1)
+    with pytest.raises(CommError, match="echo work failed: ValueError"):
+        work.wait_until(lambda: False, timeout_s=10)  # would wait forever without the failure
+    with pytest.raises(CommError):
+        work.raise_if_failed()  # and it stays raised
+    assert not work.alive
+
+
+def test_the_projects_own_errors_reach_the_training_thread_as_they_are() -> None:
+    work = Echo({-2: ConfigError("wrong token")})
+    work.go.set()
+    work.release.set()
+    work.jobs.put(-2)
+    with pytest.raises(ConfigError, match="wrong token"):
+        work.wait_until(lambda: False, timeout_s=10)
+
+
+def test_stop_lets_the_given_work_finish_and_a_failed_shutdown_leaves_a_stuck_thread() -> None:
+    work = Echo()
+    work.go.set()
+    work.release.set()
+    for job in (1, 2, 3):
+        work.jobs.put(job)
+    assert work.shutdown(failed=False, timeout_s=10)
+    assert work.done == [1, 2, 3]
+    stuck = Echo()
+    stuck.jobs.put(4)  # waits for go forever: a collective with a dead peer
+    _until(lambda: stuck.stages()[0][1] == WAITING)
+    assert not stuck.shutdown(failed=True, timeout_s=60)  # does not wait for it
+    assert stuck.alive
+    stuck.go.set()
+    stuck.release.set()
+    assert stuck.join(10) and stuck.done == [4]  # it ends after its operation, as stopped
+
+
+def test_a_stall_warning_names_the_background_work_stuck_communicating() -> None:
+    store = dist.HashStore()
+    out = io.StringIO()
+    work = Echo()
+    work.go.set()
+    work.jobs.put(12)
+    _until(lambda: work.stages()[0][1] == COMMUNICATING)
+    phase = Phase()
+    phase.compute(13)  # the training thread computes on: only the background operation waits
+    watch = StallWatch(store, 0, 2, phase, lambda: [1], warn_s=0.3, out=out, background=[work])
+    try:
+        _until(lambda: watch.warnings)
+    finally:
+        watch.stop()
+        work.release.set()
+        work.shutdown(failed=False, timeout_s=10)
+    report = watch.warnings[0]
+    assert report["what"] == "echo work " and report["step"] == 12 and report["ranks"] == [1]
+    assert "rank 0's echo work has waited" in out.getvalue()
