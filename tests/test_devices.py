@@ -184,7 +184,7 @@ def test_adpsgd_exchange_through_staging_buffers(staged: bool) -> None:
     values.add_(torch.tensor([0.0, 2.0, 4.0, 6.0]))  # a local step, then a second averaging
     link.average(values, 1)
     link.done([1])
-    server.join(30)
+    server.wait_for_actives(30)
     assert values.tolist() == master.tolist() == [2.0, 3.0, 4.0, 5.0]
     assert server.served == 2 and link.initiated == 2
     assert link._wire is not None and (link._wire.wire is not values) == staged

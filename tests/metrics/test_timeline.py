@@ -67,6 +67,47 @@ def test_a_run_writes_its_timeline_and_prague_timeline_reads_it(tmp_path: Path) 
     assert run_cli("timeline", str(out), timeout_s=60).stdout.splitlines()[:4] == shown.stdout.splitlines()[:4]
 
 
+def test_background_threads_get_a_track_each_with_their_stages() -> None:
+    records = {0: _records(0, 2, 0.010, 0.004, 0.0)}
+    background = {0: [
+        {"work": "background average", "thread": 0, "stage": "waiting", "step": 0, "start_s": 0.010, "end_s": 0.011},
+        {"work": "background average", "thread": 0, "stage": "communicating", "step": 0, "start_s": 0.011,
+         "end_s": 0.019},
+        {"work": "lossy chunk all-reduce", "thread": 1, "stage": "communicating", "step": 1, "start_s": 0.02,
+         "end_s": 0.025},
+        {"work": "lossy chunk all-reduce", "thread": 0, "stage": "communicating", "step": 1, "start_s": 0.02,
+         "end_s": 0.024},
+    ]}
+    trace = build_trace(records, None, background)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {1: "background average", 2: "lossy chunk all-reduce 0", 3: "lossy chunk all-reduce 1"}
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == "background"]
+    assert [(e["tid"], e["name"], e["args"]["step"]) for e in slices] == [
+        (1, "waiting", 0), (1, "communicating", 0), (3, "communicating", 1), (2, "communicating", 1)]
+    assert slices[1]["ts"] == pytest.approx(11000) and slices[1]["dur"] == pytest.approx(8000)
+    assert "0" in summarize(trace).splitlines()[1]  # the step table is the training thread's alone
+
+
+def test_a_run_with_background_averages_shows_them_on_its_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "2", "--steps", "10", "--compute", "emulated",
+                  "--compute-ms", "20", "--data", "synthetic", "--timeline", "--out", str(out), "--quiet",
+                  timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    trace = json.loads((out / "timeline.json").read_text())
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / "metrics" / "background" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert {x["work"] for x in lines} == {"background average"}
+        steps = [x["step"] for x in lines if x["stage"] == "waiting"]
+        assert steps == sorted(steps) and len(steps) >= 5  # one request per step, asked in order
+        mine = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank]
+        ours = [e for e in mine if e.get("cat") == "background"]
+        assert {e["name"] for e in ours} <= {"waiting", "communicating"} and any(e["name"] == "communicating"
+                                                                             for e in ours)
+        end = max(e["ts"] + e["dur"] for e in mine if e["tid"] == 0)
+        assert all(0 <= e["ts"] <= end + 5e6 for e in ours)  # on the run's clock, not another one
+
+
 def test_bad_timeline_folders_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="holds no run"):
         load_trace(tmp_path)

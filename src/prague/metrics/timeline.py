@@ -23,17 +23,21 @@ from prague.errors import ConfigError
 from prague.io import atomic_write_json, read_json_lines
 
 TIMELINE_FILE = "timeline.json"
+BACKGROUND_DIR = "background"  # under OUT/metrics: each rank's background operations' stages
 _US = 1e6
 
 
 def build_trace(records: Mapping[int, Sequence[Mapping[str, Any]]],
-                decisions: Mapping[int, Sequence[Mapping[str, Any]]] | None = None) -> dict[str, Any]:
+                decisions: Mapping[int, Sequence[Mapping[str, Any]]] | None = None,
+                background: Mapping[int, Sequence[Mapping[str, Any]]] | None = None) -> dict[str, Any]:
     """The Chrome trace of ``records`` (rank -> its step records, in step order) with the group or
-    partner of each step from ``decisions`` (rank -> its decision lines), if given."""
+    partner of each step from ``decisions`` (rank -> its decision lines), and each background thread's
+    operations from ``background`` (rank -> its stage lines), if given."""
     events: list[dict[str, Any]] = []
     for rank in sorted(records):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        events.extend(_background_events(rank, background.get(rank, ()) if background else ()))
         with_whom = _with_whom(decisions.get(rank, ()) if decisions else ())
         for r in records[rank]:
             end, comm, compute = float(r["t_end_s"]), float(r["comm_s"]), float(r["compute_s"])
@@ -56,6 +60,24 @@ def build_trace(records: Mapping[int, Sequence[Mapping[str, Any]]],
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def _background_events(rank: int, lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One track (thread) per background thread of ``rank``, after the training thread's (tid 0): a slice
+    per stage of each operation (``waiting``, ``communicating``)."""
+    keys = sorted({(str(line["work"]), int(line["thread"])) for line in lines})
+    tids = {key: tid for tid, key in enumerate(keys, start=1)}
+    several = {work for work, thread in keys if thread > 0}  # works with more than one thread
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+         "args": {"name": f"{work} {thread}" if work in several else work}} for (work, thread), tid in tids.items()]
+    for line in lines:
+        key = (str(line["work"]), int(line["thread"]))
+        start, end = float(line["start_s"]), float(line["end_s"])
+        events.append({"ph": "X", "pid": rank, "tid": tids[key], "cat": "background", "name": str(line["stage"]),
+                       "ts": max(0.0, start) * _US, "dur": max(0.0, end - start) * _US,
+                       "args": {"step": int(line["step"])}})
+    return events
+
+
 def _with_whom(lines: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
     """step -> {"group": members} or {"partner": rank}, from one worker's decision lines."""
     out: dict[int, dict[str, Any]] = {}
@@ -67,11 +89,14 @@ def _with_whom(lines: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def read_run(out: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, list[dict[str, Any]]]]:
-    """(step records, decision lines) of the run in folder ``out``, each rank -> its lines."""
+def read_run(out: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, list[dict[str, Any]]],
+                                 dict[int, list[dict[str, Any]]]]:
+    """(step records, decision lines, background stage lines) of the run in folder ``out``, each rank ->
+    its lines."""
     records = {_rank(p): read_json_lines(p) for p in sorted((out / "metrics").glob("rank*.jsonl"))}
     decisions = {_rank(p): read_json_lines(p) for p in sorted((out / "decisions").glob("rank*.jsonl"))}
-    return records, decisions
+    background = {_rank(p): read_json_lines(p) for p in sorted((out / "metrics" / BACKGROUND_DIR).glob("rank*.jsonl"))}
+    return records, decisions, background
 
 
 def _rank(path: Path) -> int:
@@ -80,9 +105,9 @@ def _rank(path: Path) -> int:
 
 def write_timeline(out: Path) -> Path:
     """Write ``out/timeline.json`` from the run's files (atomically); returns its path."""
-    records, decisions = read_run(out)
+    records, decisions, background = read_run(out)
     path = out / TIMELINE_FILE
-    atomic_write_json(path, build_trace(records, decisions))
+    atomic_write_json(path, build_trace(records, decisions, background))
     return path
 
 
@@ -97,11 +122,11 @@ def load_trace(out: Path) -> dict[str, Any]:
         if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
             raise ConfigError(f"{path} has no traceEvents list; it is not a prague timeline")
         return trace
-    records, decisions = read_run(out)
+    records, decisions, background = read_run(out)
     if not records:
         raise ConfigError(f"{str(out)!r} holds no run: no {TIMELINE_FILE} and no metrics/rank*.jsonl; pass a "
                           "`prague run` output folder")
-    return build_trace(records, decisions)
+    return build_trace(records, decisions, background)
 
 
 def summarize(trace: Mapping[str, Any], slowest: int = 5) -> str:

@@ -48,8 +48,9 @@ MAX_SPANS = 200_000
 
 @dataclass(frozen=True)
 class Span:
-    """One stage of one operation: ``stage`` from ``start_s`` to ``end_s`` (``time.time``), on behalf of
-    the worker's step ``step``, on thread ``thread`` of the work."""
+    """One stage of one operation: ``stage`` from ``start_s`` to ``end_s`` (``time.perf_counter``, the
+    clock the training loop times its steps with), on behalf of the worker's step ``step``, on thread
+    ``thread`` of the work."""
 
     stage: str
     step: int
@@ -65,7 +66,7 @@ class Operation:
 
     def __init__(self, work: BackgroundWork, thread: int, step: int, stage: str) -> None:
         self._work, self.thread, self.step = work, thread, step
-        self.state: tuple[str, float, float] = (stage, time.monotonic(), time.time())  # stage, since, wall start
+        self.state: tuple[str, float, float] = (stage, time.monotonic(), time.perf_counter())  # stage, since, start
 
     @property
     def stage(self) -> str:
@@ -78,7 +79,7 @@ class Operation:
         self._work._record(self)
         if step is not None:
             self.step = step
-        self.state = (stage, time.monotonic(), time.time())
+        self.state = (stage, time.monotonic(), time.perf_counter())
 
 
 class BackgroundWork:
@@ -116,18 +117,27 @@ class BackgroundWork:
     def operation(self, step: int, stage: str = WAITING, thread: int = 0) -> Iterator[Operation]:
         """Run one operation on behalf of the worker's step ``step`` (this thread's current one until the
         block ends, then ``done``)."""
-        op = Operation(self, thread, step, stage)
-        self._current[thread] = op
+        op = self.begin_operation(step, stage, thread)
         try:
             yield op
         finally:
-            self._record(op)
-            op.state = (DONE, time.monotonic(), time.time())
+            self.end_operation(op)
+
+    def begin_operation(self, step: int, stage: str = WAITING, thread: int = 0) -> Operation:
+        """:meth:`operation` for work whose operations do not nest in one block: end it with
+        :meth:`end_operation`."""
+        op = Operation(self, thread, step, stage)
+        self._current[thread] = op
+        return op
+
+    def end_operation(self, op: Operation) -> None:
+        self._record(op)
+        op.state = (DONE, time.monotonic(), time.perf_counter())
 
     def _record(self, op: Operation) -> None:
         stage, _, start = op.state
         if stage != DONE:
-            self.spans.append(Span(stage, op.step, start, time.time(), op.thread))
+            self.spans.append(Span(stage, op.step, start, time.perf_counter(), op.thread))
 
     def stages(self) -> list[tuple[int, str, float]]:
         """Each thread's current operation as (step, stage, since ``time.monotonic``); ``done`` for a
@@ -147,6 +157,10 @@ class BackgroundWork:
             self.run(index)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
             self.fail(exc)
+        finally:
+            op = self._current[index]
+            if op is not None and op.stage != DONE:  # an operation left open by a failure
+                self.end_operation(op)
 
     def fail(self, exc: BaseException) -> None:
         """Keep ``exc`` (the first failure stands) and wake every waiter."""

@@ -69,6 +69,10 @@ class TrainClock:
     def now(self) -> float:
         return time.perf_counter() - self._start
 
+    def at(self, perf_s: float) -> float:
+        """The clock's reading at ``time.perf_counter()`` = ``perf_s``."""
+        return perf_s - self._start
+
 
 class SnapshotLog:
     """This rank's model states at the grid points of the common clock (see the module docstring).

@@ -34,7 +34,7 @@ pending receive-from-any, keep working), so the communicator is kept. When an ex
 breaks, the server waits for the launcher to declare that active failed (a hung one is killed when it
 is declared, so its exchange breaks too), counts it as gone and serves the others; a break with nobody
 declared is fatal as before. An active that failed between exchanges sends no DONE:
-:meth:`PassiveServer.join` stops waiting for it once it is declared failed. (A gloo receive cannot be
+:meth:`PassiveServer.wait_for_actives` stops waiting for it once it is declared failed. (A gloo receive cannot be
 waited for with a timeout: a timed-out wait closes the pairs it waits on, which breaks the peers'
 operations too; so the server never polls.)
 """
@@ -54,6 +54,7 @@ import torch.distributed as dist
 from prague.comm.flat import StagingBuffer
 from prague.comm.owned import HoldsGroup
 from prague.errors import CommError
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import DECLARE_WAIT_S, Inactivity, Membership
 
@@ -131,8 +132,10 @@ class ActiveLink(HoldsGroup):
         return unreachable
 
 
-class PassiveServer(HoldsGroup):
-    """A passive worker's background thread that serves averaging requests one at a time.
+class PassiveServer(HoldsGroup, BackgroundWork):
+    """A passive worker's background thread that serves averaging requests one at a time; each request
+    is one operation (:class:`~prague.runtime.background.BackgroundWork`): ``waiting`` for it,
+    ``communicating`` while it is served, on behalf of the worker's step :attr:`step` (set by the worker).
 
     ``master`` holds this worker's values; every access to it, by any thread, holds ``lock``.
     :attr:`version` counts the averagings applied, so the main thread can tell whether ``master``
@@ -143,6 +146,7 @@ class PassiveServer(HoldsGroup):
     def __init__(self, pg: dist.ProcessGroup, rank: int, master: torch.Tensor, lock: threading.Lock,
                  actives: Sequence[int], stage_on: torch.device | None = None,
                  membership: Membership | None = None) -> None:
+        BackgroundWork.__init__(self, "AD-PSGD server", f"adpsgd-passive-{rank}")
         self._pg, self.rank, self.master, self.lock = pg, rank, master, lock
         self.actives = tuple(actives)
         self.membership = membership  # None: any broken exchange is fatal
@@ -151,15 +155,14 @@ class PassiveServer(HoldsGroup):
         self.version = 0
         self.served = 0
         self.serve_s = 0.0
-        self.error: BaseException | None = None
+        self.step = 0  # the worker's step, for stall warnings and the timeline
         self._incoming = StagingBuffer(torch.empty_like(master), stage_on)
-        self._thread = threading.Thread(target=self._serve, name=f"adpsgd-passive-{rank}", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
+    def run(self, index: int) -> None:
         request = torch.zeros(2, dtype=torch.int64)
-        try:
-            while len(self.finished) + len(self.gone) < len(self.actives):
+        while len(self.finished) + len(self.gone) < len(self.actives):
+            with self.operation(self.step) as operation:
                 _run(lambda: [self.pg.recv_anysource([request], TAG_REQUEST)], f"request wait on rank {self.rank}")
                 op, src = (int(x) for x in request.tolist())
                 if src not in self.actives:
@@ -167,14 +170,13 @@ class PassiveServer(HoldsGroup):
                 if op == OP_DONE:
                     self.finished.add(src)
                     continue
+                operation.to(COMMUNICATING, self.step)
                 try:
                     self._average_with(src)
                 except CommError:
                     if self.membership is None or not self.membership.wait_declared((src,), DECLARE_WAIT_S):
                         raise
                     self.gone.add(src)  # the active died mid-exchange; ``master`` is whole either way
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread by check()
-            self.error = exc
 
     def _average_with(self, src: int) -> None:
         """Serve one averaging request of active ``src``. ``master`` changes only after all of ``src``'s
@@ -196,10 +198,15 @@ class PassiveServer(HoldsGroup):
 
     def check(self) -> None:
         """Raise the server thread's failure, if any, in the calling (main) thread."""
-        if self.error is not None:
-            raise CommError(f"rank {self.rank}'s AD-PSGD server thread failed: {self.error}") from self.error
+        self.raise_if_failed()
 
-    def join(self, timeout_s: float, store: dist.Store | None = None) -> None:
+    def shutdown(self, failed: bool, timeout_s: float) -> bool:
+        """The thread ends by the protocol (every active's goodbye, or its failure: :meth:`join`), never
+        by a stop: one left in a receive after failures is abandoned (a daemon). Whether it ended."""
+        self.stop()
+        return self.join(0.0)
+
+    def wait_for_actives(self, timeout_s: float, store: dist.Store | None = None) -> None:
         """Wait until every active has said it is done or has failed; raise if none of those still
         running reports a step for ``timeout_s`` (their progress through ``store``; without one, if it
         takes longer than ``timeout_s`` in all). An active that failed between exchanges never says
@@ -207,9 +214,9 @@ class PassiveServer(HoldsGroup):
         lock and touches nothing; the process ends soon after)."""
         idle = Inactivity(store, timeout_s)
         while True:
-            self._thread.join(timeout=0.1)
+            ended = self.join(0.1)
             self.check()
-            if not self._thread.is_alive():
+            if ended:
                 return
             waiting = [a for a in self.actives if a not in self.finished and a not in self.gone]
             failed = set(self.membership.failed()) if self.membership is not None else set()

@@ -127,7 +127,7 @@ class PassiveReplica:
     def settle(self, timeout_s: float, store: dist.Store) -> None:
         """After this worker's last step: serve until every active is done (or failed), then keep the
         final values. ``timeout_s`` counts inactivity of the actives (their progress in ``store``)."""
-        self.server.join(timeout_s, store)
+        self.server.wait_for_actives(timeout_s, store)
         with self.lock:
             self.flat.copy_(self.master)
 
@@ -161,6 +161,7 @@ class ADPSGD(Algorithm):
         self.replica = PassiveReplica(self.flat, n_params,
                                       lambda master, lock: PassiveServer(pg, ctx.rank, master, lock, self.actives,
                                                                          stage_on, self.membership))
+        self.in_background(self.replica.server)
         return BeforeForward(model, self.replica.take_snapshot)
 
     # -- hooks
@@ -169,6 +170,7 @@ class ADPSGD(Algorithm):
         if self.link is not None:
             times.wait_s += self._average(step, self.link)
         elif self.replica is not None:  # the snapshot (in forward) was communication, not compute
+            self.replica.server.step = step + 1  # requests served from now on come during the next step
             snapshot_s, lock_wait_s = self.replica.take_times()
             times.inner_comm_s += snapshot_s
             times.wait_s += lock_wait_s

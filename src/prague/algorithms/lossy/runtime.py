@@ -56,6 +56,7 @@ from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
 from prague.metrics.decisions import Decision
+from prague.runtime.background import COMMUNICATING, BackgroundWork, Operation
 
 _instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 #: A chunk's magnitude is the mean |g| of every _SAMPLE-th element: the order needs a ranking, not the exact value.
@@ -97,8 +98,9 @@ class _InFlight:
         return self.issued == len(self.phases) and (not self.phases or self.ready())
 
 
-class ChunkStreams:
-    """One thread per stream, each passing its queue of chunks, in order, through the stream's chunk
+class ChunkStreams(BackgroundWork):
+    """One thread per stream (:class:`~prague.runtime.background.BackgroundWork`: a stream with chunks
+    in flight is ``communicating`` on behalf of the step that began them), each passing its queue of chunks, in order, through the stream's chunk
     collective (phases that leave the sum over every rank in the chunk), with up to ``depth`` chunks
     in flight: while one chunk crosses the hosts, the next is reduced inside its host. Each phase has
     a communicator of its own and is issued for chunk k+1 only after chunk k's, so every communicator
@@ -112,10 +114,10 @@ class ChunkStreams:
     """
 
     def __init__(self, collectives: list[Phases], after_collective: Callable[[], None], depth: int = IN_FLIGHT) -> None:
+        super().__init__("lossy chunk all-reduce", "lossy-stream", threads=len(collectives))
         self.collectives = collectives
         self._after = after_collective  # CUDA: wait for the collective's kernels before counting it in
         self.depth = depth
-        self._cond = threading.Condition()
         count = len(collectives)
         self.queues: list[list[torch.Tensor]] = [[] for _ in range(count)]
         self.started = [0] * count
@@ -123,23 +125,20 @@ class ChunkStreams:
         self.stops: list[int] | None = None
         self.frozen = False
         self.first_done_s: float | None = None
-        self.error: BaseException | None = None
-        self._closing = False
-        self._threads = [threading.Thread(target=self._loop, args=(s,), name=f"lossy-stream-{s}", daemon=True)
-                         for s in range(count)]
-        for t in self._threads:
-            t.start()
+        self.step = 0  # the step whose chunks the queues hold
+        self.start()
 
-    def begin(self, queues: list[list[torch.Tensor]]) -> None:
-        with self._cond:
-            self._raise_if_failed()
+    def begin(self, queues: list[list[torch.Tensor]], step: int = 0) -> None:
+        with self.cond:
+            self.raise_if_failed()
+            self.step = step
             self.queues = queues
             self.started = [0] * len(queues)
             self.completed = [0] * len(queues)
             self.stops = None
             self.frozen = False
             self.first_done_s = None
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def _may_start(self, s: int) -> bool:
         nxt = self.started[s]
@@ -149,44 +148,45 @@ class ChunkStreams:
             return True
         return self.stops is not None and nxt < self.stops[s]
 
-    def _loop(self, s: int) -> None:
+    def run(self, s: int) -> None:
         collective = self.collectives[s]
         flying: deque[_InFlight] = deque()  # started, not completed, oldest first
         wake = threading.Event()  # set when a phase of this stream completes
+        op: Operation | None = None  # while chunks are in flight
         while True:
-            with self._cond:
-                while not (self._closing or self.error is not None or flying or self._may_start(s)):
-                    self._cond.wait()
-                if self._closing or self.error is not None:
+            with self.cond:
+                while not (self.stopping or self.error is not None or flying or self._may_start(s)):
+                    self.cond.wait()
+                if self.stopping or self.error is not None:
                     return
                 tensor = None
                 if len(flying) < self.depth and self._may_start(s):
                     tensor = self.queues[s][self.started[s]]
                     self.started[s] += 1
-            try:
-                if tensor is not None:
-                    flying.append(_InFlight(collective(tensor), wake))
-                issued = self._advance(flying)
-                finished = 0
-                while flying and flying[0].done:
-                    flying.popleft()
-                    finished += 1
-                if finished:
-                    self._after()
-                elif not issued and tensor is None:
-                    wake.wait(_PHASE_POLL_S)  # until a phase completes; cleared before looking again
-                    wake.clear()
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                with self._cond:
-                    self.error = exc
-                    self._cond.notify_all()
-                return
+                step = self.step
+            if tensor is not None:
+                if op is None:
+                    op = self.begin_operation(step, COMMUNICATING, thread=s)
+                flying.append(_InFlight(collective(tensor), wake))
+            issued = self._advance(flying)
+            finished = 0
+            while flying and flying[0].done:
+                flying.popleft()
+                finished += 1
             if finished:
-                with self._cond:
+                self._after()
+            elif not issued and tensor is None:
+                wake.wait(_PHASE_POLL_S)  # until a phase completes; cleared before looking again
+                wake.clear()
+            if op is not None and not flying:
+                self.end_operation(op)
+                op = None
+            if finished:
+                with self.cond:
                     self.completed[s] += finished
                     if s == 0 and self.first_done_s is None:
                         self.first_done_s = time.perf_counter()
-                    self._cond.notify_all()
+                    self.cond.notify_all()
 
     @staticmethod
     def _advance(flying: deque[_InFlight]) -> bool:
@@ -201,15 +201,11 @@ class ChunkStreams:
                 issued = True
         return issued
 
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise CommError(f"a lossy chunk all-reduce failed: {self.error}") from self.error
-
     def _wait(self, done: Callable[[], bool], until_s: float | None, timeout_s: float) -> bool:
         """Wait (holding the lock) until ``done()``, or ``until_s`` (perf_counter) passes: False then."""
         limit = time.perf_counter() + timeout_s
         while True:
-            self._raise_if_failed()
+            self.raise_if_failed()
             if done():
                 return True
             now = time.perf_counter()
@@ -217,57 +213,47 @@ class ChunkStreams:
                 return False
             if now >= limit:
                 raise CommError(f"lossy: no chunk completed for {timeout_s:.0f} s (a peer stopped taking part)")
-            self._cond.wait(min(limit, until_s if until_s is not None else limit) - now)
+            self.cond.wait(min(limit, until_s if until_s is not None else limit) - now)
 
     def wait_first(self, timeout_s: float) -> float:
         """When stream 0's first chunk completed (every rank has entered the step by then)."""
-        with self._cond:
+        with self.cond:
             self._wait(lambda: self.first_done_s is not None, None, timeout_s)
             assert self.first_done_s is not None
             return self.first_done_s
 
     def wait_all(self, until_s: float | None, timeout_s: float) -> None:
         """Until every chunk is in, or ``until_s`` passes."""
-        with self._cond:
+        with self.cond:
             self._wait(lambda: self.completed == [len(q) for q in self.queues], until_s, timeout_s)
 
     def wait_change(self, slice_s: float) -> None:
         """Until a chunk completes or ``slice_s`` passes."""
-        with self._cond:
-            self._raise_if_failed()
-            self._cond.wait(slice_s)
+        with self.cond:
+            self.raise_if_failed()
+            self.cond.wait(slice_s)
 
     def all_done(self) -> bool:
-        with self._cond:
+        with self.cond:
             return self.completed == [len(q) for q in self.queues]
 
     def freeze(self) -> list[int]:
         """Start no new chunk; the chunks started on each stream."""
-        with self._cond:
+        with self.cond:
             self.frozen = True
             return list(self.started)
 
     def release(self, stops: list[int]) -> None:
-        with self._cond:
+        with self.cond:
             self.stops = stops
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def wait_stops(self, timeout_s: float) -> None:
-        with self._cond:
+        with self.cond:
             stops = self.stops
             assert stops is not None
             self._wait(lambda: all(c >= s for c, s in zip(self.completed, stops)), None, timeout_s)
 
-    def close(self, wait_s: float) -> bool:
-        """Stop the threads; True when all have ended within ``wait_s`` (a thread stuck in a collective
-        after a failure keeps its group)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        deadline = time.monotonic() + wait_s
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
 
 
 class Ring:
@@ -374,13 +360,13 @@ class Lossy(Algorithm):
         self.control_group = group("control")
         sync: Callable[[], None] = (lambda: torch.cuda.current_stream().synchronize()) \
             if ctx.device.type == "cuda" else (lambda: None)
-        self.streams = ChunkStreams(collectives, sync, IN_FLIGHT)
-        self.resources.callback(self._release, groups)
+        self.resources.callback(self._release, groups)  # after the streams' shutdown, registered next
+        self.streams = self.in_background(ChunkStreams(collectives, sync, IN_FLIGHT))
         return model
 
     def _release(self, groups: list[dist.ProcessGroup]) -> None:
         streams, self.streams = self.streams, None
-        if streams is not None and streams.close(0.0 if self.failed else 5.0):
+        if streams is not None and not streams.alive:
             for g in groups:  # a thread still in a collective after a failure keeps its group
                 shutdown_group(g)
             shutdown_group(self.control_group)
@@ -398,7 +384,7 @@ class Lossy(Algorithm):
         order = priority_order(plan, self.magnitudes, self.ages)
         queues = stream_queues(order, opts.streams)
         lengths = [len(q) for q in queues]
-        streams.begin([[self.chunk_views[c] for c in q] for q in queues])
+        streams.begin([[self.chunk_views[c] for c in q] for q in queues], step)
         first_s = streams.wait_first(ctx.timeout_s)
         budget = self.deadline.budget_s(deadline_elements(plan, order, queues, streams.depth))
         if budget is not None:

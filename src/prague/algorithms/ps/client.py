@@ -28,6 +28,7 @@ from prague.algorithms.ps.protocol import (
     TAG_STATE, WORKER_SIDE, Reply, pair_group, request_header, stats_key,
 )
 from prague.comm.owned import HoldsGroup
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.errors import CommError
 
 T = TypeVar("T")
@@ -94,8 +95,8 @@ class PendingReplies:
     :class:`CommError` naming the shard)."""
 
     def __init__(self, links: Sequence[ShardLink], sends: list[list[dist.Work]], recvs: list[list[dist.Work]],
-                 what: str, completer: ReplyCompleter | None = None) -> None:
-        self.links, self.sends, self.recvs, self.what = links, sends, recvs, what
+                 what: str, completer: ReplyCompleter | None = None, step: int = 0) -> None:
+        self.links, self.sends, self.recvs, self.what, self.step = links, sends, recvs, what, step
         self._completed = threading.Event()
         self._error: BaseException | None = None
         self._background = completer is not None
@@ -142,8 +143,10 @@ class PendingReplies:
         return [link.reply() for link in self.links]
 
 
-class ReplyCompleter:
-    """A daemon thread that completes :class:`PendingReplies` rounds, one at a time, in submission order.
+class ReplyCompleter(BackgroundWork):
+    """A daemon thread that completes :class:`PendingReplies` rounds, one at a time, in submission order;
+    each round is one ``communicating`` operation of the thread
+    (:class:`~prague.runtime.background.BackgroundWork`), on behalf of the step that pushed it.
 
     It only waits on gloo ``Work`` objects of rounds already posted (the waits release the GIL), so the
     worker's thread may compute meanwhile. The owner must not post the next round on the same links
@@ -152,30 +155,37 @@ class ReplyCompleter:
     stops the thread once it has finished what was submitted and waits for it, so that no round's gloo
     work is released on this thread while the owner shuts the communicators down; a thread stuck in a
     receive from a dead shard ends with that receive's timeout (a daemon: it never keeps the process
-    alive).
+    alive). A round's failure is the round's (:meth:`PendingReplies.wait` raises it); the thread goes on.
     """
 
     def __init__(self, name: str) -> None:
+        super().__init__("parameter-server replies", name)
         self._queue: queue.SimpleQueue[PendingReplies | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._closed = False
+        self.start()
 
     def submit(self, pending: PendingReplies) -> None:
+        self.raise_if_failed()
         self._queue.put(pending)
 
-    def _run(self) -> None:
+    def wake(self) -> None:
+        if not self._closed:  # the thread ends at this mark, after every round before it
+            self._closed = True
+            self._queue.put(None)
+
+    def run(self, index: int) -> None:
         while True:
             pending = self._queue.get()
             if pending is None:
                 return
-            pending.complete()
+            with self.operation(pending.step, COMMUNICATING):
+                pending.complete()
             del pending  # drop the round's gloo works now, not when the next round arrives
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread after what was submitted; wait for it at most ``timeout_s`` (a round stuck on
         a dead shard is left to its own timeout). Call before closing the links."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self.shutdown(False, timeout_s)
 
 
 class ShardClients:
@@ -198,12 +208,13 @@ class ShardClients:
             recvs.append(link.post_reply(into[link.lo:link.hi]))
             part = None if payload is None else payload[link.lo:link.hi]
             sends.append(link.request(op, bases[k] if bases is not None else 0, step, part))
-        completer = None
-        if background:
-            if self._completer is None:
-                self._completer = ReplyCompleter(f"ps-replies-w{self.rank}")
-            completer = self._completer
-        return PendingReplies(self.links, sends, recvs, what, completer)
+        return PendingReplies(self.links, sends, recvs, what, self.completer() if background else None, step)
+
+    def completer(self) -> ReplyCompleter:
+        """The thread that completes rounds in the background (started on first use)."""
+        if self._completer is None:
+            self._completer = ReplyCompleter(f"ps-replies-w{self.rank}")
+        return self._completer
 
     def pull(self, into: torch.Tensor) -> list[Reply]:
         return self._round(OP_PULL, "pulling the parameters", into).wait()

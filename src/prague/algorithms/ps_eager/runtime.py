@@ -71,6 +71,7 @@ class EagerParameterServer(ParameterServerBase):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         super().setup(model, optimizer)
+        self.in_background(self.clients.completer())  # stopped before the links close
         self._own_rule = sgd_rule(self.layout, self.options.ps_momentum)
         self._own_momentum: torch.Tensor | None = None
         self._last_tau = 0
