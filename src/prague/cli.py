@@ -351,6 +351,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(
         argv=[sys.executable, str(script), *args.script[1:]], nproc=args.nproc,
         log_dir=args.log_dir, echo_ranks=frozenset(range(args.nproc)) if args.echo_all else frozenset({0}),
+        survivable=None,  # the script's method says, when it is set up
     )
     launch(spec)
     return 0
@@ -505,6 +506,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
+    gu = sub.add_parser("guard", help="under torchrun: run a script using the prague API so that the job goes on "
+                                      "without a crashed or hung worker (torchrun ... -m prague guard train.py)")
+    gu.add_argument("--lease-s", type=float, default=10.0,
+                    help="a worker whose heartbeat stops this long has hung: it is declared failed and killed "
+                         "(default 10)")
+    gu.add_argument("--timeout-s", type=float, default=300.0,
+                    help="how long the guards wait for the others at the start and the end (default 300)")
+    gu.add_argument("--out", type=Path, default=Path("."), help="where services.json and logs/ go (default .)")
+    gu.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
+
     from prague.simulate.cli import add_simulate_parser
 
     add_simulate_parser(sub)
@@ -528,8 +539,27 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_guard(args: argparse.Namespace) -> int:
+    from prague.runtime.guard import Guard, under_torchrun
+    from prague.train.config import check_seconds
+
+    if not args.script:
+        raise ConfigError("prague guard needs a script: torchrun ... -m prague guard script.py [args]")
+    script = Path(args.script[0])
+    if not script.is_file():
+        raise ConfigError(f"script {str(script)!r} does not exist; pass the path of a Python file")
+    check_seconds("--lease-s", args.lease_s)
+    check_seconds("--timeout-s", args.timeout_s)
+    if not under_torchrun():
+        raise ConfigError("prague guard runs under torchrun, one per rank (torchrun --nproc-per-node N -m prague "
+                          "guard script.py); on one machine use prague launch, whose launcher guards every worker")
+    guard = Guard([sys.executable, str(script), *args.script[1:]], services=(), env={}, survives=None,
+                  lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s)
+    return guard.run()
+
+
 HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench, "simulate": _simulate,
-            "methods": cmd_methods, "timeline": cmd_timeline}
+            "methods": cmd_methods, "timeline": cmd_timeline, "guard": cmd_guard}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,41 @@ def test_under_torchrun_the_others_go_on_without_a_failed_worker(tmp_path: Path,
     assert processes_of_session(case, within_s=10.0, kill=True) == []
 
 
+GUARDED_SCRIPT = Path(__file__).with_name("guarded_script.py")
+
+
+@pytest.mark.parametrize("algorithm,fault", [("prague", "crash:1:10"), ("adpsgd", "hang:2:10"),
+                                             ("allreduce", "crash:1:10")])
+def test_prague_guard_keeps_a_scripts_own_loop_going_without_a_failed_worker(tmp_path: Path, algorithm: str,
+                                                                             fault: str) -> None:
+    # The guard does not know the method: the script's prepare says whether it goes on (prague, adpsgd)
+    # or needs every worker (allreduce: the job fails, naming the rank, for torchrun to stop or restart).
+    case = uuid.uuid4().hex
+    kind, rank, _ = fault.split(":")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "prague",
+           "guard", "--lease-s", "2", "--out", str(tmp_path), str(GUARDED_SCRIPT), algorithm, "30", fault]
+    res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    survivors = [r for r in range(3) if r != int(rank)]
+    # a script's steps travel with its heartbeat (at most one beat late; exactly, for an exception)
+    what = r"crashed \(exit code -?\d+\) after 10 steps" if kind == "crash" else r"stopped making progress .* after \d+ steps"
+    if algorithm == "allreduce":
+        assert res.returncode != 0, res.stderr[-4000:]
+        assert re.search(rf"error: rank {rank} {what}; the method needs every worker", res.stderr), res.stderr[-4000:]
+    else:
+        assert res.returncode == 0, res.stderr[-4000:]
+        assert re.search(rf"warning: rank {rank} {what}; the other workers go on", res.stderr), res.stderr[-4000:]
+        assert all(f"rank {r} done 30" in res.stdout for r in survivors), res.stdout
+    assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+def test_prague_guard_outside_torchrun_is_a_usage_error(tmp_path: Path) -> None:
+    res = run_command([sys.executable, "-m", "prague", "guard", str(GUARDED_SCRIPT), "prague", "5", "none"],
+                      timeout_s=60)
+    assert res.returncode == 2 and "runs under torchrun" in res.stderr and "prague launch" in res.stderr
+    res = run_command([sys.executable, "-m", "prague", "guard", str(tmp_path / "missing.py")], timeout_s=60)
+    assert res.returncode == 2 and "does not exist" in res.stderr
+
+
 def test_a_worker_with_settings_that_cannot_work_fails_the_job_under_torchrun(tmp_path: Path) -> None:
     # exit 2 is the same on every rank: the guard passes it on instead of going on without the worker
     out, case = tmp_path / "bad", uuid.uuid4().hex

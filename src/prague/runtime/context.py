@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from prague.errors import ConfigError
-from prague.runtime.liveness import Heartbeat
+from prague.runtime.liveness import PROGRESS_KEY, Heartbeat
 from prague.runtime.parent import set_parent_death_signal
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -110,6 +110,13 @@ class DistContext:
 
 _CONTEXT: DistContext | None = None
 _HEARTBEAT: Heartbeat | None = None  # this worker's, from init() to shutdown()
+
+
+def report_steps(steps: int) -> None:
+    """This worker has done ``steps`` steps: published with its next heartbeat (a script's loop; the
+    built-in loop publishes its progress itself). Costs no store request on the calling thread."""
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.steps = steps
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -225,6 +232,9 @@ def report_failure(exc: BaseException) -> None:
     text = "".join(traceback.format_exception(exc))
     try:
         _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps({"time": time.time(), "traceback": text}))
+        steps = _HEARTBEAT.steps if _HEARTBEAT is not None else None
+        if steps is not None:  # a script's steps, which its heartbeat may not have published yet
+            _CONTEXT.store.set(f"{PROGRESS_KEY}{_CONTEXT.rank}", f"{steps},0,")
     except Exception:  # noqa: BLE001
         pass
 

@@ -27,6 +27,12 @@ connections to it fail at once, is under torchrun done by every rank's own proce
 - every guard waits at the end until every rank's guard has seen its child end, so that rank 0's
   services outlive every worker that may still ask them, then exits: 0 if at least one worker finished.
 
+A script of the user's own (``prague.prepare``) is guarded the same way with ``torchrun ... -m prague
+guard train.py ARGS``: the guard does not know the method, so the child says whether it survives failed
+workers when it sets the method up (:func:`publish_survival`, under :data:`SURVIVES_KEY`); a child that
+fails before that fails the job. Its services are rank 0's child's own (a Group Generator it starts
+itself), so a crash of rank 0's script takes them with it.
+
 What cannot be survived: the death of a guard (its whole process tree: a killed torchrun agent, a lost
 machine). torchrun then sees a failed worker and stops or restarts the job, as for any torchrun job; if
 that machine held the rendezvous store (the ``--rdzv-endpoint`` host), every rank loses the store and the
@@ -60,6 +66,7 @@ from prague.runtime.services import ServiceKeeper, ServiceSpec
 GUARDED_ENV = "PRAGUE_GUARDED"  # set in the child: it trains, it does not guard
 ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
 ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
+SURVIVES_KEY = "prague/guard/survives/"  # + rank: "1" if the method of that rank's child survives failures
 TICK_S = 0.2
 
 
@@ -70,13 +77,20 @@ def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
             and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
+def publish_survival(store: dist.Store, rank: int, survives: bool) -> None:
+    """In a worker started by a guard or by ``prague launch``'s launcher (a script's own method): tell
+    whoever watches it whether the method goes on without a failed worker. Nothing otherwise."""
+    if LAUNCHER_PID_ENV in os.environ:
+        store.set(f"{SURVIVES_KEY}{rank}", "1" if survives else "0")
+
+
 class Guard:
     """One rank's guard; see the module docstring. ``argv``: the child's command; ``services``/``env``: what
     the method declared (used on rank 0); ``survives``: whether the method goes on without a failed
-    worker; ``out``: the run's folder (``services.json``)."""
+    worker (None: the child says, :func:`publish_survival`); ``out``: the run's folder (``services.json``)."""
 
     def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
-                 survives: bool, lease_s: float, out: Path, timeout_s: float) -> None:
+                 survives: bool | None, lease_s: float, out: Path, timeout_s: float) -> None:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
@@ -102,7 +116,7 @@ class Guard:
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded
                 return code
-            if code != 0 and not self.survives:  # torchrun stops the job, or restarts it
+            if code != 0 and not self._survives():  # torchrun stops the job, or restarts it
                 return code if code > 0 else 1
             try:
                 self._wait_for_every_rank()
@@ -153,12 +167,18 @@ class Guard:
                              f"again:\n{output}\n")
             sys.stderr.flush()
 
+    def _survives(self) -> bool:
+        if self.survives is None:  # the child's method said so, if it got that far
+            return read_keys(self.store, SURVIVES_KEY, [self.rank]).get(self.rank) == b"1"
+        return self.survives
+
     def _declare(self, kind: str, detail: str) -> None:
-        if not self.survives and self.membership.failed():
+        survives = self._survives()
+        if not survives and self.membership.failed():
             return  # the job is ending: this worker failed because another did, which is declared
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
         self.failure = Failure(self.rank, steps, kind, detail)
-        if self.survives:
+        if survives:
             announce_failure(self.store, self.failure)
         else:
             announce_failure(self.store, self.failure, "the method needs every worker: torchrun stops the job, or "

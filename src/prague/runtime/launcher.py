@@ -6,7 +6,8 @@ rank with the same environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, MAS
 and guarantees that no process outlives it:
 
 - returns 0 only if every worker exited 0, or, for a method that survives failures
-  (``LaunchSpec.survivable``), if every worker that did not fail exited 0;
+  (``LaunchSpec.survivable``; for a script's own method, what its workers published when they set it
+  up, :func:`prague.runtime.guard.publish_survival`), if every worker that did not fail exited 0;
 - holds every worker's lease (:mod:`prague.runtime.liveness`): a worker whose heartbeat stops for
   ``lease_s`` while its process runs has hung;
 - when a worker fails (exits non-zero, or hangs) and the method cannot survive it, stops the others at
@@ -54,6 +55,7 @@ from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
+from prague.runtime.guard import SURVIVES_KEY
 from prague.runtime.stall import STALL_KEY, stall_message
 
 
@@ -69,7 +71,7 @@ class LaunchSpec:
     grace_s: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     services: Sequence[ServiceSpec] = ()
-    survivable: bool = False
+    survivable: bool | None = False  # None: the workers say when they set their method up (a script)
     lease_s: float = 10.0
     services_file: Path | None = None  # where to list the services (pid, address, restarts) for an operator
     master_addr: str = "127.0.0.1"  # where workers reach the store (the bridge's address with emulated hosts)
@@ -242,6 +244,15 @@ class Job:
             return []
         return [r for r in self.leases.observe(counters, time.monotonic()) if r not in self.failures]
 
+    def _survivable(self) -> bool:
+        if self.spec.survivable is not None:
+            return self.spec.survivable
+        try:  # every worker runs the same method: one that said it survives speaks for all
+            said = read_keys(self.store, SURVIVES_KEY, range(self.spec.nproc))
+        except RuntimeError:
+            return False
+        return any(v == b"1" for v in said.values())
+
     def _lose(self, rank: int, kind: str, detail: str) -> None:
         """A survivable failure: declare it, fence a hung worker, warn."""
         failure = Failure(rank, self.steps_done(rank), kind, detail)
@@ -288,9 +299,9 @@ class Job:
 
     def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = 0.2) -> None:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
-        survivable = self.spec.survivable
         while True:
             codes = [w.poll() for w in self.workers]
+            survivable = self._survivable()
             for rank in self._hung(codes):
                 detail = f"stopped making progress (no heartbeat for {self.spec.lease_s:g} s; --lease-s)"
                 if not survivable:

@@ -255,10 +255,16 @@ class Inactivity:
 
 
 class Heartbeat:
-    """A daemon thread that adds 1 to this worker's counter every :data:`HEARTBEAT_S` seconds."""
+    """A daemon thread that adds 1 to this worker's counter every :data:`HEARTBEAT_S` seconds and, for a
+    loop that reports its steps through it (:attr:`steps`: a script's prepared optimizer), publishes
+    them as the worker's progress when they changed, so that a guard names the step a worker failed
+    at and the waits on peers see it move. The built-in loop publishes its own progress."""
 
     def __init__(self, store: dist.Store, rank: int, interval_s: float = HEARTBEAT_S) -> None:
         self.store, self.key, self.interval_s = store, f"{HB_KEY}{rank}", interval_s
+        self.progress_key = f"{PROGRESS_KEY}{rank}"
+        self.steps: int | None = None  # set by the training thread; None: not reported this way
+        self._published: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="prague-heartbeat", daemon=True)
         self._thread.start()
@@ -267,6 +273,10 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.store.add(self.key, 1)
+                steps = self.steps
+                if steps is not None and steps != self._published:
+                    self.store.set(self.progress_key, f"{steps},0,")
+                    self._published = steps
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
             self._stop.wait(self.interval_s)

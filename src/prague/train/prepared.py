@@ -55,7 +55,7 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
-from prague.runtime.context import DistContext, context, on_shutdown
+from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.train.trainer import make_algorithm, setup_algorithm
 
 
@@ -229,6 +229,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             algorithm.apply_update(self.optimizer, step)
         algorithm.after_step(step, times)
         session.step += 1
+        report_steps(session.step)
         session.forward_ready = False
         session.synced.clear()
         session.accumulated.clear()

@@ -35,6 +35,7 @@ from prague.comm.streams import Streams, streams_for
 from prague.errors import ConfigError
 from prague.metrics.decisions import DecisionLog
 from prague.runtime.context import DistContext, context
+from prague.runtime.guard import publish_survival
 from prague.runtime.stall import StallWatch
 
 Closure = Callable[[nn.Module], torch.Tensor]
@@ -117,6 +118,8 @@ def make_algorithm(ctx: DistContext, algorithm: str, seed: int | None,
         raise ConfigError(f"method {method.name!r} has no option(s) {unknown}; its options: {valid}")
     method_options = method.make_options(options, variant, seed)
     method.check_job(method_options, ctx.world_size)
+    if ctx.world_size > 1:
+        publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard under torchrun
     return method, method.variant_of(method_options), method.runtime_class()(ctx, method_options)
 
 

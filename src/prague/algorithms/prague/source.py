@@ -30,7 +30,7 @@ from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
-from prague.runtime.liveness import Membership, read_keys
+from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settled
 from prague.runtime.services import ServiceKeeper, ServiceSpec
 
 GG_ADDRESS_KEY = "prague/gg/address"
@@ -142,6 +142,7 @@ class ServiceSource:
         # in the same order everywhere). The launcher's service is the job's only one.
         instance = next(_instances) if self._shared else None
         self._address_key = GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}"
+        self._left_key = f"prague/gg/left/{instance}/"  # + rank: done with the service (leave)
         token_key = GG_TOKEN_KEY if instance is None else f"{GG_TOKEN_KEY}/{instance}"
         if options.gg_address:
             token, address = os.environ.get(TOKEN_ENV, ""), options.gg_address
@@ -249,11 +250,16 @@ class ServiceSource:
         return groups
 
     def leave(self) -> None:
-        """After this rank ran its last groups. Collective under torchrun (a barrier on every rank),
-        so that rank 0 stops the service it started only once every rank is done with it."""
+        """After this rank ran its last groups. Collective under torchrun, so that rank 0 stops the
+        service it started only once every rank is done with it: through the store over the ranks not
+        declared failed when the job tracks failures (a guard under torchrun), else a barrier."""
         if not self._shared:
             return
-        dist.barrier()
+        if self.membership is not None:
+            mark_done(self._store, self.ctx.rank, self._left_key)
+            wait_settled(self._store, self.membership, self.ctx.timeout_s, self._left_key)
+        else:
+            dist.barrier()
         if self._keeper is not None:
             self._leaving.set()
             if self._watch is not None:
