@@ -1,6 +1,6 @@
 """A user's own training loop (``prague.prepare``), for ``torchrun ... -m prague guard`` in
 tests/runtime/test_torchrun_failure.py: ``python guarded_script.py ALGORITHM STEPS FAULT`` where FAULT is
-``crash:R:S``, ``hang:R:S`` or ``none``; every rank that finishes prints ``rank R done STEPS``."""
+``crash:R:S`` (an exception), ``kill:R:S`` (SIGKILL: gone at once), ``hang:R:S`` or ``none``; every rank that finishes prints ``rank R done STEPS``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main() -> int:
         if ctx.rank == int(rank) and step == int(at):
             if kind == "crash":
                 raise RuntimeError(f"the script of rank {ctx.rank} failed at step {step}")
-            os.kill(os.getpid(), signal.SIGSTOP)  # hang
+            os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         x = torch.randn(16, 10, generator=gen)
         F.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
         optimizer.step()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from prague.metrics.decisions import DecisionLog
-from prague.runtime.background import BackgroundWork
+from prague.runtime.background import BackgroundWork, Span
 from prague.runtime.context import DistContext
 from prague.runtime.services import ServiceSpec
 from prague.runtime.stall import Phase
@@ -106,6 +106,7 @@ class Algorithm:
         self.decisions: DecisionLog | None = None
         self.phase = Phase()  # the trainer's: a method whose communication starts inside backward says when
         self.background: list[BackgroundWork] = []  # the method's background communication (in_background)
+        self.background_spans: list[tuple[str, Span]] = []  # after close: what the background threads did
         self.resources = contextlib.ExitStack()
         self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
         self._closed = False
@@ -148,9 +149,13 @@ class Algorithm:
             return
         self._closed = True
         self.failed = failed
-        with self.resources:
-            if not failed:
-                self.finish()
+        try:
+            with self.resources:
+                if not failed:
+                    self.finish()
+        finally:  # a work holds its communicators until dropped: keep only what it did, for the timeline
+            self.background_spans = [(work.what, span) for work in self.background for span in work.spans]
+            self.background = []
 
     def in_background(self, work: W) -> W:
         """Register a background communication thread started by :meth:`setup`: stall warnings watch its

@@ -31,7 +31,8 @@ A script of the user's own (``prague.prepare``) is guarded the same way with ``t
 guard train.py ARGS``: the guard does not know the method, so the child says whether it survives failed
 workers when it sets the method up (:func:`publish_survival`, under :data:`SURVIVES_KEY`); a child that
 fails before that fails the job. Its services are rank 0's child's own (a Group Generator it starts
-itself), so a crash of rank 0's script takes them with it.
+itself); when that rank fails, the survivors start it again on the lowest living rank
+(:mod:`prague.algorithms.prague.source`).
 
 What cannot be survived: the death of a guard (its whole process tree: a killed torchrun agent, a lost
 machine). torchrun then sees a failed worker and stops or restarts the job, as for any torchrun job; if

@@ -29,7 +29,7 @@ from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
-from prague.runtime.background import BackgroundWork
+from prague.runtime.background import Span
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY, read_progress
 from prague.runtime.parent import LAUNCHER_PID_ENV
@@ -261,19 +261,20 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
         if keep:
             training.snapshots.observe(trainer.model, clock.now())
     training.wall_s = clock.now()  # the method's close included: the job ends when its last group is done
-    write_background(metrics_dir / BACKGROUND_DIR / f"rank{ctx.rank}.jsonl", trainer.algorithm.background, clock)
+    write_background(metrics_dir / BACKGROUND_DIR / f"rank{ctx.rank}.jsonl", trainer.algorithm.background_spans,
+                     clock)
     return training
 
 
-def write_background(path: Path, works: Sequence[BackgroundWork], clock: TrainClock) -> None:
+def write_background(path: Path, spans: Sequence[tuple[str, Span]], clock: TrainClock) -> None:
     """This rank's background operations' stages (``OUT/metrics/background/rankR.jsonl``, for the
-    timeline): one line per stage, its times on the training clock. Nothing for a method without any."""
-    spans = [{"work": work.what, "thread": s.thread, "stage": s.stage, "step": s.step,
-              "start_s": round(clock.at(s.start_s), 6), "end_s": round(clock.at(s.end_s), 6)}
-             for work in works for s in list(work.spans)]
-    if spans:
+    timeline), each (work, span) as one line, its times on the training clock. Nothing for a method
+    without any."""
+    lines = [{"work": what, "thread": s.thread, "stage": s.stage, "step": s.step,
+              "start_s": round(clock.at(s.start_s), 6), "end_s": round(clock.at(s.end_s), 6)} for what, s in spans]
+    if lines:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in spans))
+        atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
 
 
 def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,

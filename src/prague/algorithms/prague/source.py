@@ -5,6 +5,12 @@ The service is its own process: started by ``prague run``'s launcher (see
 :meth:`prague.algorithms.prague.runtime.Prague.job_resources`), or under torchrun by rank 0, which
 publishes its address and token through the rendezvous store; or given explicitly with
 ``--gg-address`` (a ``prague gg serve`` the user started, token from ``$PRAGUE_GG_TOKEN``).
+
+A service a rank started is hosted by that rank's process (it dies with it). When the host rank is
+declared failed (:mod:`prague.runtime.liveness`), the survivors agree in the store on a new host, the
+lowest living rank (the first survivor to find the host gone names it; the others read its choice),
+which starts the service again from the workers' published groups (:func:`restore_args`) and
+publishes its address; the others find it there (:meth:`ServiceSource._retrying`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settled
-from prague.runtime.services import ServiceKeeper, ServiceSpec
+from prague.runtime.services import ServiceKeeper, ServiceSpec, restarted
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
@@ -133,6 +139,8 @@ class ServiceSource:
 
         self.ctx = ctx
         self._keeper: ServiceKeeper | None = None  # the service this rank started (under torchrun, rank 0)
+        self._leaving = threading.Event()  # set once this rank is closing: its service is not restarted then
+        self._watch: threading.Thread | None = None
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
         self._shared = options.uses_service and os.environ.get(MANAGED_ENV) != "1"
         store = ctx.store
@@ -142,6 +150,8 @@ class ServiceSource:
         # in the same order everywhere). The launcher's service is the job's only one.
         instance = next(_instances) if self._shared else None
         self._address_key = GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}"
+        self._host_key = f"{self._address_key}/host"  # the rank whose process runs the service
+        self._host = 0
         self._left_key = f"prague/gg/left/{instance}/"  # + rank: done with the service (leave)
         token_key = GG_TOKEN_KEY if instance is None else f"{GG_TOKEN_KEY}/{instance}"
         if options.gg_address:
@@ -151,10 +161,12 @@ class ServiceSource:
         elif ctx.is_main:
             token = secrets.token_hex(16)
             store.set(token_key, token)
+            store.set(self._host_key, "0")
             address = self._start_service(options, token, resources)  # published under the address key
         else:
             token, address = store.get(token_key).decode(), store.get(self._address_key).decode()
         self._token, self._timeout_s = token, options.gg_timeout_s
+        self._options, self._resources = options, resources  # a new host starts the service with these
         self._restartable = not options.gg_address  # a service the user started is the user's to restart
         # A service this job restarts is found through the store, not by waiting at a dead address.
         self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s,
@@ -165,22 +177,44 @@ class ServiceSource:
         self._service_stats: dict[str, Any] = {}
         self.membership = membership
         self._excluded: set[int] = set()
-        self._leaving = threading.Event()
-        self._watch: threading.Thread | None = None
-        if self._keeper is not None:  # under torchrun this rank restarts the service it started
-            self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
-            self._watch.start()
-            resources.callback(self._leaving.set)  # after a failure too: no restart once this rank is closing
+        resources.callback(self._leaving.set)  # after a failure too: no restart once this rank is closing
 
-    def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack) -> str:
+    def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack,
+                       restore: bool = False) -> str:
+        """Start the job's service on this rank (``restore``: continuing the job's groups, on a new
+        host), publish its address, and watch it (started again if it dies before everyone left)."""
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
         spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
                                    env={TOKEN_ENV: token}, publish_key=self._address_key)
-        self._keeper = ServiceKeeper(self._store, [spec])
+        self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec])
         self._keeper.start()
         resources.callback(lambda: self._keeper.stop(0.0) if self._keeper else None)  # unless leave() stopped it
+        self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
+        self._watch.start()
         return str(self._keeper.records[0]["address"])
+
+    def _take_over_if_host_failed(self) -> None:
+        """The service's host rank was declared failed: agree on the lowest living rank as the new host
+        (one compare-and-set in the store: the first survivor's choice stands) and, on that rank,
+        start the service again from the workers' state."""
+        if not self._shared or self.membership is None:
+            return
+        failed = self.membership.failed()
+        if self._host not in failed:
+            return
+        live = [r for r in range(self.ctx.world_size) if r not in failed]
+        if not live:
+            return
+        agreed = int(self._store.compare_set(self._host_key, str(self._host), str(live[0])).decode())
+        if agreed == self._host:  # the key moved on already (a second failover): read it again
+            agreed = int(self._store.get(self._host_key).decode())
+        old, self._host = self._host, agreed
+        if agreed == self.ctx.rank and self._keeper is None:
+            sys.stderr.write(f"prague: warning: rank {self.ctx.rank} starts the Group Generator again: its host, "
+                             f"rank {old}, failed\n")
+            sys.stderr.flush()
+            self._start_service(self._options, self._token, self._resources, restore=True)
 
     def _watch_service(self) -> None:
         """Rank 0 under torchrun: start the service again if it dies before everyone left (the keeper
@@ -206,6 +240,7 @@ class ServiceSource:
         while True:
             time.sleep(pause)
             pause = min(2 * pause, 1.0)
+            self._take_over_if_host_failed()
             address = self._store.get(self._address_key).decode()
             if address != self.client.address:
                 old, self.client = self.client, GroupGeneratorClient(address, self._token, timeout_s=self._timeout_s,
