@@ -324,16 +324,14 @@ def test_run_prints_the_speed_report_naming_the_straggler(tmp_path: Path) -> Non
 GUARDED_SCRIPT = Path(__file__).with_name("guarded_script.py")
 
 
-@pytest.mark.parametrize("algorithm,fault", [("prague", "kill:0:10"), ("allreduce", "crash:1:10")])
-def test_prague_launch_keeps_a_scripts_own_loop_going_when_its_method_survives(algorithm: str, fault: str) -> None:
+def test_prague_launch_keeps_a_scripts_own_loop_going_when_its_method_survives() -> None:
     """``prague launch`` learns from the script's workers, when they prepare the method, whether it goes
-    on without a failed worker: prague does (the Group Generator rank 0's script started is started
-    again by rank 1), allreduce stops the job naming the rank."""
-    kind, rank, _ = fault.split(":")
-    res = run_cli("launch", "--nproc", "3", "--echo-all", str(GUARDED_SCRIPT), algorithm, "30", fault, timeout_s=150)
-    if algorithm == "allreduce":
-        assert res.returncode == 1 and f"worker rank {rank} failed" in res.stderr, res.stderr[-3000:]
-        return
+    on without a failed worker (a method that does not stops the job, as every launch test of a failing
+    script shows): prague does, and the Group Generator rank 0's script started is started again by
+    rank 1."""
+    rank = 0
+    res = run_cli("launch", "--nproc", "3", "--echo-all", str(GUARDED_SCRIPT), "prague", "30", f"kill:{rank}:10",
+                  timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"warning: rank {rank} crashed" in res.stderr, res.stderr[-3000:]
     assert "rank 1 starts the Group Generator again: its host, rank 0, failed" in res.stdout + res.stderr
