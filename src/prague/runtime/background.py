@@ -27,12 +27,14 @@ NeurIPS 2021), reduced to what a method here needs.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from prague.errors import CommError, PragueError
 
@@ -44,6 +46,7 @@ STAGES = (WAITING, COMMUNICATING, DONE)
 FAILED_JOIN_S = 1.0
 #: Finished stages kept per work for the timeline (the oldest go first).
 MAX_SPANS = 200_000
+J = TypeVar("J")
 
 
 @dataclass(frozen=True)
@@ -212,3 +215,33 @@ class BackgroundWork:
     @property
     def alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
+
+
+class QueuedWork(BackgroundWork, Generic[J]):
+    """A work with one thread that handles the jobs :meth:`put` to it, one at a time, in order
+    (:meth:`handle`); :meth:`stop` ends it after every job put before."""
+
+    def __init__(self, what: str, name: str) -> None:
+        super().__init__(what, name)
+        self._jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+        self._closed = False
+
+    def put(self, job: J) -> None:
+        self._jobs.put(job)
+
+    def handle(self, job: J) -> None:
+        """The thread's work for one job; raise to fail."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        if not self._closed:  # the thread ends at this mark, after every job before it
+            self._closed = True
+            self._jobs.put(None)
+
+    def run(self, index: int) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self.handle(job)
+            del job  # dropped now (a round's gloo works, a snapshot), not when the next job arrives

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from prague.errors import ConfigError
-from prague.runtime.liveness import PROGRESS_KEY, Heartbeat
+from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, progress_text
 from prague.runtime.parent import set_parent_death_signal
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -234,7 +234,7 @@ def report_failure(exc: BaseException) -> None:
         _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps({"time": time.time(), "traceback": text}))
         steps = _HEARTBEAT.steps if _HEARTBEAT is not None else None
         if steps is not None:  # a script's steps, which its heartbeat may not have published yet
-            _CONTEXT.store.set(f"{PROGRESS_KEY}{_CONTEXT.rank}", f"{steps},0,")
+            _CONTEXT.store.set(f"{PROGRESS_KEY}{_CONTEXT.rank}", progress_text(steps))
     except Exception:  # noqa: BLE001
         pass
 

@@ -49,7 +49,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,6 +83,12 @@ def publish_survival(store: dist.Store, rank: int, survives: bool) -> None:
     whoever watches it whether the method goes on without a failed worker. Nothing otherwise."""
     if LAUNCHER_PID_ENV in os.environ:
         store.set(f"{SURVIVES_KEY}{rank}", "1" if survives else "0")
+
+
+def published_survival(store: dist.Store, ranks: Iterable[int]) -> bool:
+    """Whether any of ``ranks`` said its method survives failed workers (:func:`publish_survival`;
+    every rank runs the same method, so one speaks for all); False if none said so yet."""
+    return any(v == b"1" for v in read_keys(store, SURVIVES_KEY, ranks).values())
 
 
 class Guard:
@@ -170,7 +176,7 @@ class Guard:
 
     def _survives(self) -> bool:
         if self.survives is None:  # the child's method said so, if it got that far
-            return read_keys(self.store, SURVIVES_KEY, [self.rank]).get(self.rank) == b"1"
+            return published_survival(self.store, [self.rank])
         return self.survives
 
     def _declare(self, kind: str, detail: str) -> None:

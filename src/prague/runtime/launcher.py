@@ -55,7 +55,7 @@ from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
-from prague.runtime.guard import SURVIVES_KEY
+from prague.runtime.guard import published_survival
 from prague.runtime.stall import STALL_KEY, stall_message
 
 
@@ -247,11 +247,10 @@ class Job:
     def _survivable(self) -> bool:
         if self.spec.survivable is not None:
             return self.spec.survivable
-        try:  # every worker runs the same method: one that said it survives speaks for all
-            said = read_keys(self.store, SURVIVES_KEY, range(self.spec.nproc))
+        try:
+            return published_survival(self.store, range(self.spec.nproc))
         except RuntimeError:
             return False
-        return any(v == b"1" for v in said.values())
 
     def _lose(self, rank: int, kind: str, detail: str) -> None:
         """A survivable failure: declare it, fence a hung worker, warn."""
@@ -301,14 +300,15 @@ class Job:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
         while True:
             codes = [w.poll() for w in self.workers]
-            survivable = self._survivable()
-            for rank in self._hung(codes):
+            hung = self._hung(codes)
+            crashed = [r for r, code in enumerate(codes) if code not in (None, 0) and r not in self.failures]
+            survivable = bool(hung or crashed) and self._survivable()  # asked only when a worker failed
+            for rank in hung:
                 detail = f"stopped making progress (no heartbeat for {self.spec.lease_s:g} s; --lease-s)"
                 if not survivable:
                     self.stop()
                     raise WorkerFailed(rank, None, f"rank {rank} {detail}; this method cannot go on without it")
                 self._lose(rank, "hang", detail)
-            crashed = [r for r, code in enumerate(codes) if code not in (None, 0) and r not in self.failures]
             # A worker that found its settings cannot work (exit 2: a ConfigError, such as a pace it cannot
             # hold or a wrong token) is no failure to survive: the others have the same settings.
             if crashed and (not survivable or any(codes[r] == EXIT_USAGE for r in crashed)):

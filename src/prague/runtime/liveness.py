@@ -275,7 +275,7 @@ class Heartbeat:
                 self.store.add(self.key, 1)
                 steps = self.steps
                 if steps is not None and steps != self._published:
-                    self.store.set(self.progress_key, f"{steps},0,")
+                    self.store.set(self.progress_key, progress_text(steps))
                     self._published = steps
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
@@ -320,6 +320,11 @@ def read_keys(store: dist.Store, prefix: str, ranks: Iterable[int]) -> dict[int,
         if store.check([key]):
             out[rank] = store.get(key)
     return out
+
+
+def progress_text(done: int, total: int = 0, loss: float | None = None) -> str:
+    """A rank's :data:`PROGRESS_KEY` value: steps done, steps it will run (0: not known), last loss."""
+    return f"{done},{total},{'' if loss is None else loss}"
 
 
 def progress_steps(value: bytes | str | None) -> int:

@@ -31,7 +31,7 @@ from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
 from prague.runtime.background import Span
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import PROGRESS_KEY, read_progress
+from prague.runtime.liveness import PROGRESS_KEY, progress_text, read_progress
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
 from prague.workload.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
@@ -224,7 +224,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
         training.records = [StepRecord(**r) for r in resumed.records]
         training.snapshots.entries = dict(resumed.snapshots)
     progress = f"{PROGRESS_KEY}{ctx.rank}"
-    ctx.store.set(progress, f"{trainer.steps_done},{work.expected},")
+    ctx.store.set(progress, progress_text(trainer.steps_done, work.expected))
     start_together(ctx.store, ctx.rank, ctx.world_size)
     clock = TrainClock(resumed.wall_s if resumed else 0.0)
     keep = snapshots is not None
@@ -255,7 +255,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             log.write(json.dumps(rec.as_dict()) + "\n")
             work.observe_loss(rec.step, rec.loss)
             done = trainer.steps_done
-            ctx.store.set(progress, f"{done},{max(work.expected, done)},{rec.loss if rec.loss is not None else ''}")
+            ctx.store.set(progress, progress_text(done, max(work.expected, done), rec.loss))
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < work.expected:
                 save_checkpoint(cfg, ctx, trainer, harness, training, clock.now())
         if keep:

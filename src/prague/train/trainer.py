@@ -119,7 +119,7 @@ def make_algorithm(ctx: DistContext, algorithm: str, seed: int | None,
     method_options = method.make_options(options, variant, seed)
     method.check_job(method_options, ctx.world_size)
     if ctx.world_size > 1:
-        publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard under torchrun
+        publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard or prague launch
     return method, method.variant_of(method_options), method.runtime_class()(ctx, method_options)
 
 

@@ -40,7 +40,6 @@ with it. On the CPU those orderings hold by themselves.
 
 from __future__ import annotations
 
-import queue
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,7 +49,7 @@ from typing import Any
 import torch
 
 from prague.comm.streams import HOST, Streams
-from prague.runtime.background import COMMUNICATING, BackgroundWork
+from prague.runtime.background import COMMUNICATING, QueuedWork
 from prague.groups import Group
 
 #: Runs one group on a buffer: averages ``buffer`` in place over ``group`` (nothing for a group of one);
@@ -106,7 +105,10 @@ class Backlog:
             self._kept.append((index, correction))
 
 
-class BackgroundAverager(BackgroundWork):
+_Request = tuple[int, int, torch.Tensor, torch.Tensor, int, Any]  # index, corrections taken, snapshot, work, step, copy event
+
+
+class BackgroundAverager(QueuedWork[_Request]):
     """One background thread that averages snapshots in submission order; see the module docstring.
     Each request is one operation of the thread (:class:`~prague.runtime.background.BackgroundWork`):
     ``waiting`` while it asks for its group, ``communicating`` while the group averages."""
@@ -117,15 +119,12 @@ class BackgroundAverager(BackgroundWork):
         self._next_group = next_group
         self._run_group = run_group
         self._streams = streams  # the values' device: a side stream and events on CUDA, nothing on the CPU
-        self._jobs: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor, int, Any] | None] = \
-            queue.SimpleQueue()
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # free (snapshot, work) pairs
         self._done: deque[Averaged] = deque()
         self._submitted = 0
         self._finished = 0
         self._taken = 0  # corrections handed to the worker (which adds each before its next submit)
         self._backlog = Backlog()  # the thread's
-        self._closed = False
         self.busy_s = 0.0  # seconds the thread spent on requests (asking plus reducing)
         self.start()
 
@@ -153,7 +152,7 @@ class BackgroundAverager(BackgroundWork):
         snapshot, work = pair
         snapshot.copy_(values)  # on the caller's (compute) stream, after the step that made the values
         copied = self._streams.mark()
-        self._jobs.put((index, taken, snapshot, work, index if step is None else step, copied))
+        self.put((index, taken, snapshot, work, index if step is None else step, copied))
         return index
 
     def recycle(self, done: Averaged) -> None:
@@ -189,21 +188,9 @@ class BackgroundAverager(BackgroundWork):
         """Stop the thread after the requests already submitted (:meth:`stop`)."""
         self.stop()
 
-    def wake(self) -> None:
-        if not self._closed:  # the thread ends at this mark, after every request before it
-            self._closed = True
-            self._jobs.put(None)
-
     # -- the thread --------------------------------------------------------------------------------
-    def run(self, index: int) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            self._average(*job)
-
-    def _average(self, index: int, taken: int, snapshot: torch.Tensor, work: torch.Tensor, step: int,
-                 copied: Any) -> None:
+    def handle(self, job: _Request) -> None:
+        index, taken, snapshot, work, step, copied = job
         with self.operation(step) as op:
             t0 = time.perf_counter()
             group = self._next_group(step)

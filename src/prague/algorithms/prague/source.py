@@ -206,9 +206,9 @@ class ServiceSource:
         live = [r for r in range(self.ctx.world_size) if r not in failed]
         if not live:
             return
+        # the key's value after the swap: ours, or the host another survivor named first (a failed one
+        # too, if the key moved on while we looked: the next look moves it again)
         agreed = int(self._store.compare_set(self._host_key, str(self._host), str(live[0])).decode())
-        if agreed == self._host:  # the key moved on already (a second failover): read it again
-            agreed = int(self._store.get(self._host_key).decode())
         old, self._host = self._host, agreed
         if agreed == self.ctx.rank and self._keeper is None:
             sys.stderr.write(f"prague: warning: rank {self.ctx.rank} starts the Group Generator again: its host, "

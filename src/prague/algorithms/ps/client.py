@@ -14,7 +14,6 @@ is in.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,7 +27,7 @@ from prague.algorithms.ps.protocol import (
     TAG_STATE, WORKER_SIDE, Reply, pair_group, request_header, stats_key,
 )
 from prague.comm.owned import HoldsGroup
-from prague.runtime.background import COMMUNICATING, BackgroundWork
+from prague.runtime.background import COMMUNICATING, QueuedWork
 from prague.errors import CommError
 
 T = TypeVar("T")
@@ -143,7 +142,7 @@ class PendingReplies:
         return [link.reply() for link in self.links]
 
 
-class ReplyCompleter(BackgroundWork):
+class ReplyCompleter(QueuedWork["PendingReplies"]):
     """A daemon thread that completes :class:`PendingReplies` rounds, one at a time, in submission order;
     each round is one ``communicating`` operation of the thread
     (:class:`~prague.runtime.background.BackgroundWork`), on behalf of the step that pushed it.
@@ -160,27 +159,15 @@ class ReplyCompleter(BackgroundWork):
 
     def __init__(self, name: str) -> None:
         super().__init__("parameter-server replies", name)
-        self._queue: queue.SimpleQueue[PendingReplies | None] = queue.SimpleQueue()
-        self._closed = False
         self.start()
 
     def submit(self, pending: PendingReplies) -> None:
         self.raise_if_failed()
-        self._queue.put(pending)
+        self.put(pending)
 
-    def wake(self) -> None:
-        if not self._closed:  # the thread ends at this mark, after every round before it
-            self._closed = True
-            self._queue.put(None)
-
-    def run(self, index: int) -> None:
-        while True:
-            pending = self._queue.get()
-            if pending is None:
-                return
-            with self.operation(pending.step, COMMUNICATING):
-                pending.complete()
-            del pending  # drop the round's gloo works now, not when the next round arrives
+    def handle(self, pending: PendingReplies) -> None:
+        with self.operation(pending.step, COMMUNICATING):
+            pending.complete()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread after what was submitted; wait for it at most ``timeout_s`` (a round stuck on
