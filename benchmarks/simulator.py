@@ -119,7 +119,7 @@ def bench_engine(n: int = 1024, k: int = 300, repeats: int = 3) -> list[dict[str
 # -- the paper's setting ------------------------------------------------------------------------------
 def _paper_config(algorithm: str, scenario: str, steps: int, **cluster: Any) -> SimConfig:
     algorithm, _, overlap = algorithm.partition("/")
-    return SimConfig(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=steps, batch_size=128,
+    return SimConfig.of(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=steps, batch_size=128,
                      model="resnet18", data="synthetic", cluster=PAPER.replace_fields(**cluster),
                      options={"overlap": overlap} if overlap else {})
 
@@ -160,7 +160,7 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
     for n in sizes:
         for generator, overlap in ((g, o) for g in GENERATORS for o in ("on", "off")):
             t, c = time.perf_counter(), time.process_time()
-            r = simulate(SimConfig(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
+            r = simulate(SimConfig.of(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
                                    steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
                                    options={"overlap": overlap})).to_dict()
             stats = r["algorithm_stats"][0]
@@ -195,7 +195,7 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
 
 def bench_timing(steps: int = 1000, workers: int = 1024) -> dict[str, Any]:
     t, c = time.perf_counter(), time.process_time()
-    r = simulate(SimConfig(algorithm="prague:smart", scenario="paper:5", nproc=workers, nodes=workers // 4,
+    r = simulate(SimConfig.of(algorithm="prague:smart", scenario="paper:5", nproc=workers, nodes=workers // 4,
                            steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)).to_dict()
     out = {"workers": workers, "steps": steps, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
            "events": r["sim"]["events"], "fraction_of_limit": r["fraction_of_limit"]}

@@ -130,8 +130,8 @@ def test_bad_cluster_file_is_one_line_naming_it(content: str, expected: str, tmp
     ({"data_dir": False}, "data_dir = False"),  # TypeError from Path(False)
     ({"options": "0"}, "options = '0'"),  # AttributeError: 'str' object has no attribute 'items'
     ({"nproc": 1.5}, "nproc = 1.5"),
-    ({"colour": "blue"}, "not a run configuration"),
-    ([], "not a run configuration"),
+    ({"colour": "blue"}, "not a job description"),
+    ([], "not a job description"),
 ])
 def test_bad_saved_run_is_one_line_naming_it(saved: object, expected: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:

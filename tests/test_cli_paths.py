@@ -205,9 +205,9 @@ def test_fractional_epochs_are_not_rounded_up_by_float_error(where: str) -> None
 
         assert total_steps(cfg, 50) == 55
     else:
-        from prague.simulate.cli import _steps
+        from prague.simulate.run import SimConfig
 
-        assert _steps(cfg) == 55
+        assert SimConfig(cfg).steps == 55
 
 
 # MNIST and synthetic data

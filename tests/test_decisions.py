@@ -43,7 +43,7 @@ from prague.metrics.decisions import (
 )
 from prague.simulate.cli import cluster_from_args, sim_config
 from prague.simulate.run import SimConfig, build
-from prague.train.config import RunConfig, config_from_args, run_folder, worker_argv
+from prague.train.config import RunConfig, config_from_args, read_job, run_folder, write_job
 from prague_testing import processes_mentioning, run_cli
 
 NPROC, STEPS, SEED = 4, 6, 7
@@ -149,10 +149,12 @@ def test_decisions_are_one_json_line_each_without_unused_fields(tmp_path: Path) 
         Decision(0, "nosuch")
 
 
-def test_the_flag_is_a_run_setting_forwarded_to_workers_only_when_on(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flag_is_a_run_setting_the_workers_read_from_the_job(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
     assert RunConfig().log_decisions is False
-    assert "--log-decisions" not in worker_argv(RunConfig())
-    assert "--log-decisions" in worker_argv(RunConfig(log_decisions=True))
+    for on in (False, True):
+        job = write_job(RunConfig(out=tmp_path, log_decisions=on))
+        assert read_job(job).log_decisions is on
     for command in ("run", "worker", "bench", "simulate"):
         args = build_parser().parse_args([command, "--log-decisions"])
         assert args.log_decisions is True
@@ -199,7 +201,7 @@ def test_shard_trace_replays_through_the_simulated_shards(tmp_path: Path) -> Non
     trace_file.close()
     trace = read_shard_trace(tmp_path / "ps-shard0.jsonl")
     assert len(trace) == 10 and not all(p.accepted for p in trace) and len({p.scale for p in trace}) > 2
-    config = SimConfig(algorithm="ps:async", nproc=3, steps=4, model="mlp",
+    config = SimConfig.of(algorithm="ps:async", nproc=3, steps=4, model="mlp",
                        options={"staleness_lr": "inverse", "max_staleness": 3})
     assert _replay_shard(config, trace) == trace
 
@@ -222,7 +224,7 @@ def test_simulate_writes_the_logs_of_a_run_beside_its_services_traces(tmp_path: 
 
 
 def test_without_the_flag_nothing_is_logged(tmp_path: Path) -> None:
-    world, method = build(SimConfig(algorithm="prague:smart", nproc=4, steps=3, model="mlp"))
+    world, method = build(SimConfig.of(algorithm="prague:smart", nproc=4, steps=3, model="mlp"))
     assert world.decisions is None and world.decision_dir is None
     assert main(["simulate", "--algorithms", "dssync", "--scenarios", "homogeneous", "--nproc", "4", "--steps", "3",
                  "--model", "mlp", "--quiet", "--out", str(tmp_path)]) == 0

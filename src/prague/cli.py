@@ -49,7 +49,7 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
     cfg.check_data_source()
     check_backend(cfg)
-    method_resources(cfg)  # validates the method's options against the job (e.g. --nodes) before anything starts
+    method_resources(cfg)  # the method's services can be declared for this job, before anything starts
     if cfg.hosts is not None:
         check_privileges()
     return cfg
@@ -71,23 +71,18 @@ def _default_out(name: str) -> Path:
 def check_data(cfg: Any) -> None:
     """Load the data set once in the launcher, so a bad file is a clear error before any worker starts,
     and check the method's options against the model built for it (:meth:`Options.check_model`)."""
-    from prague.algorithms.registry import resolve_options
     from prague.workload.data import load_dataset
     from prague.workload.models import build_model, state_elements
 
     dataset = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
-    options: Any = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)[1]
-    options.check_model(lambda: state_elements(build_model(cfg.model, dataset.input_shape, dataset.num_classes)))
+    cfg.options.check_model(lambda: state_elements(build_model(cfg.model, dataset.input_shape, dataset.num_classes)))
 
 
 def method_resources(cfg: Any, host: str = "127.0.0.1") -> tuple[Any, bool]:
     """The services and environment the method of ``cfg`` needs (its services listening on ``host``),
-    and whether it survives failed workers; validates its options."""
-    from prague.algorithms.registry import resolve_options
-
-    method, options = resolve_options(cfg.algorithm, cfg.options, seed=cfg.seed)
-    return (method.runtime_class().job_resources(options, cfg.nproc, Path(cfg.out), host=host),
-            method.survives_failures)
+    and whether it survives failed workers."""
+    return (cfg.method.runtime_class().job_resources(cfg.seeded_options, cfg.nproc, Path(cfg.out), host=host),
+            cfg.method.survives_failures)
 
 
 def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
@@ -124,7 +119,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     prestart(cfg.data)  # the worker fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.checkpoint import CHECKPOINTS_DIR, resume_step
-    from prague.train.config import save_config, worker_argv
+    from prague.train.config import job_file, worker_argv, write_job
 
     check_data(cfg)
     out = Path(cfg.out)
@@ -137,7 +132,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
         print(f"resuming {out} from its checkpoint at step {resume_step(out, cfg.nproc)}", flush=True)
     else:  # a new run in this folder: an older run's checkpoints must never be resumed as this one's
         shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)
-        save_config(cfg)
+        write_job(cfg)
     (out / "summary.json").unlink(missing_ok=True)
     (out / "services.json").unlink(missing_ok=True)
     network = EmulatedHosts(cfg.hosts, cfg.link_bits).up() if cfg.hosts is not None else None
@@ -149,7 +144,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
             services.append(_cross_traffic_service(cfg, network))
         if cfg.stop_at_target:
             services.append(_evaluator_service(cfg))
-        spec = LaunchSpec(argv=worker_argv(cfg), nproc=cfg.nproc, log_dir=out / "logs", services=services,
+        spec = LaunchSpec(argv=worker_argv(job_file(out), resume=cfg.resume), nproc=cfg.nproc, log_dir=out / "logs", services=services,
                           env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
                           services_file=out / "services.json" if services else None,
                           **(_network_launch(network, cfg.nproc) if network else {}))
@@ -304,13 +299,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from prague.runtime.worker import run_worker
     from prague.train.loop import train
 
-    from prague.train.config import config_from_args
-
-    def body(ctx: Any) -> None:
-        cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=ctx.world_size,
-                               out=args.out or Path("runs") / "torchrun")
-        train(dataclasses.replace(cfg, resume=args.resume), ctx)
-
     from prague.net.hosts import enter_from_env
 
     enter_from_env()  # an emulated host's namespace (prague run --hosts), before any socket
@@ -318,23 +306,60 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if under_torchrun():
         return _guarded_worker(args)
-    run_worker(body, backend=args.backend or "auto", timeout_s=args.timeout_s or 300.0)
+    job = _read_worker_job(args)
+
+    def body(ctx: Any) -> None:
+        train(_worker_job(args, ctx.world_size, job), ctx)
+
+    backend, timeout_s = (job.backend, job.timeout_s) if job is not None else (args.backend or "auto",
+                                                                                 args.timeout_s or 300.0)
+    run_worker(body, backend=backend, timeout_s=timeout_s)
     return 0
 
 
-def _guarded_worker(args: argparse.Namespace) -> int:
-    """Under torchrun: guard a child that trains (:mod:`prague.runtime.guard`) and return the exit code."""
-    from prague.runtime.context import service_host
-    from prague.runtime.guard import Guard
+def _read_worker_job(args: argparse.Namespace) -> Any:
+    """The job description ``prague worker --job FILE`` names (what ``prague run`` and a guard give their
+    workers), or None when the flags describe the job; ConfigError if flags are given beside ``--job``."""
+    from prague.train.config import flag_fields, option_values, read_job
+
+    if args.job is None:
+        return None
+    given = [f.name for f in flag_fields() if getattr(args, f.name, None) is not None] + list(option_values(args))
+    given += [k for k in ("algorithm", "slowdown", "out") if getattr(args, k) != _RUN_DEFAULTS.get(k)]
+    if given:
+        raise ConfigError(f"--job holds the whole job; drop {', '.join('--' + k.replace('_', '-') for k in given)}")
+    return read_job(args.job, resume=args.resume)
+
+
+def _worker_job(args: argparse.Namespace, world_size: int, job: Any) -> Any:
+    """The job this worker runs in a job of ``world_size`` workers: ``job`` (read from ``--job``), or one
+    resolved from the flags (torchrun running ``prague worker`` directly)."""
     from prague.train.config import config_from_args
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=world_size,
-                           out=args.out or Path("runs") / "torchrun")
+    if job is None:
+        cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=world_size,
+                               out=args.out or Path("runs") / "torchrun")
+        return dataclasses.replace(cfg, resume=args.resume)
+    if job.nproc != world_size:
+        raise ConfigError(f"--job {str(args.job)!r} describes {job.nproc} workers, but this job has {world_size}; "
+                          "start it with as many (torchrun --nnodes x --nproc-per-node)")
+    return job
+
+
+def _guarded_worker(args: argparse.Namespace) -> int:
+    """Under torchrun: guard a child that trains (:mod:`prague.runtime.guard`) and return the exit code.
+    The job is resolved here, once, and written to ``OUT/run.json`` (unless given with ``--job``) for
+    the child to read."""
+    from prague.runtime.context import service_host
+    from prague.runtime.guard import Guard
+    from prague.train.config import worker_argv, write_job
+
+    cfg = _worker_job(args, int(os.environ["WORLD_SIZE"]), _read_worker_job(args))
     resources, survives = method_resources(cfg, host=service_host() if int(os.environ["RANK"]) == 0 else "127.0.0.1")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    guard = Guard([sys.executable, "-m", "prague", *sys.argv[1:]], services=resources.services, env=resources.env,
-                  survives=survives, lease_s=cfg.lease_s, out=Path(cfg.out), timeout_s=args.timeout_s or 300.0)
+    job = args.job if args.job is not None else write_job(cfg)  # every local rank writes the same description
+    guard = Guard(worker_argv(job, resume=cfg.resume), services=resources.services, env=resources.env,
+                  survives=survives, lease_s=cfg.lease_s, out=Path(cfg.out), timeout_s=cfg.timeout_s)
     return guard.run()
 
 
@@ -453,6 +478,9 @@ def _add_run_parser(sub: Any, name: str, helptext: str) -> None:
     else:
         p.add_argument("--resume", action="store_true",
                        help="continue from the last complete checkpoint in --out (what `prague run --resume` starts)")
+        p.add_argument("--job", type=Path, metavar="FILE",
+                       help="run the job described in FILE (the run.json `prague run` writes in its --out folder) "
+                            "instead of the flags")
     p.add_argument("--out", type=Path, help="output directory (default runs/<method>-<time>)")
     add_run_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

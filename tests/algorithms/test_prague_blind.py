@@ -83,7 +83,7 @@ def test_smart_blind_service_is_started_with_one_node(tmp_path: Path) -> None:
 
 
 def test_simulated_smart_blind_keeps_the_cluster_and_blinds_the_generator() -> None:
-    config = SimConfig(algorithm="prague:smart-blind", scenario="paper:5", nproc=8, nodes=4, steps=20, model="mlp",
+    config = SimConfig.of(algorithm="prague:smart-blind", scenario="paper:5", nproc=8, nodes=4, steps=20, model="mlp",
                        seed=3, trace=True, options={"when_busy": "wait"})
     world, method = build(config)
     assert world.topology == Topology(4, 2)  # the costs keep the physical nodes

@@ -27,8 +27,8 @@ def write_bench(folder: Path, scenarios: tuple[str, ...], algorithms: tuple[str,
         for algorithm in algorithms:
             # The GG's round trip shows only where it blocks the worker: smart without overlap.
             options = {"overlap": "off"} if algorithm == "prague:smart" else {}
-            r = simulate(SimConfig(algorithm=algorithm, scenario=scenario, nproc=nproc, steps=12, batch_size=32,
-                                   model="resnet18", data="digits", cluster=TRUTH, compute_s=compute_s,
+            r = simulate(SimConfig.of(algorithm=algorithm, scenario=scenario, nproc=nproc, steps=12, batch_size=32,
+                                   model="resnet18", data="digits", cluster=TRUTH, compute_ms=compute_s * 1e3,
                                    warmup_steps=2, options=options)).to_dict()
             r["simulated"] = False
             r.pop("sim")

@@ -103,7 +103,7 @@ def test_homogeneous_allreduce_step_is_compute_plus_the_exposed_buckets(nproc: i
                                                                         backward_share: float) -> None:
     cluster = Cluster(compute_s=0.05, intra=Link.of(10, 80), inter=Link.of(25, 45), backward_share=backward_share)
     steps, batch = 20, 64
-    record = simulate(SimConfig(algorithm="allreduce", nproc=nproc, nodes=nodes, steps=steps, batch_size=batch,
+    record = simulate(SimConfig.of(algorithm="allreduce", nproc=nproc, nodes=nodes, steps=steps, batch_size=batch,
                                 model="resnet18", data="synthetic", cluster=cluster, warmup_steps=0)).to_dict()
     link = cluster.inter if nodes > 1 else cluster.intra
     buckets = ddp_buckets(gradient_sizes("resnet18", "synthetic"), 25 * MIB)
@@ -129,7 +129,7 @@ def test_homogeneous_allreduce_step_is_compute_plus_the_exposed_buckets(nproc: i
 def test_ring_factor_scales_the_all_reduce_and_smaller_buckets_hide_more() -> None:
     def comm(bucket_cap_mb: float = 25.0, **cluster: float) -> float:
         c = Cluster(compute_s=0.05, **cluster)
-        return simulate(SimConfig(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=c,
+        return simulate(SimConfig.of(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=c,
                                   warmup_steps=0, options={"bucket_cap_mb": bucket_cap_mb})).to_dict()["mean_comm_s"][0]
 
     assert comm(backward_share=0.0, allreduce_ring_factor=2.0) == pytest.approx(2 * comm(backward_share=0.0), rel=1e-9)
@@ -141,9 +141,9 @@ def test_the_slowest_worker_s_backward_sets_when_a_bucket_is_ready() -> None:
     # Rank 0's compute takes twice as long (its backward too): the others wait for it, and the exposed part
     # is what is left after rank 0's backward, as if every worker were as slow as rank 0.
     cluster = Cluster(compute_s=0.05, speeds=(2.0, 1.0, 1.0, 1.0))
-    slow = simulate(SimConfig(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=cluster,
+    slow = simulate(SimConfig.of(algorithm="allreduce", nproc=4, steps=5, model="resnet18", cluster=cluster,
                               warmup_steps=0)).to_dict()
-    uniform = simulate(SimConfig(algorithm="allreduce", nproc=4, steps=5, model="resnet18", warmup_steps=0,
+    uniform = simulate(SimConfig.of(algorithm="allreduce", nproc=4, steps=5, model="resnet18", warmup_steps=0,
                                  cluster=Cluster(compute_s=0.1))).to_dict()
     assert slow["wall_s"] == pytest.approx(uniform["wall_s"], rel=1e-9)
     assert slow["mean_comm_s"][1] == pytest.approx(slow["mean_comm_s"][0] + 0.05, rel=1e-9)

@@ -35,7 +35,8 @@ def _sim(algorithm: str, **kw: Any) -> dict[str, Any]:
                                 batch_size=32, model="resnet18", data="synthetic", cluster=CLUSTER, warmup_steps=0,
                                 link_rate="1gbit")
     args.update(kw)
-    return simulate(SimConfig(**args)).to_dict()
+    args["hosts"] = args["nodes"] if args.get("link_rate") or args.get("cross_traffic") else None
+    return simulate(SimConfig.of(**args)).to_dict()
 
 
 def test_a_burst_halves_a_lone_transfer_while_it_lasts() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prague.errors import ConfigError
+from prague.optim import SGDRule
 from prague.sim.cluster import Cluster, Link
 from prague.sim.world import World
 from prague.simulate.run import SimConfig, build, simulate
@@ -17,7 +18,7 @@ EVERY_S = 0.1
 
 
 def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16, target: float | None = None) -> dict:
-    return simulate(SimConfig(algorithm=algorithm, scenario="paper:5", nproc=nproc, nodes=1, steps=steps,
+    return simulate(SimConfig.of(algorithm=algorithm, scenario="paper:5", nproc=nproc, nodes=1, steps=steps,
                               batch_size=batch_size, model="mlp", data="digits", cluster=Cluster(compute_s=0.01),
                               math="real", lr=0.05, eval_every_s=EVERY_S, target_accuracy=target)).to_dict()
 
@@ -60,11 +61,12 @@ def test_overlapped_prague_with_averages_out_meets_at_the_mean(max_in_flight: in
     """The runtime's rule in the simulator: two workers at 0 and 4, no local updates (learning rate 0),
     always grouped together, averages slower than a step so ``max_in_flight`` are out at once: they end
     at 2 and 2 (snapshots lacking the earlier corrections gave 4 and 0 with two out, 6 and -2 with three)."""
-    config = SimConfig(algorithm="prague:random", nproc=2, steps=12, model="mlp", data="digits", math="real",
-                       lr=0.0, momentum=0.0, cluster=Cluster(compute_s=0.001, intra=Link.of(5000.0, 80.0)),
-                       options={"group_size": 2, "max_in_flight": max_in_flight})
+    config = SimConfig.of(algorithm="prague:random", nproc=2, steps=12, model="mlp", data="digits", math="real",
+                          momentum=0.0, cluster=Cluster(compute_s=0.001, intra=Link.of(5000.0, 80.0)),
+                          options={"group_size": 2, "max_in_flight": max_in_flight})
     world, method = build(config)
     with contextlib.closing(world):
+        world.math._rule = SGDRule(0.0, 0.0)  # no local updates (a run's --lr must be > 0)
         values = world.math.X
         values[0].fill_(0.0)
         values[1].fill_(4.0)
@@ -95,7 +97,7 @@ def test_a_job_wide_budget_is_claimed_by_the_fast_workers_and_shared_equally_by_
     from one counter with the runtime's rule: the 4x straggler takes fewer, every batch goes to one worker;
     allreduce needs every rank in every step: 88 // 8 = 11 each."""
     def run(algorithm: str) -> tuple[World, dict]:
-        config = SimConfig(algorithm=algorithm, scenario="straggler:3:4", nproc=8, model="mlp", data="digits",
+        config = SimConfig.of(algorithm=algorithm, scenario="straggler:3:4", nproc=8, model="mlp", data="digits",
                            cluster=Cluster(compute_s=0.01), math="real", budget="epochs:2", eval_every_s=EVERY_S)
         world, method = build(config)
         with contextlib.closing(world):
@@ -114,7 +116,7 @@ def test_a_job_wide_budget_is_claimed_by_the_fast_workers_and_shared_equally_by_
     assert [len(ends) for ends in world.end_s] == [11] * 8 and world.batch_index == [[]] * 8
     assert record["shares"] == "equal" and record["samples"] == 88 * 32
     with pytest.raises(ConfigError, match="seconds:5 is not modelled"):
-        SimConfig(algorithm="prague", budget="seconds:5")
+        SimConfig.of(algorithm="prague", budget="seconds:5")
 
 
 def test_shared_momentum_travels_with_the_rows() -> None:

@@ -20,7 +20,7 @@ def _sim(algorithm: str, scenario: str = "paper:5", **kw: Any) -> dict[str, Any]
     args: dict[str, Any] = dict(algorithm=algorithm, scenario=scenario, nproc=16, nodes=4, steps=40,
                                 batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)
     args.update(kw)
-    return simulate(SimConfig(**args)).to_dict()
+    return simulate(SimConfig.of(**args)).to_dict()
 
 
 def test_every_method_has_a_simulator_model() -> None:
@@ -102,4 +102,4 @@ def test_large_runs_finish_for_every_generator() -> None:
 ])
 def test_bad_configs_are_config_errors(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        SimConfig(**{"nproc": 8, **kw})
+        SimConfig.of(**{"nproc": 8, **kw})

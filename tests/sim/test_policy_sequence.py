@@ -23,7 +23,7 @@ from prague.simulate.run import SimConfig, build, simulate
 
 
 def _run(generator: str, seed: int, scenario: str = "paper:5", nproc: int = 16, nodes: int = 4) -> list[Any]:
-    record = simulate(SimConfig(algorithm=f"prague:{generator}", scenario=scenario, nproc=nproc, nodes=nodes,
+    record = simulate(SimConfig.of(algorithm=f"prague:{generator}", scenario=scenario, nproc=nproc, nodes=nodes,
                                 steps=40, model="mlp", cluster=PAPER, seed=seed, trace=True,
                                 options={"gg_seed": 0, "group_size": 3, "delta_c": 4, "window_ms": 20.0,
                                          "when_busy": "wait"})).to_dict()  # a request every step
@@ -75,7 +75,7 @@ def test_ready_groups_equal_a_fresh_runtime_policy() -> None:
 
 
 def test_static_policy_is_asked_without_a_round_trip() -> None:
-    world, method = build(SimConfig(algorithm="prague:static", nproc=8, nodes=2, steps=4, model="mlp"))
+    world, method = build(SimConfig.of(algorithm="prague:static", nproc=8, nodes=2, steps=4, model="mlp"))
     method.start()
     world.engine.run()
     assert method.stats()["gg_utilization"] == 0.0
@@ -83,13 +83,13 @@ def test_static_policy_is_asked_without_a_round_trip() -> None:
 
 
 def test_dssync_and_adpsgd_use_the_runtime_choices() -> None:
-    world, method = build(SimConfig(algorithm="dssync", nproc=12, steps=3, model="mlp",
+    world, method = build(SimConfig.of(algorithm="dssync", nproc=12, steps=3, model="mlp",
                                     options={"group_size": 4, "shuffle_seed": 9}))
     for k in range(3):
         expected = {r: g for g in dssync_groups(k, 12, 4, 9) for r in g}
         assert all(method._group(k, r) == expected[r] for r in range(12))
     record_steps = 7
-    world, method = build(SimConfig(algorithm="adpsgd", scenario="paper:5", nproc=6, steps=record_steps, model="mlp",
+    world, method = build(SimConfig.of(algorithm="adpsgd", scenario="paper:5", nproc=6, steps=record_steps, model="mlp",
                                     options={"adpsgd_seed": 4}))
     method.start()
     world.engine.run()

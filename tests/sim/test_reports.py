@@ -15,7 +15,7 @@ EVERY_VARIANT = [f"{m.name}:{v}" for m in METHODS.values() for v in m.variants] 
 
 
 def _stats(algorithm: str, **options: Any) -> dict[str, Any]:
-    record = simulate(SimConfig(algorithm=algorithm, scenario="paper:5", nproc=8, nodes=2, steps=30, model="mlp",
+    record = simulate(SimConfig.of(algorithm=algorithm, scenario="paper:5", nproc=8, nodes=2, steps=30, model="mlp",
                                 data="digits", cluster=PAPER.replace_fields(preduce_setup_s=0.002),
                                 options=options))
     assert record.algorithm_stats is not None and len(record.algorithm_stats) == 1

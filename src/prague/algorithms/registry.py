@@ -52,6 +52,15 @@ def resolve_options(spec: str, values: dict[str, object] | None = None,
     return method, method.make_options(values or {}, variant, seed)
 
 
+def method_of(options: object) -> Method:
+    """The method whose options dataclass ``options`` is (typed options name their method)."""
+    for method in METHODS.values():
+        if type(options) is method.options:
+            return method
+    raise ConfigError(f"{type(options).__name__} is not the options of a method; pass a method name "
+                      f"({', '.join(sorted(METHODS))}) or one method's options")
+
+
 def all_options() -> dict[str, list[tuple[Method, OptionInfo]]]:
     """Every option name, with the methods that declare it (a name shared by two methods is one flag)."""
     out: dict[str, list[tuple[Method, OptionInfo]]] = {}

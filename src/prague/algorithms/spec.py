@@ -211,10 +211,6 @@ class Method:
         it, so the launcher, every worker (under torchrun too) and the simulator draw from the same seed."""
         declared = {o.name: o for o in self.option_infos}
         kwargs = {k: v for k, v in (values or {}).items() if k in declared and v is not None}
-        if seed is not None:
-            for info in self.option_infos:
-                if info.run_seed and not kwargs.get(info.name, info.default):
-                    kwargs[info.name] = seed
         if variant is not None:
             if self.variant_option is None:
                 raise ConfigError(f"method {self.name!r} has no variants, got {self.name}:{variant}; "
@@ -223,9 +219,16 @@ class Method:
         if variant is not None and variant not in self.variants:
             raise unknown_choice(f"variant of {self.name}", variant, self.variants)
         try:
-            return self.options(**kwargs)
+            options = self.options(**kwargs)
         except TypeError as exc:  # a value of the wrong type given through the Python API
             raise ConfigError(f"invalid options for method {self.name!r}: {exc}") from None
+        return options if seed is None else self.seeded(options, seed)
+
+    def seeded(self, options: Any, seed: int) -> Any:
+        """``options`` with every seed option declared ``run_seed`` that is 0 set to the run's ``seed``:
+        what the method runs with, so the launcher, every worker and the simulator draw alike."""
+        changes = {o.name: seed for o in self.option_infos if o.run_seed and not getattr(options, o.name)}
+        return dataclasses.replace(options, **changes) if changes else options
 
     def check_job(self, options: Any, nproc: int) -> None:
         """Raise ConfigError unless ``options`` fit a job of ``nproc`` workers (:meth:`Options.check_job`)."""

@@ -69,6 +69,9 @@ ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for eve
 ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
 SURVIVES_KEY = "prague/guard/survives/"  # + rank: "1" if the method of that rank's child survives failures
 TICK_S = 0.2
+#: How long a guard whose child crashed, for a method that needs every rank, waits for another rank's
+#: declaration before it declares its own (and, quiet, for that rank's guard to end before its own).
+ATTRIBUTION_S = 1.0
 
 
 def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -124,6 +127,8 @@ class Guard:
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded
                 return code
             if code != 0 and not self._survives():  # torchrun stops the job, or restarts it
+                if self.failure is None:  # another rank's failure ended this child: it is torchrun's cause
+                    self._let_the_failed_end_first()
                 return code if code > 0 else 1
             try:
                 self._wait_for_every_rank()
@@ -181,7 +186,7 @@ class Guard:
 
     def _declare(self, kind: str, detail: str) -> None:
         survives = self._survives()
-        if not survives and self.membership.failed():
+        if not survives and self._another_declared(ATTRIBUTION_S if kind == "crash" else 0.0):
             return  # the job is ending: this worker failed because another did, which is declared
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
         self.failure = Failure(self.rank, steps, kind, detail)
@@ -190,6 +195,29 @@ class Guard:
         else:
             announce_failure(self.store, self.failure, "the method needs every worker: torchrun stops the job, or "
                              "with --max-restarts starts it again from its last checkpoint", level="error")
+
+    def _another_declared(self, within_s: float) -> bool:
+        """Whether another rank is declared failed, waiting up to ``within_s`` for it: a child that crashed
+        because a peer did (its collective broke) ends within milliseconds of that peer, whose guard
+        declares it within a tick."""
+        deadline = time.monotonic() + within_s
+        while not self.membership.failed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(TICK_S / 4)
+        return True
+
+    def _let_the_failed_end_first(self) -> None:
+        """Before this guard exits because another rank failed: wait (at most ATTRIBUTION_S) until the
+        declared ranks' guards have ended, and a moment more, so torchrun, which reports the first worker
+        to exit as the root cause and stops the others, names the rank that failed."""
+        failed = list(self.membership.failed())
+        deadline = time.monotonic() + ATTRIBUTION_S
+        while time.monotonic() < deadline:
+            if set(failed) <= set(read_keys(self.store, ENDED_KEY, failed)):
+                time.sleep(ATTRIBUTION_S / 2)  # its guard's exit, then torchrun's next look (0.1 s apart)
+                return
+            time.sleep(TICK_S / 4)
 
     def _wait_for_every_rank(self) -> None:
         """Until every rank's child has ended (rank 0's services serve them to the end); the wait counts

@@ -14,7 +14,7 @@ Typical use::
 
     from prague.simulate.run import SimConfig, simulate
     from prague.sim.cluster import load_cluster
-    record = simulate(SimConfig(algorithm="prague:ready", scenario="paper:5", nproc=256, nodes=64,
+    record = simulate(SimConfig.of(algorithm="prague:ready", scenario="paper:5", nproc=256, nodes=64,
                                 model="resnet18", cluster=load_cluster("paper"), steps=300))
     print(record.throughput_samples_per_s, record.fraction_of_limit)
 """

@@ -138,21 +138,24 @@ def _gg_rtt(records: list[RunRecord]) -> float | None:
 
 def sim_config(record: RunRecord, cluster: Cluster) -> SimConfig:
     """The simulated twin of one benchmark record (same method, options, scenario, size and seed)."""
+    from prague.algorithms.registry import parse_method
+
     stats = (record.algorithm_stats or [{}])[0] or {}
+    declared = {o.name for o in parse_method(record.label)[0].option_infos}
     options: dict[str, Any] = {}
     for key, option in (("group_size", "group_size"), ("shards", "ps_shards"), ("max_staleness", "max_staleness"),
                         ("staleness_lr", "staleness_lr"), ("generator", "generator"), ("overlap", "overlap"),
                         ("max_in_flight", "max_in_flight"), ("when_busy", "when_busy")):
-        if stats.get(key) is not None:
+        if stats.get(key) is not None and option in declared:
             options[option] = stats[key]
     # An emulated run's nominal compute is its setting (--compute-ms), not something fitted: a benchmark
     # at another compute time is predicted at its own.
-    nominal_s = float(record.compute_ms) / 1e3 if record.compute_mode == "emulated" and record.compute_ms else None
-    return SimConfig(
+    nominal_ms = float(record.compute_ms) if record.compute_mode == "emulated" and record.compute_ms else None
+    return SimConfig.of(
         algorithm=record.label, scenario=str(record.scenario), nproc=int(record.nproc or 1), nodes=1,
         steps=int(record.steps or 1), batch_size=int(record.batch_size or 32), model=str(record.model),
         data=str(record.data or "digits"), seed=int(record.seed or 0),
-        warmup_steps=int(record.warmup_steps or 0), cluster=cluster, options=options, compute_s=nominal_s,
+        warmup_steps=int(record.warmup_steps or 0), cluster=cluster, options=options, compute_ms=nominal_ms,
     )
 
 

@@ -44,16 +44,13 @@ if TYPE_CHECKING:
     from prague.simulate.run import SimConfig
 
 from prague.errors import ConfigError
-from prague.net.hosts import DEFAULT_LINK_RATE
 from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
 from prague.train.config import (
     RunConfig, add_run_arguments, check_options_apply, check_out_folder, config_from_args, hosts_nodes, option_values,
     run_folder,
 )
-from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 
 DEFAULT_ALGORITHMS = "allreduce,prague:smart"
-DEFAULT_STEPS = 200
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -156,33 +153,15 @@ def cluster_to_toml(cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def _steps(run: RunConfig) -> int:
-    if run.steps is not None:
-        return run.steps
-    if run.epochs is None:
-        return DEFAULT_STEPS
-    per_epoch = steps_per_epoch(dataset_info(run.data).train_samples, run.nproc, run.batch_size)
-    return epoch_steps(run.epochs, per_epoch)
-
-
 def sim_config(run: RunConfig, *, cluster: Cluster, math_mode: str, nodes: int) -> SimConfig:
-    """The simulated twin of one run's settings. ``run.out`` is the simulation's output folder: with
-    ``--log-decisions`` the run's decisions go to ``OUT/runs/<method>_<scenario>/decisions/``, where
-    ``prague bench`` puts a real run's."""
+    """The simulated twin of one run: its job description on ``cluster``. ``run.out`` is the simulation's
+    output folder: with ``--log-decisions`` the run's decisions go to
+    ``OUT/runs/<method>_<scenario>/decisions/``, where ``prague bench`` puts a real run's."""
     from prague.metrics.decisions import DECISIONS_DIR
     from prague.simulate.run import SimConfig
 
-    if math_mode == "real":
-        run.check_data_source()
-    options = {k: v for k, v in run.options.items() if k != "nodes"}
     decisions = run_folder(run.out, run.algorithm, run.scenario) / DECISIONS_DIR if run.log_decisions else None
-    link_rate = None if run.hosts is None else run.link_rate or DEFAULT_LINK_RATE
-    return SimConfig(algorithm=run.algorithm, scenario=run.scenario, nproc=run.nproc, nodes=nodes, steps=_steps(run),
-                     batch_size=run.batch_size, model=run.model, data=run.data, data_dir=run.data_dir, seed=run.seed,
-                     warmup_steps=run.warmup_steps, cluster=cluster, options=options, math=math_mode, lr=run.lr,
-                     momentum=run.momentum, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
-                     decisions=decisions, link_rate=link_rate, cross_traffic=run.cross_traffic,
-                     budget=run.budget)
+    return SimConfig(run, cluster=cluster, nodes=nodes, math=math_mode, decisions=decisions)
 
 
 def _line(r: RunRecord) -> str:

@@ -11,27 +11,29 @@ pair, then :func:`prague.metrics.report.write_bench`, so the files are the same 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from prague.algorithms.registry import parse_method
+from prague.algorithms.spec import Method
 from prague.errors import ConfigError, unknown_choice
 from prague.groups.api import Topology
 from prague.hetero.spec import parse_scenario
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import warmup_steps
-from prague.net.hosts import parse_rate
+from prague.net.hosts import DEFAULT_LINK_RATE, parse_rate
 from prague.net.traffic import CrossTraffic, parse_cross_traffic
 from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
 from prague.sim.world import World
+from prague.train.config import RunConfig
 from prague.workload.budget import EqualShares, parse_budget
-from prague.workload.catalog import dataset_info
+from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 
 
 def model_size(model: str, data: str) -> tuple[int, int]:
@@ -56,137 +58,150 @@ def _model_facts(model: str, data: str) -> tuple[int, int, tuple[int, ...]]:
     return parameter_count(module), 4 * state_elements(module), gradients
 
 
+#: The steps per worker of a simulation given neither --steps, --epochs nor --budget.
+DEFAULT_STEPS = 200
+
+#: The fields of :class:`SimConfig` besides its run, for :meth:`SimConfig.of`.
+_SIM_FIELDS = ("cluster", "nodes", "math", "trace", "decisions")
+
+
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated run: what ``prague simulate`` reads from its flags for one (method, scenario).
+    """One simulated run: a run's job description (:class:`~prague.train.config.RunConfig`, the one
+    ``prague run`` resolves and its workers read) plus the cluster it is simulated on.
 
-    ``algorithm`` may carry a variant (``prague:smart``); ``options`` holds method options by their
-    runtime names (``group_size``, ``window_ms``...). ``nodes`` splits ``nproc`` workers into equal
-    nodes. ``compute_s`` overrides the cluster's nominal compute time when given. ``trace`` records
-    every Group Generator call (tests). ``decisions``: a folder to write every simulated worker's
-    decision log to (``rankR.jsonl``) and the services' traces, as a real run with ``--log-decisions``
-    does (:mod:`prague.metrics.decisions`). Emulated hosts (``prague simulate --hosts H``, with ``nodes``
-    = H): ``link_rate`` (``--link-rate``, like ``1gbit``) replaces the cluster's inter-node bandwidth,
-    and ``cross_traffic`` (``--cross-traffic bursts:P:MB``) loads every node's link with the runtime's
-    seeded bursts (:mod:`prague.sim.traffic`, seeded by ``seed``).
+    ``nodes`` splits ``run.nproc`` workers into equal nodes (``--hosts`` when given: then they must be
+    equal); ``run.compute_ms``, when given, replaces the cluster's nominal compute time. ``math``:
+    ``none`` times the run, ``real`` also trains the model. ``trace`` records every Group Generator call
+    (tests). ``decisions``: a folder to write every simulated worker's decision log to (``rankR.jsonl``)
+    and the services' traces, as a real run with ``--log-decisions`` does
+    (:mod:`prague.metrics.decisions`). Emulated hosts (``run.hosts``): ``run.link_rate`` (default
+    ``1gbit``) replaces the cluster's inter-node bandwidth, and ``run.cross_traffic`` loads every node's
+    link with the runtime's seeded bursts (:mod:`prague.sim.traffic`, seeded by ``run.seed``).
     """
 
-    algorithm: str = "allreduce"
-    scenario: str = "homogeneous"
-    nproc: int = 16
-    nodes: int = 1
-    steps: int = 200
-    batch_size: int = 32
-    model: str = "resnet18"
-    data: str = "digits"
-    data_dir: Path | None = None
-    seed: int = 0
-    warmup_steps: int | None = None
+    run: RunConfig
     cluster: Cluster = PAPER
-    compute_s: float | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    nodes: int = 1
     math: str = "none"
-    lr: float = 0.05
-    momentum: float = 0.9
-    eval_every_s: float | None = None
-    target_accuracy: float | None = None
     trace: bool = False
     decisions: Path | None = None
-    link_rate: str | None = None
-    cross_traffic: str | None = None
-    budget: str | None = None
+
+    @classmethod
+    def of(cls, **settings: Any) -> SimConfig:
+        """A simulation from flat settings: :class:`SimConfig`'s own fields, every other name a field of
+        the run (``algorithm``, ``nproc``, ``steps``, ``options``...)."""
+        sim = {k: settings.pop(k) for k in _SIM_FIELDS if k in settings}
+        return cls(RunConfig(**settings), **sim)
 
     def __post_init__(self) -> None:
-        method, variant = parse_method(self.algorithm)
-        method.check_job(method.make_options(self.options, variant), self.nproc)
-        if self.budget is not None:
-            kind = parse_budget(self.budget).kind
-            if kind == "seconds":
-                raise ConfigError(f"--budget {self.budget} is not modelled by the simulator; give epochs:E or "
-                                  "samples:N (a time budget stops lockstep methods by agreement, which it does "
-                                  "not model)")
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
-        if self.nodes < 1 or self.nproc % self.nodes:
-            raise ConfigError(f"--nproc {self.nproc} is not a multiple of --nodes {self.nodes}; "
-                              f"use a divisor of {self.nproc}")
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        run = self.run
+        if run.budget is not None and parse_budget(run.budget).kind == "seconds":
+            raise ConfigError(f"--budget {run.budget} is not modelled by the simulator; give epochs:E or "
+                              "samples:N (a time budget stops lockstep methods by agreement, which it does "
+                              "not model)")
+        if self.nodes < 1 or run.nproc % self.nodes:
+            raise ConfigError(f"--nproc {run.nproc} is not a multiple of --nodes {self.nodes}; "
+                              f"use a divisor of {run.nproc}")
+        if run.hosts is not None and run.hosts != self.nodes:
+            raise ConfigError(f"--nodes {self.nodes} differs from --hosts {run.hosts}; with emulated hosts the nodes "
+                              "are the hosts: drop --nodes")
         if self.math not in MATH_MODES:
             raise unknown_choice("math mode", self.math, MATH_MODES)
-        if self.compute_s is not None and not self.compute_s >= 0:
-            raise ConfigError(f"--compute-ms must be >= 0, got {self.compute_s * 1e3}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.link_rate is not None:
-            parse_rate(self.link_rate)
-        if self.cross_traffic is not None:
-            parse_cross_traffic(self.cross_traffic)
-        scenario = parse_scenario(self.scenario)
-        scenario.check_world(self.nproc)
-        if scenario.faults:
-            raise ConfigError(f"scenario {self.scenario!r} crashes or freezes a worker; the simulator models slowdowns "
+        if self.math == "real":
+            run.check_data_source()
+        if parse_scenario(run.scenario).faults:
+            raise ConfigError(f"scenario {run.scenario!r} crashes or freezes a worker; the simulator models slowdowns "
                               "only (homogeneous, paper:X, straggler:RANK:X): drop the crash and hang terms")
+        self.method.check_job(self.options, run.nproc)
+
+    @property
+    def method(self) -> Method:
+        return self.run.method
+
+    @property
+    def options(self) -> Any:
+        """The method's options as the simulation runs them: the run's, seeds resolved, on ``nodes`` nodes
+        (a method with a ``nodes`` option follows the simulated topology)."""
+        options = self.run.seeded_options
+        if any(o.name == "nodes" for o in self.method.option_infos):
+            options = dataclasses.replace(options, nodes=self.nodes)
+        return options
+
+    @property
+    def steps(self) -> int:
+        """Each worker's steps: ``--steps``, ``--epochs`` passes over its shard, else DEFAULT_STEPS (under a
+        job-wide budget, :meth:`shares` decides)."""
+        run = self.run
+        if run.steps is not None:
+            return run.steps
+        if run.epochs is None:
+            return DEFAULT_STEPS
+        per_epoch = steps_per_epoch(dataset_info(run.data).train_samples, run.nproc, run.batch_size)
+        return epoch_steps(run.epochs, per_epoch)
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.nodes, self.nproc // self.nodes)
+        return Topology(self.nodes, self.run.nproc // self.nodes)
+
+    @property
+    def link_rate(self) -> str | None:
+        """The emulated hosts' link rate (``--link-rate``, default 1gbit), None without ``--hosts``."""
+        return None if self.run.hosts is None else self.run.link_rate or DEFAULT_LINK_RATE
 
     def shares(self, options: Any) -> tuple[str | None, int, int | None]:
         """(shares, steps, claimed) under the job-wide budget: ``equal`` with each worker's
         ``total // nproc`` steps for a method that needs every rank in every step, ``claimed`` with the
         budget's batches for the others (``steps``: the compute-time draws made at once, about one
         worker's share); without a budget (None, ``steps``, None)."""
-        if self.budget is None:
+        run = self.run
+        if run.budget is None:
             return None, self.steps, None
-        total = parse_budget(self.budget).total_batches(dataset_info(self.data).train_samples, self.batch_size)
+        total = parse_budget(run.budget).total_batches(dataset_info(run.data).train_samples, run.batch_size)
         assert total is not None  # epochs or samples: a time budget is refused above
         if options.equal_shares():
-            steps = EqualShares(0, self.nproc, total).steps
+            steps = EqualShares(0, run.nproc, total).steps
             assert steps is not None
             return "equal", steps, None
-        return "claimed", -(-total // self.nproc), total
+        return "claimed", -(-total // run.nproc), total
 
     @property
     def effective_cluster(self) -> Cluster:
-        """The cluster with ``compute_s`` and the emulated hosts' ``link_rate`` (inter-node bandwidth, bits
+        """The cluster with ``run.compute_ms`` and the emulated hosts' link rate (inter-node bandwidth, bits
         per second / 8) applied; the intra-node link stays the cluster's (a host's loopback)."""
         inter = None
         if self.link_rate is not None:
             inter = Link(self.cluster.inter.latency_s, parse_rate(self.link_rate) / 8.0)
-        return self.cluster.replace_fields(compute_s=self.compute_s, inter=inter)
+        compute_s = None if self.run.compute_ms is None else self.run.compute_ms / 1e3
+        return self.cluster.replace_fields(compute_s=compute_s, inter=inter)
 
     @property
     def traffic(self) -> CrossTraffic | None:
-        return None if self.cross_traffic is None else parse_cross_traffic(self.cross_traffic)
+        return None if self.run.cross_traffic is None else parse_cross_traffic(self.run.cross_traffic)
 
 
 def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tuple[World, Any]:
     """The world and the method object of ``config``, ready to :meth:`~prague.sim.method.SimMethod.start`;
     the caller closes the world (:meth:`~prague.sim.world.World.close`) if it logs decisions."""
-    method, variant = parse_method(config.algorithm)
-    options = method.make_options({**config.options, "nodes": config.nodes}, variant, seed=config.seed)
+    run, options = config.run, config.options
     cluster = config.effective_cluster
-    _, state_bytes = model_size(config.model, config.data)
+    _, state_bytes = model_size(run.model, run.data)
     shares, steps, claimed = config.shares(options)
-    math = make_math(config.math, config.nproc, steps, MathConfig(
-        model=config.model, data=config.data, data_dir=config.data_dir, batch_size=config.batch_size, lr=config.lr,
-        momentum=config.momentum, seed=config.seed, eval_every_s=config.eval_every_s,
-        target_accuracy=config.target_accuracy,
+    math = make_math(config.math, run.nproc, steps, MathConfig(
+        model=run.model, data=run.data, data_dir=run.data_dir, batch_size=run.batch_size, lr=run.lr,
+        momentum=run.momentum, seed=run.seed, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
     ))
     world = World(cluster=cluster, topology=config.topology,
-                  scenario=parse_scenario(config.scenario, seed=config.seed), steps=steps,
-                  state_bytes=state_bytes, seed=config.seed, math=math, trace=trace, decisions=config.decisions,
-                  cross_traffic=config.traffic, gradient_bytes=gradient_sizes(config.model, config.data),
+                  scenario=parse_scenario(run.scenario, seed=run.seed), steps=steps,
+                  state_bytes=state_bytes, seed=run.seed, math=math, trace=trace, decisions=config.decisions,
+                  cross_traffic=config.traffic, gradient_bytes=gradient_sizes(run.model, run.data),
                   claimed=claimed)
     if shares == "equal":  # rank r's k-th batch is r + k n, as the runtime's EqualShares
-        math.use_global_batches(lambda w, k: w + k * config.nproc)
+        math.use_global_batches(lambda w, k: w + k * run.nproc)
     elif shares == "claimed":
         math.use_global_batches(lambda w, k: world.batch_index[w][k])
     try:
-        return world, method.sim_class()(world, options)
+        return world, config.method.sim_class()(world, options)
     except BaseException:
         world.close()
         raise
@@ -215,17 +230,18 @@ def simulate(config: SimConfig) -> RunRecord:
 
 def _record(config: SimConfig, world: World, method: Any, run_s: float,
             trace: list[tuple[Any, ...]] | None) -> RunRecord:
+    run = config.run
     ran = max((len(ends) for ends in world.end_s), default=0)  # under a budget: the most any worker ran
-    warmup = warmup_steps(ran, config.warmup_steps)
-    parameters, state_bytes = model_size(config.model, config.data)
+    warmup = warmup_steps(ran, run.warmup_steps)
+    parameters, state_bytes = model_size(run.model, run.data)
     results = world.math.results()
     cluster = world.cluster
-    worker_samples = [len(ends) * config.batch_size for ends in world.end_s]
-    spec, _ = parse_method(config.algorithm)
+    worker_samples = [len(ends) * run.batch_size for ends in world.end_s]
+    spec = config.method
     stats = method.stats()
     sim: dict[str, Any] = {
         "nodes": config.nodes,
-        "workers_per_node": config.nproc // config.nodes,
+        "workers_per_node": run.nproc // config.nodes,
         "state_bytes": state_bytes,
         "cluster": cluster.describe(),
         "math": config.math,
@@ -239,17 +255,17 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
     if trace is not None:
         sim["trace"] = trace
     return RunRecord.from_timings(
-        world.timings(), batch_size=config.batch_size, warmup=warmup,
-        algorithm=spec.name, variant=spec.variant_of(method.options), nproc=config.nproc,
+        world.timings(), batch_size=run.batch_size, warmup=warmup,
+        algorithm=spec.name, variant=spec.variant_of(method.options), nproc=run.nproc,
         compute_mode="real" if world.math.enabled else "emulated", compute_ms=cluster.compute_s * 1e3,
-        scenario=world.scenario.text, model=config.model, parameters=parameters, data=config.data,
-        steps=ran, seed=config.seed, backend="sim",
-        budget=None if config.budget is None else parse_budget(config.budget).text,
+        scenario=world.scenario.text, model=run.model, parameters=parameters, data=run.data,
+        steps=ran, seed=run.seed, backend="sim",
+        budget=None if run.budget is None else parse_budget(run.budget).text,
         shares=config.shares(method.options)[0],
         wall_s=max((e[-1] for e in world.end_s if e), default=0.0),
         job_s=max((e[-1] for e in world.end_s if e), default=0.0),  # the clock starts at 0 for every worker
         samples=sum(worker_samples), worker_samples=worker_samples,
-        test_accuracy=results["test_accuracy"], target_accuracy=config.target_accuracy,
+        test_accuracy=results["test_accuracy"], target_accuracy=run.target_accuracy,
         time_to_target_s=results["time_to_target_s"], eval_history=results["eval_history"],
         consensus_distance=results["consensus_distance"], algorithm_stats=[stats], simulated=True, sim=sim,
     )

@@ -25,8 +25,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from prague.algorithms.spec import check_nproc, check_seconds
+from prague.algorithms.spec import Method, check_nproc, check_seconds
 from prague.errors import ConfigError, unknown_choice
+from prague.hetero.spec import parse_scenario
 from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
 from prague.train.divergence import DEFAULT_FACTOR, DEFAULT_WINDOW, REFERENCE_STEPS, check_rule
@@ -44,19 +45,26 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run of one method: what ``prague run`` and ``prague worker`` read from their flags.
+    """One run of one method, resolved once: the job description every worker reads.
 
     The first five fields are given per command (``--algorithm``/``--algorithms``, ``--slowdown``/
     ``--scenarios``, ``--nproc``, ``--out``, the method's options); every field after them is a flag
     (see the module docstring). ``algorithm`` may carry a variant (``prague:smart``). ``steps`` is per
     worker; when it is None the run lasts ``epochs`` (default 1) passes over each worker's shard.
+
+    ``options`` may be given as option values by name (or None: every default); once built it is the
+    method's typed options (its :class:`~prague.algorithms.spec.Options` dataclass), checked against the
+    job, and ``method`` is the method's description. Its seed options stay as given (0: the run's
+    ``seed``, so a bench's ``--repeat`` replaces one field); :attr:`seeded_options` resolves them. ``prague run`` writes the description to ``OUT/run.json`` (:func:`write_job`); its
+    workers, a guard's child under torchrun and ``prague run --resume`` read it back (:func:`read_job`).
     """
 
     algorithm: str = "allreduce"
     scenario: str = "homogeneous"
     nproc: int = 1
     out: Path = Path("runs/latest")
-    options: dict[str, Any] = field(default_factory=dict)
+    options: Any = None
+    method: Method = field(init=False, repr=False, compare=False)
 
     epochs: float | None = setting(None, "passes over each worker's shard (default 1)", exclusive="length")
     steps: int | None = setting(None, "iterations per worker", exclusive="length")
@@ -120,6 +128,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_nproc(self.nproc)
+        check_seed(self.seed)
+        self._resolve_method()
+        parse_scenario(self.scenario).check_world(self.nproc)
         check_seconds("--lease-s", self.lease_s)
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
@@ -156,7 +167,6 @@ class RunConfig:
                               "--target-accuracy and drop --compute emulated, or drop --stop-at-target")
         if self.eval_every_s is not None and not 0 < self.eval_every_s <= 1e6:
             raise ConfigError(f"--eval-every-s must be a number of seconds in (0, 1e6], got {self.eval_every_s}")
-        check_seed(self.seed)
         check_out_folder(Path(self.out))
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {str(self.data_dir)!r} is not a directory; pass the folder holding the data files")
@@ -181,6 +191,42 @@ class RunConfig:
             raise ConfigError(f"{flag} acts on the links of emulated hosts; give --hosts H too, or drop it")
         if self.cross_traffic is not None:
             parse_cross_traffic(self.cross_traffic)
+
+    def _resolve_method(self) -> None:
+        """Set ``method`` from ``algorithm`` and make ``options`` the method's typed, checked options."""
+        from prague.algorithms.registry import parse_method
+
+        method, variant = parse_method(self.algorithm)
+        options = self.options
+        if isinstance(options, method.options):
+            if variant is not None and method.variant_of(options) != variant:
+                raise ConfigError(f"--algorithm {self.algorithm} and the options' {method.variant_option} "
+                                  f"{method.variant_of(options)!r} disagree; give one of them")
+        elif options is None or isinstance(options, Mapping):
+            values = dict(options or {})
+            unknown = sorted(set(values) - {o.name for o in method.option_infos})
+            if unknown:
+                flags = ", ".join("--" + n.replace("_", "-") for n in unknown)
+                raise ConfigError(f"{flags} is not an option of {method.name}; drop it (`prague methods` lists "
+                                  "each method's options)")
+            options = method.make_options(values, variant)
+        else:
+            raise ConfigError(f"the options of {method.name} must be its {method.options.__name__} or option "
+                              f"values by name, got {type(options).__name__}")
+        method.check_job(options, self.nproc)
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "options", options)
+
+    @property
+    def seeded_options(self) -> Any:
+        """The options the method runs with: seed options left at 0 set to ``seed``."""
+        return self.method.seeded(self.options, self.seed)
+
+    @property
+    def label(self) -> str:
+        """``NAME`` or ``NAME:VARIANT``, from the resolved options (``prague --generator smart`` is
+        ``prague:smart``)."""
+        return self.method.label(self.options)
 
     @property
     def link_bits(self) -> int:
@@ -293,19 +339,17 @@ def option_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace, *, algorithm: str, scenario: str, nproc: int,
                      out: Path) -> RunConfig:
-    """Build and validate a RunConfig from parsed flags (the method and its options included)."""
-    from prague.algorithms.registry import parse_method, resolve_options
-    from prague.hetero.spec import parse_scenario
+    """Build and validate a RunConfig from parsed flags: the method resolved, the options it declares
+    typed (those given for other methods of a bench left out) and checked against the job."""
+    from prague.algorithms.registry import parse_method
 
+    method = parse_method(algorithm)[0]
     values = option_values(args)
     hosts = getattr(args, "hosts", None)
     if hosts is not None:  # --nodes follows --hosts
-        values = follow_hosts(parse_method(algorithm)[0], values, hosts)
-    method, method_options = resolve_options(algorithm, values)  # the name, the variant, the options
-    method.check_job(method_options, nproc)  # and that they fit the job, before any process starts
+        values = follow_hosts(method, values, hosts)
     declared = {o.name for o in method.option_infos}
     options = {k: v for k, v in values.items() if k in declared}
-    parse_scenario(scenario).check_world(nproc)
     flags = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name, None) is not None}
     return RunConfig(algorithm=algorithm, scenario=scenario, nproc=nproc, out=out, options=options, **flags)
 
@@ -352,41 +396,88 @@ def run_folder(out: Path, algorithm: str, scenario: str) -> Path:
 RUN_FILE = "run.json"
 
 
-def save_config(cfg: RunConfig) -> None:
-    """Write ``cfg`` to ``OUT/run.json`` (atomically), so ``prague run --resume OUT`` can continue it."""
+def job_file(out: Path) -> Path:
+    """Where a run's job description lives: ``OUT/run.json``."""
+    return Path(out) / RUN_FILE
+
+
+def write_job(cfg: RunConfig, path: Path | None = None) -> Path:
+    """Write the job description ``cfg`` (every setting, the method's typed options in full) to ``path``
+    (default ``OUT/run.json``), atomically; return the path. Workers and ``prague run --resume`` read it
+    back with :func:`read_job`."""
     from prague.io import atomic_write_json
 
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "resume"}
-    atomic_write_json(Path(cfg.out) / RUN_FILE,
-                      {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.init and f.name != "resume"}
+    fields["options"] = dataclasses.asdict(cfg.options)
+    path = job_file(cfg.out) if path is None else Path(path)
+    atomic_write_json(path, {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+    return path
 
 
-def load_config(out: Path) -> RunConfig:
-    """The configuration :func:`save_config` wrote in ``out``, to be resumed; ConfigError naming the
-    file when it is missing or not one."""
+def read_job(path: Path, *, flag: str = "--job", out: Path | None = None, resume: bool = False) -> RunConfig:
+    """The job description :func:`write_job` wrote at ``path``, validated as when it was built;
+    ConfigError naming ``flag`` and the file when it is missing or not one. ``out`` replaces the saved
+    output folder (a resumed run's folder may have moved)."""
     import json
 
-    path = Path(out) / RUN_FILE
+    path = Path(path)
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--resume {str(out)!r}: no {RUN_FILE} there; pass the --out folder of a "
-                          "`prague run` that wrote checkpoints") from None
+        raise ConfigError(f"{flag}: no job description at {str(path)!r}; pass the {RUN_FILE} of a "
+                          "`prague run` (in its --out folder)") from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume: cannot read {str(path)!r}: {exc}") from None
-    known = {f.name for f in dataclasses.fields(RunConfig)} - {"resume"}
+        raise ConfigError(f"{flag}: cannot read {str(path)!r}: {exc}") from None
+    known = {f.name for f in dataclasses.fields(RunConfig) if f.init} - {"resume"}
     if not isinstance(saved, dict) or not set(saved) <= known:
-        raise ConfigError(f"--resume: {str(path)!r} is not a run configuration written by this version of prague")
+        raise ConfigError(f"{flag}: {str(path)!r} is not a job description written by this version of prague; "
+                          "start a new run instead")
     hints = typing.get_type_hints(RunConfig)
-    fields: dict[str, Any] = {name: _from_json(name, value, hints[name], path) for name, value in saved.items()}
-    fields["out"] = Path(out)
+    fields: dict[str, Any] = {name: _from_json(name, value, hints[name], path, flag)
+                              for name, value in saved.items() if name != "options"}
+    fields["options"] = _options_from_json(saved.get("algorithm", "allreduce"), saved.get("options"), path, flag)
+    if out is not None:
+        fields["out"] = Path(out)
     try:
-        return RunConfig(**fields, resume=True)
+        return RunConfig(**fields, resume=resume)
     except ConfigError as exc:
-        raise ConfigError(f"--resume: {str(path)!r} does not hold a valid run configuration: {exc}") from None
+        raise ConfigError(f"{flag}: {str(path)!r} does not hold a valid job description: {exc}") from None
 
 
-def _from_json(name: str, value: object, hint: Any, path: Path) -> Any:
+def _options_from_json(algorithm: object, value: object, path: Path, flag: str) -> dict[str, Any] | None:
+    """A saved job's method options, each of its declared type (an int where a float is declared);
+    ConfigError naming the file otherwise. Unknown names are refused when the job is built."""
+    from prague.algorithms.registry import parse_method
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(algorithm, str):
+        raise ConfigError(f"{flag}: {str(path)!r} holds options = {value!r}, not option values by name; it was not "
+                          "written by `prague run`, start a new run instead")
+    try:
+        infos = {o.name: o for o in parse_method(algorithm)[0].option_infos}
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {str(path)!r}: {exc}") from None
+    out = {}
+    for name, v in value.items():
+        info = infos.get(name)
+        if info is not None and v is not None:
+            ok = isinstance(v, bool) if info.type is bool else (
+                isinstance(v, info.type) or (info.type is float and isinstance(v, int))) and not isinstance(v, bool)
+            if not ok:
+                raise ConfigError(f"{flag}: {str(path)!r} holds option {name} = {v!r}, not a {info.type.__name__}; "
+                                  "it was not written by `prague run`, start a new run instead")
+            v = float(v) if info.type is float else v
+        out[name] = v
+    return out
+
+
+def load_config(out: Path) -> RunConfig:
+    """The job ``prague run --resume OUT`` continues: ``OUT/run.json``, its folder ``out``."""
+    return read_job(job_file(out), flag="--resume", out=Path(out), resume=True)
+
+
+def _from_json(name: str, value: object, hint: Any, path: Path, flag: str) -> Any:
     """Field ``name`` of a saved configuration as its annotated type (a path from its string); ConfigError
     naming the file if ``value`` is not one."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
@@ -400,27 +491,14 @@ def _from_json(name: str, value: object, hint: Any, path: Path) -> Any:
         ok = isinstance(value, (int, float))
     elif kind is Path:
         ok = isinstance(value, str)
-    elif kind is dict:
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
     else:
         ok = isinstance(value, kind)
     if not ok:
-        raise ConfigError(f"--resume: {str(path)!r} holds {name} = {value!r}, not a {kind.__name__}; it was not "
+        raise ConfigError(f"{flag}: {str(path)!r} holds {name} = {value!r}, not a {kind.__name__}; it was not "
                           "written by `prague run`, start a new run instead")
     return Path(value) if kind is Path else value  # type: ignore[arg-type]
 
 
-def worker_argv(cfg: RunConfig) -> list[str]:
-    """The ``prague worker`` command line that reproduces ``cfg`` in a worker process."""
-    argv = [sys.executable, "-m", "prague", "worker", "--algorithm", cfg.algorithm, "--slowdown", cfg.scenario,
-            "--out", str(cfg.out)]
-    for f in flag_fields():
-        value = getattr(cfg, f.name)
-        if value is None or value is False:
-            continue
-        argv += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
-    for name, value in cfg.options.items():
-        argv += [_flag(name), str(value)]
-    if cfg.resume:
-        argv.append("--resume")
-    return argv
+def worker_argv(job: Path, *, resume: bool = False) -> list[str]:
+    """The ``prague worker`` command line of a worker that reads the job description at ``job``."""
+    return [sys.executable, "-m", "prague", "worker", "--job", str(job), *(["--resume"] if resume else [])]

@@ -339,8 +339,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
                       continued=cfg.resume or restarts > 0)
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
-        trainer = DistributedTrainer(model, optimizer, cfg.algorithm, ctx=ctx, seed=cfg.seed, decisions=decisions,
-                                     stall_warn_s=cfg.stall_warn_s, hooks=harness, **cfg.options)
+        trainer = DistributedTrainer(model, optimizer, cfg.options, ctx=ctx, seed=cfg.seed, decisions=decisions,
+                                     stall_warn_s=cfg.stall_warn_s, hooks=harness)
         if resumed is not None:
             trainer.load_state_dict(resumed.trainer)
             harness.load_state_dict(resumed.trainer)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
-from prague.algorithms.registry import parse_method
+from prague.algorithms.registry import method_of, parse_method
 from prague.algorithms.spec import Method
 from prague.comm.flat import average_into, consensus_distance
 from prague.comm.streams import Streams, streams_for
@@ -106,17 +106,26 @@ class StepHooks:
         """After the method's gradient communication, before the optimizer's update."""
 
 
-def make_algorithm(ctx: DistContext, algorithm: str, seed: int | None,
+def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
                    options: dict[str, Any]) -> tuple[Method, str | None, Algorithm]:
-    """The method named ``algorithm`` (``NAME`` or ``NAME:VARIANT``) with ``options`` (keyword names of
-    its options; ConfigError naming the valid ones otherwise), checked against the job: (its
-    description, its variant, its runtime object, not yet set up)."""
-    method, variant = parse_method(algorithm)
-    unknown = sorted(set(options) - {o.name for o in method.option_infos})
-    if unknown:
-        valid = ", ".join(o.name for o in method.option_infos) or "none"
-        raise ConfigError(f"method {method.name!r} has no option(s) {unknown}; its options: {valid}")
-    method_options = method.make_options(options, variant, seed)
+    """The method ``algorithm`` names (``NAME`` or ``NAME:VARIANT``, with ``options``: keyword names of its
+    options, ConfigError naming the valid ones otherwise), or whose typed options it is (a job
+    description's, :attr:`prague.train.config.RunConfig.options`; then ``options`` must be empty), with
+    seed options left at 0 set to ``seed``, checked against the job: (its description, its variant, its
+    runtime object, not yet set up)."""
+    if isinstance(algorithm, str):
+        method, variant = parse_method(algorithm)
+        unknown = sorted(set(options) - {o.name for o in method.option_infos})
+        if unknown:
+            valid = ", ".join(o.name for o in method.option_infos) or "none"
+            raise ConfigError(f"method {method.name!r} has no option(s) {unknown}; its options: {valid}")
+        method_options = method.make_options(options, variant, seed)
+    else:
+        method = method_of(algorithm)
+        if options:
+            raise ConfigError(f"options {sorted(options)} given beside {type(algorithm).__name__}; set them in it "
+                              "(dataclasses.replace) or name the method as a string")
+        method_options = algorithm if seed is None else method.seeded(algorithm, seed)
     method.check_job(method_options, ctx.world_size)
     if ctx.world_size > 1:
         publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard or prague launch
@@ -153,7 +162,7 @@ class DistributedTrainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        algorithm: str = "allreduce",
+        algorithm: Any = "allreduce",
         *,
         ctx: DistContext | None = None,
         seed: int | None = None,
