@@ -66,8 +66,8 @@ def test_the_written_job_reads_back_equal(algorithm: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"options": {"group_size": "3"}}, "group_size = '3', not a int"),
-    ({"options": {"group_size": True}}, "not a int"),
+    ({"options": {"group_size": "3"}}, "group_size = '3' is not a int"),
+    ({"options": {"group_size": True}}, "is not a int"),
     ({"options": {"colour": 1}}, "--colour is not an option"),
     ({"colour": "blue"}, "not a job description"),
     ({"nproc": "4"}, "not a int"),

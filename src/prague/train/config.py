@@ -203,13 +203,7 @@ class RunConfig:
                 raise ConfigError(f"--algorithm {self.algorithm} and the options' {method.variant_option} "
                                   f"{method.variant_of(options)!r} disagree; give one of them")
         elif options is None or isinstance(options, Mapping):
-            values = dict(options or {})
-            unknown = sorted(set(values) - {o.name for o in method.option_infos})
-            if unknown:
-                flags = ", ".join("--" + n.replace("_", "-") for n in unknown)
-                raise ConfigError(f"{flags} is not an option of {method.name}; drop it (`prague methods` lists "
-                                  "each method's options)")
-            options = method.make_options(values, variant)
+            options = method.make_options(_typed_values(method, dict(options or {})), variant)
         else:
             raise ConfigError(f"the options of {method.name} must be its {method.options.__name__} or option "
                               f"values by name, got {type(options).__name__}")
@@ -435,7 +429,11 @@ def read_job(path: Path, *, flag: str = "--job", out: Path | None = None, resume
     hints = typing.get_type_hints(RunConfig)
     fields: dict[str, Any] = {name: _from_json(name, value, hints[name], path, flag)
                               for name, value in saved.items() if name != "options"}
-    fields["options"] = _options_from_json(saved.get("algorithm", "allreduce"), saved.get("options"), path, flag)
+    options = saved.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"{flag}: {str(path)!r} holds options = {options!r}, not option values by name; it was "
+                          "not written by `prague run`, start a new run instead")
+    fields["options"] = options
     if out is not None:
         fields["out"] = Path(out)
     try:
@@ -444,31 +442,23 @@ def read_job(path: Path, *, flag: str = "--job", out: Path | None = None, resume
         raise ConfigError(f"{flag}: {str(path)!r} does not hold a valid job description: {exc}") from None
 
 
-def _options_from_json(algorithm: object, value: object, path: Path, flag: str) -> dict[str, Any] | None:
-    """A saved job's method options, each of its declared type (an int where a float is declared);
-    ConfigError naming the file otherwise. Unknown names are refused when the job is built."""
-    from prague.algorithms.registry import parse_method
-
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(algorithm, str):
-        raise ConfigError(f"{flag}: {str(path)!r} holds options = {value!r}, not option values by name; it was not "
-                          "written by `prague run`, start a new run instead")
-    try:
-        infos = {o.name: o for o in parse_method(algorithm)[0].option_infos}
-    except ConfigError as exc:
-        raise ConfigError(f"{flag}: {str(path)!r}: {exc}") from None
-    out = {}
-    for name, v in value.items():
-        info = infos.get(name)
-        if info is not None and v is not None:
-            ok = isinstance(v, bool) if info.type is bool else (
-                isinstance(v, info.type) or (info.type is float and isinstance(v, int))) and not isinstance(v, bool)
-            if not ok:
-                raise ConfigError(f"{flag}: {str(path)!r} holds option {name} = {v!r}, not a {info.type.__name__}; "
-                                  "it was not written by `prague run`, start a new run instead")
-            v = float(v) if info.type is float else v
-        out[name] = v
+def _typed_values(method: Method, values: dict[str, Any]) -> dict[str, Any]:
+    """Option values by name for ``method``, each of its declared type (an int where a float is declared
+    becomes one); ConfigError naming an unknown option or a value of the wrong type."""
+    infos = {o.name: o for o in method.option_infos}
+    unknown = sorted(set(values) - set(infos))
+    if unknown:
+        flags = ", ".join("--" + n.replace("_", "-") for n in unknown)
+        raise ConfigError(f"{flags} is not an option of {method.name}; drop it (`prague methods` lists each "
+                          "method's options)")
+    out: dict[str, Any] = {}
+    for name, v in values.items():
+        kind = infos[name].type
+        ok = v is None or (isinstance(v, bool) == (kind is bool)
+                           and (isinstance(v, kind) or (kind is float and isinstance(v, int))))
+        if not ok:
+            raise ConfigError(f"option {name} = {v!r} is not a {kind.__name__} (--{name.replace('_', '-')})")
+        out[name] = float(v) if kind is float and v is not None else v
     return out
 
 
