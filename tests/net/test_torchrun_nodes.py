@@ -7,16 +7,12 @@ the reason, without it."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from prague.net.hosts import INNER_IF, EmulatedHosts, missing_privileges, parse_rate
+from prague.net.hosts import EmulatedHosts, missing_privileges, parse_rate
 
 pytestmark = pytest.mark.timeout(240)
 REASON = missing_privileges()
@@ -34,31 +30,9 @@ def machines() -> Iterator[EmulatedHosts]:
 
 def torchrun_nodes(net: EmulatedHosts, worker_args: Sequence[str], job: str, timeout_s: float = 150.0,
                    torchrun_args: Sequence[str] = ()) -> list[tuple[int | None, str]]:
-    """Start one torchrun per machine, the first hosting the rendezvous store at its own address (its
-    hostname is every namespace's, so torchrun is told, with ``is_host``, which one hosts it, and
-    ``--local-addr`` gives each machine's address to its workers); each runs ``prague worker
-    WORKER_ARGS``. Returns each machine's exit code and output; kills what is left at ``timeout_s``."""
-    procs = []
-    for node in range(NODES):
-        argv = ["ip", "netns", "exec", net.namespace(node), sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--node-rank", str(node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{RDZV_PORT}", "--rdzv-id", job,
-                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node), *torchrun_args,
-                "-m", "prague", "worker", *worker_args]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": INNER_IF, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True))
-    results: list[tuple[int | None, str]] = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        results.append((proc.returncode, out))
-    return results
+    """One torchrun per machine (:meth:`EmulatedHosts.torchrun`), each running ``prague worker WORKER_ARGS``."""
+    return net.torchrun(worker_args, per_host=PER_NODE, job=job, port=RDZV_PORT, timeout_s=timeout_s,
+                        torchrun_args=torchrun_args, env={"OMP_NUM_THREADS": "1"})
 
 
 @needs_netns

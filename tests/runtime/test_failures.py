@@ -19,7 +19,7 @@ import torch.distributed as dist
 from prague.algorithms.registry import METHODS
 from prague.groups import GeneratorConfig, Group, make_generator
 from prague.runtime.liveness import (
-    Failure, LeaseWatch, Membership, PeerFailed, declare_failure, mark_done, wait_settled,
+    Failure, Heartbeat, LeaseWatch, Membership, PeerFailed, declare_failure, mark_done, read_counters, wait_settled,
 )
 from prague_testing import run_cli, wait_gone
 
@@ -40,6 +40,23 @@ def test_lease_expires_once_per_stall_and_rearms_when_the_counter_moves() -> Non
     assert watch.observe({0: 4, 1: 2}, 11.5) == [0, 1]
     with pytest.raises(ValueError, match="lease_s"):
         LeaseWatch(0.0)
+
+
+def test_a_worker_that_left_has_no_lease_and_counts_on_if_it_joins_again() -> None:
+    """prague.shutdown stops the heartbeat and says so: the seconds its interpreter then takes to exit are
+    not a hang; a worker that joins again beats on from there."""
+    store = _store()
+    beat = Heartbeat(store.clone(), 1, interval_s=0.01)
+    time.sleep(0.1)
+    assert read_counters(store, [0, 1]).get(1, 0) > 0 and 0 not in read_counters(store, [0, 1])
+    beat.stop()
+    assert read_counters(store, [1]) == {}
+    again = Heartbeat(store.clone(), 1, interval_s=0.01)
+    try:
+        time.sleep(0.1)
+        assert read_counters(store, [1])[1] >= 0
+    finally:
+        again.stop()
 
 
 def test_first_declaration_wins_and_moves_the_epoch() -> None:

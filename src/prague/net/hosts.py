@@ -25,7 +25,11 @@ import ctypes
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prague.errors import ConfigError
@@ -235,6 +239,37 @@ class EmulatedHosts:
     def service_env(self) -> dict[str, str]:
         """What a service in the launcher's namespace needs: gloo bound to the bridge."""
         return {"GLOO_SOCKET_IFNAME": self.bridge}
+
+    def torchrun(self, worker_args: Sequence[str], *, per_host: int, job: str, port: int = 29431,
+                 timeout_s: float = 150.0, torchrun_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> list[tuple[int | None, str]]:
+        """Run one torchrun per host, as on separate machines (``--nnodes`` = the hosts, c10d rendezvous at
+        host 0's address; since every namespace has the same hostname, ``is_host`` tells torchrun which
+        host holds the store and ``--local-addr`` gives each its address), each running ``prague worker
+        WORKER_ARGS`` in ``per_host`` processes. Returns each host's exit code and output (stdout and
+        stderr); what is still running at ``timeout_s`` is killed (its code is then negative)."""
+        procs = []
+        for host in range(self.hosts):
+            argv = ["ip", "netns", "exec", self.namespace(host), sys.executable, "-m", "torch.distributed.run",
+                    "--nnodes", str(self.hosts), "--nproc-per-node", str(per_host), "--node-rank", str(host),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}", "--rdzv-id", job,
+                    "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", self.address(host), *torchrun_args,
+                    "-m", "prague", "worker", *worker_args]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          env={**os.environ, "GLOO_SOCKET_IFNAME": INNER_IF, **(env or {})},
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        results: list[tuple[int | None, str]] = []
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+            results.append((proc.returncode, out))
+        return results
 
     def __enter__(self) -> EmulatedHosts:
         return self.up()

@@ -28,6 +28,7 @@ import io
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import runpy
 import subprocess
@@ -89,14 +90,17 @@ def prestart(data: str | None = None) -> None:
 
 
 def stop() -> None:
-    """Stop this process's fork server, if it started one, and wait until it has exited (a later job
-    starts a new one). Uses ``multiprocessing``'s own stop, the one its tests use: it closes the pipe the
-    server watches and waits for the server's exit."""
+    """Stop this process's fork server, if it started one, and the resource tracker it shares with it,
+    and wait until both have exited (a later job starts new ones). Uses ``multiprocessing``'s own stops,
+    the ones its tests use: each closes the pipe its process watches and waits for its exit. The tracker
+    would otherwise exit only after this process, a moment the command's caller could see."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    stopping = getattr(server, "_stop", None)
-    if stopping is not None:
-        with _lock:
-            stopping()
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    with _lock:
+        for process in (server, tracker):  # the server holds the tracker's pipe too: it goes first
+            stopping = getattr(process, "_stop", None)
+            if stopping is not None:
+                stopping()
 
 
 class ForkedWorker:

@@ -33,6 +33,9 @@ from prague.errors import CommError
 
 HEARTBEAT_S = 0.5
 HB_KEY = "prague/live/hb/"
+#: A heartbeat counter's value once its worker has left the job (:meth:`Heartbeat.stop`); a number, so a
+#: worker that joins again counts on from it.
+LEFT = "-1"
 FAILED_KEY = "prague/live/failed/"
 DONE_KEY = "prague/live/done/"
 EPOCH_KEY = "prague/live/epoch"
@@ -282,8 +285,14 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
+        """Stop beating and say this worker left (``prague.shutdown``): its lease ends, so the seconds its
+        interpreter takes to exit (gloo's and gRPC's teardown) are never taken for a hang."""
         self._stop.set()
         self._thread.join(2 * self.interval_s + 1.0)
+        try:
+            self.store.set(self.key, LEFT)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+            pass
 
 
 class LeaseWatch:
@@ -342,5 +351,5 @@ def read_progress(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
 
 
 def read_counters(store: dist.Store, ranks: Iterable[int]) -> dict[int, int]:
-    """The heartbeat counters of ``ranks`` that have beaten at least once."""
-    return {rank: int(value) for rank, value in read_keys(store, HB_KEY, ranks).items()}
+    """The heartbeat counters of ``ranks`` that have beaten at least once and not left the job."""
+    return {rank: int(value) for rank, value in read_keys(store, HB_KEY, ranks).items() if value != LEFT.encode()}
