@@ -56,7 +56,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from prague.errors import EXIT_USAGE, CommError
-from prague.runtime.context import attempt_store
+from prague.runtime.context import ERROR_KEY, attempt_store
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, progress_steps, read_counters,
     read_keys,
@@ -69,8 +69,9 @@ ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for eve
 ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
 SURVIVES_KEY = "prague/guard/survives/"  # + rank: "1" if the method of that rank's child survives failures
 TICK_S = 0.2
-#: How long a guard whose child crashed, for a method that needs every rank, waits for another rank's
-#: declaration before it declares its own (and, quiet, for that rank's guard to end before its own).
+#: For a method that needs every rank: how long a guard whose child reported its error after another
+#: rank's child did waits for that rank's declaration before it declares its own (and, quiet, for that
+#: rank's guard to end before its own).
 ATTRIBUTION_S = 1.0
 
 
@@ -186,7 +187,7 @@ class Guard:
 
     def _declare(self, kind: str, detail: str) -> None:
         survives = self._survives()
-        if not survives and self._another_declared(ATTRIBUTION_S if kind == "crash" else 0.0):
+        if not survives and self._another_declared(ATTRIBUTION_S if self._another_failed_first() else 0.0):
             return  # the job is ending: this worker failed because another did, which is declared
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
         self.failure = Failure(self.rank, steps, kind, detail)
@@ -195,6 +196,21 @@ class Guard:
         else:
             announce_failure(self.store, self.failure, "the method needs every worker: torchrun stops the job, or "
                              "with --max-restarts starts it again from its last checkpoint", level="error")
+
+    def _another_failed_first(self) -> bool:
+        """Whether another rank's child reported an error (the report a worker leaves in the store before it
+        exits, :func:`prague.runtime.context.report_failure`) before this rank's did: then this child's
+        error is most likely that failure seen from here (a broken collective), and the other rank's guard
+        is the one to declare it. A child killed without a report (SIGKILL) reports at no time."""
+        reports = read_keys(self.store, ERROR_KEY, range(self.world_size))
+        times = {}
+        for rank, text in reports.items():
+            try:
+                times[rank] = float(json.loads(text)["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        own = times.pop(self.rank, float("inf"))
+        return any(t < own for t in times.values())
 
     def _another_declared(self, within_s: float) -> bool:
         """Whether another rank is declared failed, waiting up to ``within_s`` for it: a child that crashed
