@@ -144,8 +144,8 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
             services.append(_cross_traffic_service(cfg, network))
         if cfg.stop_at_target:
             services.append(_evaluator_service(cfg))
-        spec = LaunchSpec(argv=worker_argv(job_file(out), resume=cfg.resume), nproc=cfg.nproc, log_dir=out / "logs", services=services,
-                          env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
+        spec = LaunchSpec(argv=worker_argv(job_file(out), resume=cfg.resume), nproc=cfg.nproc, log_dir=out / "logs",
+                          services=services, env=resources.env, survivable=survivable, lease_s=cfg.lease_s,
                           services_file=out / "services.json" if services else None,
                           **(_network_launch(network, cfg.nproc) if network else {}))
         bar, tick = _progress_printer(cfg.nproc) if not quiet else (None, None)
@@ -255,15 +255,23 @@ def _summary_line(s: dict[str, Any]) -> str:
 _RUN_DEFAULTS: dict[str, Any] = {"algorithm": "allreduce", "slowdown": "homogeneous", "nproc": 4, "out": None}
 
 
+def _run_flags_given(args: argparse.Namespace) -> str:
+    """The run flags given on the command line, as ``--a, --b`` (empty if none): what a command that
+    reads a saved job (``--resume``, ``--job``) refuses beside it."""
+    from prague.train.config import flag_fields, option_values
+
+    given = [f.name for f in flag_fields() if getattr(args, f.name, None) is not None] + list(option_values(args))
+    given += [k for k, default in _RUN_DEFAULTS.items() if getattr(args, k, default) != default]
+    return ", ".join("--" + k.replace("_", "-") for k in given)
+
+
 def _resumed_config(args: argparse.Namespace) -> Any:
     """The configuration ``prague run --resume OUT`` continues (saved in OUT); ConfigError if other run
     flags were given too (a resumed run is the run that was started)."""
-    from prague.train.config import flag_fields, load_config, option_values
+    from prague.train.config import load_config
 
-    given = [f.name for f in flag_fields() if getattr(args, f.name, None) is not None] + list(option_values(args))
-    given += [k for k, default in _RUN_DEFAULTS.items() if getattr(args, k) != default]
-    if given:
-        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+    flags = _run_flags_given(args)
+    if flags:
         raise ConfigError(f"--resume continues the run as it was started (its settings are in OUT/run.json); "
                           f"drop {flags}")
     cfg = load_config(args.resume)
@@ -320,14 +328,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _read_worker_job(args: argparse.Namespace) -> Any:
     """The job description ``prague worker --job FILE`` names (what ``prague run`` and a guard give their
     workers), or None when the flags describe the job; ConfigError if flags are given beside ``--job``."""
-    from prague.train.config import flag_fields, option_values, read_job
+    from prague.train.config import read_job
 
     if args.job is None:
         return None
-    given = [f.name for f in flag_fields() if getattr(args, f.name, None) is not None] + list(option_values(args))
-    given += [k for k in ("algorithm", "slowdown", "out") if getattr(args, k) != _RUN_DEFAULTS.get(k)]
-    if given:
-        raise ConfigError(f"--job holds the whole job; drop {', '.join('--' + k.replace('_', '-') for k in given)}")
+    flags = _run_flags_given(args)
+    if flags:
+        raise ConfigError(f"--job holds the whole job; drop {flags}")
     return read_job(args.job, resume=args.resume)
 
 

@@ -44,14 +44,6 @@ def parse_method(spec: str) -> tuple[Method, str | None]:
     return method, variant
 
 
-def resolve_options(spec: str, values: dict[str, object] | None = None,
-                    seed: int | None = None) -> tuple[Method, object]:
-    """The method named by ``spec`` and its validated options from ``values`` (flag values by option name;
-    names other methods declare are ignored), run-seed options resolved from ``seed`` when given."""
-    method, variant = parse_method(spec)
-    return method, method.make_options(values or {}, variant, seed)
-
-
 def method_of(options: object) -> Method:
     """The method whose options dataclass ``options`` is (typed options name their method)."""
     for method in METHODS.values():

@@ -187,8 +187,10 @@ class Guard:
 
     def _declare(self, kind: str, detail: str) -> None:
         survives = self._survives()
-        if not survives and self._another_declared(ATTRIBUTION_S if self._another_failed_first() else 0.0):
-            return  # the job is ending: this worker failed because another did, which is declared
+        if not survives:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            if self.membership.wait_declared(others, ATTRIBUTION_S if self._another_failed_first() else 0.0):
+                return  # the job is ending: this worker failed because another did, which is declared
         steps = progress_steps(read_keys(self.store, PROGRESS_KEY, [self.rank]).get(self.rank))
         self.failure = Failure(self.rank, steps, kind, detail)
         if survives:
@@ -211,17 +213,6 @@ class Guard:
                 continue
         own = times.pop(self.rank, float("inf"))
         return any(t < own for t in times.values())
-
-    def _another_declared(self, within_s: float) -> bool:
-        """Whether another rank is declared failed, waiting up to ``within_s`` for it: a child that crashed
-        because a peer did (its collective broke) ends within milliseconds of that peer, whose guard
-        declares it within a tick."""
-        deadline = time.monotonic() + within_s
-        while not self.membership.failed():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(TICK_S / 4)
-        return True
 
     def _let_the_failed_end_first(self) -> None:
         """Before this guard exits because another rank failed: wait (at most ATTRIBUTION_S) until the

@@ -61,10 +61,6 @@ def _model_facts(model: str, data: str) -> tuple[int, int, tuple[int, ...]]:
 #: The steps per worker of a simulation given neither --steps, --epochs nor --budget.
 DEFAULT_STEPS = 200
 
-#: The fields of :class:`SimConfig` besides its run, for :meth:`SimConfig.of`.
-_SIM_FIELDS = ("cluster", "nodes", "math", "trace", "decisions")
-
-
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated run: a run's job description (:class:`~prague.train.config.RunConfig`, the one
@@ -91,7 +87,7 @@ class SimConfig:
     def of(cls, **settings: Any) -> SimConfig:
         """A simulation from flat settings: :class:`SimConfig`'s own fields, every other name a field of
         the run (``algorithm``, ``nproc``, ``steps``, ``options``...)."""
-        sim = {k: settings.pop(k) for k in _SIM_FIELDS if k in settings}
+        sim = {f.name: settings.pop(f.name) for f in dataclasses.fields(cls) if f.name in settings and f.name != "run"}
         return cls(RunConfig(**settings), **sim)
 
     def __post_init__(self) -> None:
