@@ -22,7 +22,8 @@ from prague_testing import start_thread
 from prague.algorithms.adpsgd.exchange import EXCHANGE_BACKEND, STORE_PREFIX, ActiveLink, PassiveServer
 from prague.algorithms.api import StepTimes
 from prague.algorithms.ps import PSOptions
-from prague.algorithms.ps.protocol import LAYOUT_KEY, MANAGED_ENV, PAIR_BACKEND, Layout, shard_bounds
+from prague.runtime.services import MANAGED_ENV
+from prague.algorithms.ps.protocol import LAYOUT_KEY, PAIR_BACKEND, Layout, shard_bounds
 from prague.algorithms.ps.runtime import ParameterServer
 from prague.algorithms.ps.server import ShardState, serve_worker
 from prague.algorithms.ps_eager import PSEagerOptions

@@ -32,7 +32,7 @@ from torch import nn
 from prague.metrics.decisions import DecisionLog
 from prague.runtime.background import BackgroundWork, Span
 from prague.runtime.context import DistContext
-from prague.runtime.services import ServiceSpec
+from prague.runtime.services import MANAGED_ENV, ServiceSpec
 from prague.runtime.stall import Phase
 
 W = TypeVar("W", bound=BackgroundWork)
@@ -60,6 +60,10 @@ class JobResources:
 
     services: tuple[ServiceSpec, ...] = ()
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.services:  # whoever starts them says so to every process of the job (one flag for all)
+            self.env.setdefault(MANAGED_ENV, "1")
 
 
 class BeforeForward(nn.Module):

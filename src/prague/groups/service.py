@@ -59,11 +59,10 @@ from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
-from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+from prague.groups.api import TOKEN_ENV, Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.trace import PolicyCall, call_policy
 from prague.runtime.parent import set_parent_death_signal
 
-TOKEN_ENV = "PRAGUE_GG_TOKEN"
 _WAKE_S = 0.25  # how often a blocked GetGroup checks that its client is still there
 
 

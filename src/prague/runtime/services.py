@@ -28,6 +28,9 @@ from prague.io import atomic_write_json
 from prague.runtime.parent import LAUNCHER_PID_ENV
 
 POLL_S = 0.05
+#: Set to "1" in every process of a job whose services its owner (the launcher, rank 0's guard) started:
+#: a method then finds its services through the store instead of starting them from rank 0 itself.
+MANAGED_ENV = "PRAGUE_MANAGED_SERVICES"
 MAX_RESTARTS = 5  # a service that dies more often than this in one job is not started again
 
 
@@ -238,3 +241,10 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def services_managed() -> bool:
+    """Whether this process belongs to a job whose declared services were started by its owner
+    (:data:`MANAGED_ENV`), not by the method on rank 0 (a script's own method under torchrun or
+    ``prague launch``)."""
+    return os.environ.get(MANAGED_ENV) == "1"

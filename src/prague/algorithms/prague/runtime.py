@@ -36,13 +36,14 @@ from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.prague import PragueOptions, overlap_report
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
-    MANAGED_ENV, TOKEN_ENV, GroupSource, ServiceSource, StaticSource, gg_service,
+    GroupSource, ServiceSource, StaticSource, gg_service,
 )
 from prague.comm.flat import bind_flat, momentum_bound
 from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
 from prague.groups import Group
+from prague.groups.api import TOKEN_ENV
 from prague.metrics.decisions import Decision, gg_trace_path
 
 
@@ -85,7 +86,7 @@ class Prague(Algorithm):
         if not options.uses_service:
             return JobResources()
         spec = gg_service(options, nproc, out_dir / "gg.address", host)
-        return JobResources(services=(spec,), env={TOKEN_ENV: secrets.token_hex(16), MANAGED_ENV: "1"})
+        return JobResources(services=(spec,), env={TOKEN_ENV: secrets.token_hex(16)})
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)

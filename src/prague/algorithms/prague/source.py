@@ -37,15 +37,14 @@ from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settled
-from prague.runtime.services import ServiceKeeper, ServiceSpec, restarted
+from prague.runtime.services import ServiceKeeper, ServiceSpec, restarted, services_managed
+from prague.groups.api import TOKEN_ENV
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
 HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restarted service starts from these)
 RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
-TOKEN_ENV = "PRAGUE_GG_TOKEN"
 _instances = itertools.count()  # numbers the service sources of this process (see ServiceSource)
-MANAGED_ENV = "PRAGUE_MANAGED_GG"
 
 
 def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1") -> list[str]:
@@ -142,7 +141,7 @@ class ServiceSource:
         self._leaving = threading.Event()  # set once this rank is closing: its service is not restarted then
         self._watch: threading.Thread | None = None
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
-        self._shared = options.uses_service and os.environ.get(MANAGED_ENV) != "1"
+        self._shared = options.uses_service and not services_managed()
         store = ctx.store
         self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service rank 0 starts is one of possibly several in the job (a script may prepare the method

@@ -40,7 +40,6 @@ LAYOUT_KEY = f"{KEY_PREFIX}/layout"
 #: The decisions folder in which every shard writes its trace (empty: none); set by worker rank 0 just
 #: before :data:`LAYOUT_KEY`, so a shard that has read the layout finds it.
 DECISIONS_KEY = f"{KEY_PREFIX}/decisions"
-MANAGED_ENV = "PRAGUE_MANAGED_PS"
 
 HEADER_LEN = 4
 OP_INIT, OP_PULL, OP_PUSH, OP_BYE, OP_CLOSED = 1, 2, 3, 4, 5

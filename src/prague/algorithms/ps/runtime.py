@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import shutil
 import subprocess
 import tempfile
@@ -68,13 +67,13 @@ from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.client import PendingReplies, ShardClients
 from prague.algorithms.ps.protocol import (
-    DECISIONS_KEY, LAYOUT_KEY, MANAGED_ENV, PAIR_BACKEND, Layout, Reply, shard_argv, shard_bounds,
+    DECISIONS_KEY, LAYOUT_KEY, PAIR_BACKEND, Layout, Reply, shard_argv, shard_bounds,
 )
 from prague.algorithms.ps.rules import update_scale
 from prague.comm.flat import StagingBuffer, bind_flat, staging_device
 from prague.errors import CommError, ConfigError
 from prague.metrics.decisions import Decision
-from prague.runtime.services import ServiceSpec, start_service, stop_process
+from prague.runtime.services import ServiceSpec, services_managed, start_service, stop_process
 
 # Emulated compute has no optimizer; the shards then run SGD-momentum with lr 0: the same arithmetic as
 # a real run, values unchanged.
@@ -155,7 +154,7 @@ class ParameterServerBase(Algorithm):
     @classmethod
     def job_resources(cls, options: Any, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> JobResources:
         services = shard_services(options, cls.shard_mode(options), nproc, out_dir, exit_when_done=False)
-        return JobResources(services=services, env={MANAGED_ENV: "1"})
+        return JobResources(services=services)
 
     # -- set-up
 
@@ -168,7 +167,7 @@ class ParameterServerBase(Algorithm):
         self.pushes = 0
         self.shard_records: list[dict[str, Any]] = []
         self.final_versions: list[int] = []
-        if os.environ.get(MANAGED_ENV) != "1":
+        if not services_managed():
             # The shards rank 0 starts find the job through store keys that are the job's, not this
             # object's: a second parameter server in the same job would meet the first one's keys.
             if next(_own_servers):
@@ -176,7 +175,7 @@ class ParameterServerBase(Algorithm):
                                   "that manages its shards; a job (a prague launch or torchrun script) runs one: "
                                   "prepare it once, or start each run with prague run")
         if ctx.is_main:
-            if os.environ.get(MANAGED_ENV) != "1":
+            if not services_managed():
                 start_own_shards(opts, self.shard_mode(opts), ctx.world_size, self.resources,
                                  lambda: 0.0 if self.failed else 30.0)
             # Before the layout: a shard reads the layout first, then where to write its trace.
