@@ -373,6 +373,7 @@ def _guarded_worker(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from prague.algorithms.spec import check_nproc
     from prague.runtime.launcher import LaunchSpec, launch
+    from prague.runtime.services import SERVICES_FILE_ENV
 
     check_nproc(args.nproc)  # before --echo-all lists every rank
     if not args.script:
@@ -384,6 +385,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         argv=[sys.executable, str(script), *args.script[1:]], nproc=args.nproc,
         log_dir=args.log_dir, echo_ranks=frozenset(range(args.nproc)) if args.echo_all else frozenset({0}),
         survivable=None,  # the script's method says, when it is set up
+        # the services the script's method starts on its rank 0 are listed beside the logs
+        env={SERVICES_FILE_ENV: str((args.log_dir / "services.json").resolve())} if args.log_dir else {},
     )
     launch(spec)
     return 0
@@ -537,7 +540,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
-    la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log")
+    la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log and list the services "
+                                                          "the script's method starts in DIR/services.json")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 

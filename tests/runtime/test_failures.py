@@ -341,15 +341,18 @@ def test_run_prints_the_speed_report_naming_the_straggler(tmp_path: Path) -> Non
 GUARDED_SCRIPT = Path(__file__).with_name("guarded_script.py")
 
 
-def test_prague_launch_keeps_a_scripts_own_loop_going_when_its_method_survives() -> None:
+def test_prague_launch_keeps_a_scripts_own_loop_going_when_its_method_survives(tmp_path: Path) -> None:
     """``prague launch`` learns from the script's workers, when they prepare the method, whether it goes
     on without a failed worker (a method that does not stops the job, as every launch test of a failing
     script shows): prague does, and the Group Generator rank 0's script started is started again by
     rank 1."""
     rank = 0
-    res = run_cli("launch", "--nproc", "3", "--echo-all", str(GUARDED_SCRIPT), "prague", "30", f"kill:{rank}:10",
-                  timeout_s=150)
+    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(tmp_path), str(GUARDED_SCRIPT), "prague",
+                  "30", f"kill:{rank}:10", timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"warning: rank {rank} crashed" in res.stderr, res.stderr[-3000:]
     assert "rank 1 starts the Group Generator again: its host, rank 0, failed" in res.stdout + res.stderr
     assert all(f"rank {r} done 30" in res.stdout for r in range(3) if r != int(rank)), res.stdout
+    # the script's service is listed beside the logs (by rank 1, its new host, last)
+    listed = json.loads((tmp_path / "services.json").read_text())["services"]
+    assert [s["name"] for s in listed] == ["group-generator"], listed

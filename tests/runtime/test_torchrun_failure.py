@@ -116,6 +116,9 @@ def test_prague_guard_keeps_a_scripts_own_loop_going_without_a_failed_worker(tmp
         assert all(f"rank {r} done 30" in res.stdout for r in survivors), res.stdout
     if algorithm == "prague" and rank == "0":  # the script's Group Generator died with rank 0's process
         assert "warning: rank 1 starts the Group Generator again: its host, rank 0, failed" in res.stderr
+        # listed in the guard's --out by the script's own rank 0, then by its new host
+        listed = json.loads((tmp_path / "services.json").read_text())["services"]
+        assert [s["name"] for s in listed] == ["group-generator"] and ":" in listed[0]["address"], listed
     assert processes_of_session(case, within_s=10.0, kill=True) == []
 
 

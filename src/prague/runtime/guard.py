@@ -62,7 +62,7 @@ from prague.runtime.liveness import (
     read_keys,
 )
 from prague.runtime.parent import LAUNCHER_PID_ENV
-from prague.runtime.services import ServiceKeeper, ServiceSpec
+from prague.runtime.services import SERVICES_FILE_ENV, ServiceKeeper, ServiceSpec
 
 GUARDED_ENV = "PRAGUE_GUARDED"  # set in the child: it trains, it does not guard
 ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
@@ -110,7 +110,8 @@ class Guard:
             is_master=False, timeout=timedelta(seconds=timeout_s)))
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
-        self.keeper = ServiceKeeper(self.store, specs, services_file=out / "services.json", log_dir=out / "logs")
+        self.services_file = out / "services.json"  # a script's own services are listed there too
+        self.keeper = ServiceKeeper(self.store, specs, services_file=self.services_file, log_dir=out / "logs")
         self.membership = Membership(self.store, self.world_size)
         self.env = env
         self.child: subprocess.Popen[bytes] | None = None
@@ -122,7 +123,8 @@ class Guard:
         try:
             env = self._job_env()
             self.child = subprocess.Popen(self.argv, env={**os.environ, **env, GUARDED_ENV: "1",
-                                                          LAUNCHER_PID_ENV: str(os.getpid())})
+                                                          LAUNCHER_PID_ENV: str(os.getpid()),
+                                                          SERVICES_FILE_ENV: str(self.services_file.resolve())})
             code = self._watch_child()
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded

@@ -31,6 +31,10 @@ POLL_S = 0.05
 #: Set to "1" in every process of a job whose services its owner (the launcher, rank 0's guard) started:
 #: a method then finds its services through the store instead of starting them from rank 0 itself.
 MANAGED_ENV = "PRAGUE_MANAGED_SERVICES"
+#: Where a service that a script's own method starts (on rank 0, under ``prague launch --log-dir`` or
+#: ``prague guard --out``) is listed: the job owner's ``services.json``, which names no service of its own
+#: then (the owner does not know a script's method).
+SERVICES_FILE_ENV = "PRAGUE_SERVICES_FILE"
 MAX_RESTARTS = 5  # a service that dies more often than this in one job is not started again
 
 
@@ -248,3 +252,9 @@ def services_managed() -> bool:
     (:data:`MANAGED_ENV`), not by the method on rank 0 (a script's own method under torchrun or
     ``prague launch``)."""
     return os.environ.get(MANAGED_ENV) == "1"
+
+
+def services_file_from_env() -> Path | None:
+    """The ``services.json`` a service this process starts is listed in (:data:`SERVICES_FILE_ENV`), or None."""
+    path = os.environ.get(SERVICES_FILE_ENV)
+    return Path(path) if path else None

@@ -37,7 +37,9 @@ from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settled
-from prague.runtime.services import ServiceKeeper, ServiceSpec, restarted, services_managed
+from prague.runtime.services import (
+    ServiceKeeper, ServiceSpec, restarted, services_file_from_env, services_managed,
+)
 from prague.groups.api import TOKEN_ENV
 
 GG_ADDRESS_KEY = "prague/gg/address"
@@ -186,7 +188,8 @@ class ServiceSource:
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
         spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
                                    env={TOKEN_ENV: token}, publish_key=self._address_key)
-        self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec])
+        self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec],
+                                     services_file=services_file_from_env())
         self._keeper.start()
         resources.callback(lambda: self._keeper.stop(0.0) if self._keeper else None)  # unless leave() stopped it
         self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
