@@ -22,10 +22,10 @@ from prague_testing import start_thread
 from prague.algorithms.adpsgd.exchange import EXCHANGE_BACKEND, STORE_PREFIX, ActiveLink, PassiveServer
 from prague.algorithms.api import StepTimes
 from prague.algorithms.ps import PSOptions
-from prague.runtime.services import MANAGED_ENV
 from prague.algorithms.ps.protocol import LAYOUT_KEY, PAIR_BACKEND, Layout, shard_bounds
 from prague.algorithms.ps.runtime import ParameterServer
 from prague.algorithms.ps.server import ShardState, serve_worker
+from prague.runtime.services import MANAGED_ENV
 from prague.algorithms.ps_eager import PSEagerOptions
 from prague.algorithms.ps_eager.runtime import EagerParameterServer
 from prague.comm.flat import StagingBuffer, staging_device

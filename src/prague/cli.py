@@ -541,7 +541,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log and list the services "
-                                                          "the script's method starts in DIR/services.json")
+                                                 "the script's method starts in DIR/services.json")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 

@@ -63,7 +63,7 @@ class JobResources:
 
     def __post_init__(self) -> None:
         if self.services:  # whoever starts them says so to every process of the job (one flag for all)
-            self.env.setdefault(MANAGED_ENV, "1")
+            object.__setattr__(self, "env", {MANAGED_ENV: "1", **self.env})  # the caller's dict stays as it was
 
 
 class BeforeForward(nn.Module):

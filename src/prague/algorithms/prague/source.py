@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
+from prague.groups.api import TOKEN_ENV
 from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
@@ -40,7 +41,6 @@ from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settl
 from prague.runtime.services import (
     ServiceKeeper, ServiceSpec, restarted, services_file_from_env, services_managed,
 )
-from prague.groups.api import TOKEN_ENV
 
 GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
