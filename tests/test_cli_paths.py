@@ -239,7 +239,10 @@ def test_a_short_real_run_on_each_data_set_gives_a_sane_summary(tmp_path: Path, 
     assert 0.0 <= s["test_accuracy"] <= 1.0
     # The common clock's grid from 0, then the job's end: the averaged final states.
     assert s["eval_history"][0]["wall_s"] == 0.0
-    assert s["eval_history"][-1] == {"wall_s": s["job_s"], "accuracy": s["test_accuracy"]}
+    last = s["eval_history"][-1]
+    assert {"wall_s": last["wall_s"], "accuracy": last["accuracy"]} == {"wall_s": s["job_s"], "accuracy": s["test_accuracy"]}
+    assert math.isfinite(last["loss"]) and last["loss"] > 0  # the held-out loss beside the accuracy
+    assert s["worst_replica_accuracy"] <= s["best_replica_accuracy"]
     assert s["job_s"] == s["wall_s"] and s["samples"] == nproc * steps * batch
     if data == "mnist":
         assert s["test_accuracy"] > 0.2  # 8 steps of 2 x 16 images: well above chance (0.1)

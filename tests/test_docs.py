@@ -318,3 +318,41 @@ def test_generated_tables_in_the_docs_are_current() -> None:
     page = (DOCS / "running.md").read_text()
     assert _between(page, "<!-- record fields: generated from prague.metrics.record.fields_markdown(); a test keeps "
                           "it in sync -->", "<!-- end record fields -->") == fields_markdown()
+
+
+#: A generated report: `<!-- prague report [--tta] FILE -->`, a blank line, what `prague report [--tta] FILE`
+#: prints (FILE: a bench.json, from the repository root), a blank line, `<!-- end report -->`.
+REPORT_START = re.compile(r"^<!-- prague report (?:--tta )?(?P<path>\S+) -->$", re.M)
+REPORT_BLOCK = re.compile(r"^<!-- prague report (?P<tta>--tta )?(?P<path>\S+) -->\n(?P<text>.*?)^<!-- end report -->$",
+                          re.M | re.S)
+#: Set to 1 to rewrite the generated reports of README.md and docs/ instead of failing on a stale one.
+UPDATE_REPORTS = "PRAGUE_UPDATE_REPORTS"
+
+
+def test_generated_reports_in_the_docs_are_current() -> None:
+    """Every generated report in README.md and docs/ holds exactly what `prague report FILE` prints today
+    (the function that writes a bench's bench.md): a table cannot drift from the bench it names."""
+    from prague.metrics.report import read_bench, report_markdown
+
+    problems, stale, found = [], [], 0
+    for page in pages():
+        text = page.read_text()
+        blocks = list(REPORT_BLOCK.finditer(text))
+        if len(blocks) != len(REPORT_START.findall(text)):
+            problems.append(f"{rel(page)}: a `<!-- prague report FILE -->` without its `<!-- end report -->`")
+            continue
+        fresh = text
+        for block in reversed(blocks):
+            found += 1
+            bench = read_bench(ROOT / block["path"])
+            expected = f"\n{report_markdown(bench.records, bench.command, tta_only=bool(block['tta']))}\n"
+            if block["text"] != expected:
+                stale.append(f"{rel(page)}:{text.count(chr(10), 0, block.start()) + 1}: the report of "
+                             f"{block['path']} is not what `prague report {block['path']}` prints")
+                fresh = fresh[:block.start("text")] + expected + fresh[block.end("text"):]
+        if fresh != text and os.environ.get(UPDATE_REPORTS) == "1":
+            page.write_text(fresh)
+    assert not problems, "\n".join(problems)
+    assert found, "no generated report in README.md or docs/: the check has nothing to check"
+    assert not stale or os.environ.get(UPDATE_REPORTS) == "1", "\n".join(stale) + (
+        f"\n(rewrite them: {UPDATE_REPORTS}=1 .venv/bin/python -m pytest {THIS_FILE} -k reports)")

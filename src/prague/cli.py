@@ -207,6 +207,32 @@ def with_nominal_compute(cfg: Any, scenarios: list[str]) -> Any:
     return dataclasses.replace(cfg, compute_ms=nominal)
 
 
+def resolve_pace(args: argparse.Namespace, nproc: int) -> Any:
+    """``--compute-ms auto``: probe the smallest pace this machine holds for ``nproc`` workers of the
+    run's model (:mod:`prague.train.probe`), print it and put it in ``args``; returns the probe (None when
+    ``--compute-ms`` was not auto). Only paced compute has a pace to probe."""
+    from prague.train.config import AUTO
+
+    if getattr(args, "compute_ms", None) != AUTO:
+        return None
+    if args.compute != "paced":
+        raise ConfigError("--compute-ms auto probes the pace of paced compute; give --compute paced, or a number "
+                          "of ms")
+    from prague.errors import unknown_choice
+    from prague.train.probe import probe_pace
+    from prague.workload.catalog import DATASETS, MODELS
+
+    model, data = args.model or "mlp", args.data or "digits"
+    if model not in MODELS:
+        raise unknown_choice("model", model, MODELS)
+    if data not in DATASETS:
+        raise unknown_choice("data set", data, tuple(DATASETS))
+    probe = probe_pace(model, data, args.batch_size or 32, nproc, seed=args.seed or 0)
+    print(probe.line(), flush=True)
+    args.compute_ms = probe.ms
+    return probe
+
+
 def _evaluator_service(cfg: Any) -> Any:
     """The process that scores the average model while the workers train and stops them at the target
     (:mod:`prague.train.evaluator`)."""
@@ -281,15 +307,21 @@ def _resumed_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from prague.io import atomic_write_json
     from prague.train.config import check_options_apply
 
+    probe = None
     if args.resume is not None:
         cfg = _resumed_config(args)
     else:
         check_options_apply(args, [args.algorithm])
+        probe = resolve_pace(args, args.nproc)
         cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
     cfg = with_nominal_compute(cfg, [cfg.scenario])
     summary = run_config(cfg, quiet=args.quiet)
+    if probe is not None:
+        summary["pace_probe"] = probe.as_dict()
+        atomic_write_json(Path(cfg.out) / "summary.json", summary)
     print(_summary_line(summary))
     if summary.get("worker_samples_per_s"):
         from prague.metrics.summary import speed_report
@@ -409,6 +441,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")
     check_out_folder(out)
+    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--quiet")]
+    records: list[dict[str, Any]] = []
+    runs: list[str] = []  # the run folder of each record, relative to out (what --resume skips)
+    if args.resume:
+        records, runs = load_resume(out, argv)
+        if records:
+            print(f"resuming {out}: {len(records)} runs done", flush=True)
+    pace_probe = _bench_pace(args, records)
     cells = [_run_config(args, a, s, args.nproc, run_folder(out, a, s)) for s in scenarios for a in algorithms]
     # every pair validated before any runs; one nominal step time for all (the same injected seconds)
     nominal = with_nominal_compute(cells[0], scenarios).compute_ms
@@ -419,13 +459,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     configs = [dataclasses.replace(c, seed=seed, out=folder(c, seed), compute_ms=nominal)
                for seed in range(cells[0].seed, cells[0].seed + args.repeat) for c in cells]
     # the seeds one after another, so the machine's noise spreads over every cell
-    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--quiet")]
-    records: list[dict[str, Any]] = []
-    runs: list[str] = []  # the run folder of each record, relative to out (what --resume skips)
-    if args.resume:
-        records, runs = load_resume(out, argv)
-        if records:
-            print(f"resuming {out}: {len(records)} of {len(configs)} runs done", flush=True)
     failures: list[str] = []
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for cfg in configs:
@@ -437,6 +470,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {cfg.algorithm} / {cfg.scenario}" + (f" / seed {cfg.seed}" if args.repeat > 1 else ""), flush=True)
         try:
             records.append(run_config(cfg, quiet=args.quiet))
+            if pace_probe is not None:
+                records[-1]["pace_probe"] = pace_probe
             runs.append(run)
             print(_summary_line(records[-1]), flush=True)
             if records[-1].get("diverged"):  # a result, not a failure: the tables say so, the bench goes on
@@ -456,6 +491,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{len(failures)} run(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_pace(args: argparse.Namespace, done: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The bench's ``--compute-ms auto``: probed once, before its first run; a resumed bench keeps the pace
+    its first runs had (every run of a bench at one pace). The probe's figures, for the records (None
+    when the pace was given)."""
+    from prague.train.config import AUTO
+
+    if getattr(args, "compute_ms", None) != AUTO:
+        return None
+    earlier = next((r for r in done if r.get("pace_probe")), None)
+    if earlier is not None:
+        args.compute_ms = float(earlier["pace_probe"]["ms"])
+        print(f"pace {args.compute_ms:g} ms per step (probed when this bench began)", flush=True)
+        return dict(earlier["pace_probe"])
+    probe = resolve_pace(args, args.nproc)
+    return None if probe is None else probe.as_dict()
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -538,6 +590,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     tl.add_argument("out", type=Path, help="the run's output folder")
     tl.add_argument("--slowest", type=int, default=5, help="how many of the longest steps to list (default 5)")
 
+    rp = sub.add_parser("report", help="print a bench's tables from its bench.json (what bench.md holds)")
+    rp.add_argument("bench", type=Path, metavar="BENCH_JSON",
+                    help="the bench.json a `prague bench` or `prague simulate` wrote (or the folder holding it)")
+    rp_fmt = rp.add_mutually_exclusive_group()
+    rp_fmt.add_argument("--markdown", action="store_true", help="the tables, as bench.md holds them (the default)")
+    rp_fmt.add_argument("--json", action="store_true", help="per (method, scenario): medians, ranges, bootstrap "
+                                                            "intervals and speed-ups; each scenario's best baseline")
+    rp_fmt.add_argument("--tta", action="store_true", help="the time-to-accuracy table only, without the throughput "
+                                                           "of every run (what README shows)")
+
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log and list the services "
@@ -578,6 +640,17 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from prague.metrics.report import read_bench, report_json, report_markdown
+
+    bench = read_bench(args.bench)
+    if args.json:
+        print(json.dumps(report_json(bench.records, bench.command), indent=2))
+    else:
+        sys.stdout.write(report_markdown(bench.records, bench.command, tta_only=args.tta))
+    return 0
+
+
 def cmd_guard(args: argparse.Namespace) -> int:
     from prague.runtime.guard import Guard, under_torchrun
     from prague.train.config import check_seconds
@@ -598,7 +671,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
 
 
 HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench, "simulate": _simulate,
-            "methods": cmd_methods, "timeline": cmd_timeline, "guard": cmd_guard}
+            "methods": cmd_methods, "timeline": cmd_timeline, "guard": cmd_guard, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

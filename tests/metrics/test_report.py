@@ -16,6 +16,7 @@ from prague.metrics.record import SCHEMA_VERSION, RunRecord
 from prague.metrics.report import bench_table, load_records, method_label, write_bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+INF = float("inf")
 
 
 def run(
@@ -488,16 +489,25 @@ def test_cells_give_median_and_range_over_seeds_and_count_a_missed_target_as_nev
     records += [seed_run("prague", s, t, j, a) for s, (t, j, a) in enumerate(
         [(10.0, 15.0, 0.95), (None, 16.0, 0.89), (11.0, 14.0, 0.95)])]
     table = {c["method"]: c for c in report.cells(records)}
-    assert table["allreduce"]["time_to_target_s"] == {"median": 22.0, "min": 20.0, "max": 24.0}
+    # three seeds: the 95% bootstrap interval of the median is the range
+    assert table["allreduce"]["time_to_target_s"] == {"median": 22.0, "min": 20.0, "max": 24.0,
+                                                      "ci_low": 20.0, "ci_high": 24.0}
     assert table["allreduce"]["seeds"] == [0, 1, 2] and table["allreduce"]["reached"] == 3
     assert table["prague"]["time_to_target_s"]["median"] == 11.0  # 10, 11, never
-    assert table["prague"]["time_to_target_s"]["max"] == float("inf") and table["prague"]["reached"] == 2
-    assert table["prague"]["job_s"] == {"median": 15.0, "min": 14.0, "max": 16.0}
+    assert table["prague"]["time_to_target_s"]["max"] == INF and table["prague"]["reached"] == 2
+    assert table["prague"]["time_to_target_s"]["ci_high"] == INF
+    assert table["prague"]["test_accuracy"] == {"median": 0.95, "min": 0.89, "max": 0.95, "ci_low": 0.89,
+                                                "ci_high": 0.95}
+    assert table["prague"]["job_s"] == {"median": 15.0, "min": 14.0, "max": 16.0}  # no interval
     row = rows(bench_table(records), 0)[("prague", "paper:5")]
-    assert row["time to target (s)"] == "11.0 [10.0--] (2/3 reached)"
-    assert row["speed-up vs allreduce"] == "2.00x" and row["seeds"] == "3"
-    assert row["final accuracy"] == "95.00% [89.00-95.00]" and row["samples"] == "6400"
-    assert report._json_cells(report.cells(records))[1]["time_to_target_s"]["max"] is None  # JSON has no inf
+    assert row["time to target (s)"] == "11.0 [10.0, -] (2/3 reached)"
+    # 22/11; resampled, prague's median is never in 7/27 of the draws (ratio 0) and 24/10 at most
+    assert row["speed-up vs allreduce"] == "2.00x [0.00, 2.40]" and row["seeds"] == "3"
+    assert row["speed-up vs best baseline"] == row["speed-up vs allreduce"]
+    assert row["final accuracy"] == "95.00% [89.00, 95.00]" and row["samples"] == "6400"
+    json_cell = report._json_cells(report.cells(records))[1]
+    assert json_cell["time_to_target_s"]["max"] is None and json_cell["time_to_target_s"]["ci_high"] is None  # no inf
+    assert json_cell["speedup_vs_allreduce"] == {"ratio": 2.0, "ci_low": 0.0, "ci_high": 2.4}
 
 
 def test_local_step_share_weights_workers_by_their_steps() -> None:
@@ -506,3 +516,187 @@ def test_local_step_share_weights_workers_by_their_steps() -> None:
     assert report.local_share(record) == pytest.approx((0.5 * 30 + 0.1 * 10) / 40)
     assert rows(bench_table([record]))[("prague", "s")]["local steps"] == "40%"
     assert report.local_share(run("allreduce", "s", 1.0)) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Bootstrap intervals
+
+
+def test_bootstrap_median_is_deterministic_and_contains_the_median() -> None:
+    values = [31.0, 20.0, 55.0, 42.0, 39.0, 27.0, 48.0, 35.0, 61.0]
+    first = report.bootstrap_median(values)
+    assert first == report.bootstrap_median(list(reversed(values)))  # a pure function of the values
+    assert first is not None and first.value == 39.0
+    assert first.low <= first.value <= first.high and 20.0 <= first.low and first.high <= 61.0
+    assert first.low < first.high
+    narrower = report.bootstrap_median(values, confidence=0.5)
+    assert narrower is not None and first.low <= narrower.low <= narrower.high <= first.high
+    assert report.bootstrap_median([7.5]) == report.Interval(7.5, 7.5, 7.5)  # one seed: the value itself
+    assert report.bootstrap_median([2.0, 2.0, 2.0]) == report.Interval(2.0, 2.0, 2.0)
+    assert report.bootstrap_median([]) is None
+
+
+def test_bootstrap_median_of_an_even_count_is_a_seeds_figure() -> None:
+    interval = report.bootstrap_median([4.0, 1.0, 3.0, 2.0])
+    assert interval is not None and interval.value == 2.0  # the lower middle value, not 2.5
+
+
+def test_bootstrap_refuses_nan_and_bad_settings() -> None:
+    with pytest.raises(ConfigError, match="NaN"):
+        report.bootstrap_median([1.0, float("nan")])
+    with pytest.raises(ConfigError, match="resamples must be a positive integer, got 0"):
+        report.bootstrap_median([1.0, 2.0], resamples=0)
+    with pytest.raises(ConfigError, match="confidence must be in"):
+        report.bootstrap_ratio([1.0], [2.0], confidence=1.0)
+
+
+def test_bootstrap_ratio_resamples_each_sample_and_keeps_never_infinite() -> None:
+    assert report.bootstrap_ratio([10.0, 10.0], [5.0, 5.0, 5.0]) == report.Interval(2.0, 2.0, 2.0)
+    ratio = report.bootstrap_ratio([20.0, 22.0, 24.0, 26.0, 21.0], [10.0, 11.0, 12.0, 9.0, 10.5])
+    assert ratio == report.bootstrap_ratio([20.0, 22.0, 24.0, 26.0, 21.0], [10.0, 11.0, 12.0, 9.0, 10.5])
+    assert ratio is not None and ratio.value == pytest.approx(22.0 / 10.5)
+    assert 20.0 / 12.0 <= ratio.low < ratio.value < ratio.high <= 26.0 / 9.0
+    # the baseline never reached the target in most draws: the speed-up has no upper bound
+    unbounded = report.bootstrap_ratio([30.0, INF, INF], [10.0, 11.0, 12.0])
+    assert unbounded is not None and unbounded.value == INF and unbounded.high == INF
+    assert report.bootstrap_ratio([INF], [INF]) is None  # neither reached: no ratio
+    assert report.bootstrap_ratio([], [1.0]) is None
+
+
+def tta_run(algorithm: str, scenario: str, tta: float | None, *, seed: int = 0, variant: str | None = None,
+            **overrides: Any) -> dict[str, Any]:
+    return run(algorithm, scenario, 100.0, variant=variant, seed=seed, target_accuracy=0.9, time_to_target_s=tta,
+               test_accuracy=0.93, job_s=40.0, samples=6400, **overrides)
+
+
+def test_a_seed_that_never_reached_the_target_makes_the_upper_bound_infinite() -> None:
+    records = [tta_run("prague", "s", t, seed=i) for i, t in enumerate([12.0, None, 10.0])]
+    cell = report.cells(records)[0]
+    assert cell["time_to_target_s"]["ci_high"] == INF and cell["time_to_target_s"]["median"] == 12.0
+    row = rows(report.tta_table(records), 0)[("prague", "s")]
+    assert row["time to target (s)"] == "12.0 [10.0, -] (2/3 reached)"
+    assert row["speed-up vs allreduce"] == "n/a" and row["speed-up vs best baseline"] == "n/a"
+
+
+# ------------------------------------------------------------------------------------------------
+# The best baseline
+
+
+def test_the_best_baseline_is_the_fastest_baseline_method_per_scenario() -> None:
+    records = [
+        tta_run("allreduce", "a", 20.0), tta_run("allreduce", "a", 15.0, variant="backup"),
+        tta_run("localsgd", "a", 18.0), tta_run("prague", "a", 5.0), tta_run("adpsgd", "a", 4.0),
+        tta_run("allreduce", "b", 30.0), tta_run("diloco", "b", 12.0), tta_run("prague", "b", 10.0),
+        tta_run("prague", "c", 10.0), tta_run("dssync", "c", 8.0),
+    ]
+    table = {(c["method"], c["scenario"]): c for c in report.cells(records)}
+    assert {s: table[("prague", s)]["best_baseline"] for s in "abc"} == {"a": "allreduce:backup", "b": "diloco",
+                                                                        "c": None}
+    assert table[("prague", "a")]["speedup_vs_best_baseline"] == {"ratio": 3.0, "ci_low": 3.0, "ci_high": 3.0}
+    text = report.tta_table(records)
+    parsed = rows(text, 0)
+    assert parsed[("prague", "a")]["speed-up vs best baseline"] == "3.00x"
+    assert parsed[("prague", "a")]["speed-up vs allreduce"] == "4.00x"
+    assert parsed[("allreduce:backup", "a")]["speed-up vs best baseline"] == "1.00x"
+    assert parsed[("allreduce", "a")]["speed-up vs best baseline"] == "0.75x"
+    assert parsed[("prague", "b")]["speed-up vs best baseline"] == "1.20x"
+    assert parsed[("prague", "c")]["speed-up vs best baseline"] == "n/a"  # no baseline method ran in c
+    assert text.rstrip().splitlines()[-1].endswith("a: allreduce:backup; b: diloco; c: n/a")
+    assert report.report_json(records)["best_baselines"] == {"a": "allreduce:backup", "b": "diloco", "c": None}
+
+
+def test_a_baseline_that_never_reached_the_target_is_named() -> None:
+    records = [tta_run("allreduce", "s", None), tta_run("prague", "s", 9.0)]
+    row = rows(report.tta_table(records), 0)[("prague", "s")]
+    assert row["speed-up vs allreduce"] == "allreduce never" and row["speed-up vs best baseline"] == "allreduce never"
+
+
+# ------------------------------------------------------------------------------------------------
+# Newer fields: the worst replica, the smoothed and loss targets, the pace
+
+
+def test_records_without_the_newer_fields_render_as_before(tmp_path: Path) -> None:
+    old = [tta_run(a, "s", t, seed=i) for a, t in (("allreduce", 20.0), ("prague", 10.0)) for i in range(2)]
+    for record in old:
+        record["schema_version"] = 4
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"schema_version": 4, "command": "prague bench", "records": old, "cells": []}))
+    bench = report.read_bench(path)
+    text = report.report_markdown(bench.records, bench.command)
+    header = rows(text, 0)[("prague", "s")]
+    assert list(header) == list(report._TTA_COLUMNS)  # no worst replica, smoothed or loss column
+    assert header["speed-up vs allreduce"] == "2.00x"
+    assert text.splitlines()[4] == "nproc 4, model mlp, data synthetic, compute emulated, nominal step 50 ms"
+
+
+def test_newer_fields_add_columns_the_pace_and_cells() -> None:
+    probe = {"ms": 120.0, "step_ms": 80.0, "probed": True}
+    records = [tta_run("allreduce", "s", 20.0 + i, seed=i, compute_mode="paced", compute_ms=120.0, pace_probe=probe,
+                       worst_replica_accuracy=0.90 + i / 100, best_replica_accuracy=0.95,
+                       time_to_target_smoothed_s=22.0 + i, target_loss=0.3, time_to_target_loss_s=25.0 + i)
+               for i in range(3)]
+    records += [tta_run("prague", "s", 10.0, seed=i, compute_mode="paced", compute_ms=120.0, pace_probe=probe,
+                        worst_replica_accuracy=0.80, time_to_target_smoothed_s=None, target_loss=0.3,
+                        time_to_target_loss_s=None if i == 0 else 12.0)
+                for i in range(3)]
+    text = report.bench_table(records)
+    assert text.splitlines()[0] == "nproc 4, model mlp, data synthetic, compute paced, pace 120 ms (probed)"
+    parsed = rows(text, 0)
+    allreduce, prague = parsed[("allreduce", "s")], parsed[("prague", "s")]
+    assert list(allreduce) == ["method", "scenario", "time to target (s)", "speed-up vs allreduce",
+                               "speed-up vs best baseline", "time to target, smoothed (s)", "time to loss 0.3 (s)",
+                               "final accuracy", "worst replica accuracy", "job time (s)", "samples", "seeds"]
+    assert allreduce["time to target, smoothed (s)"] == "23.0 [22.0, 24.0]"
+    assert allreduce["time to loss 0.3 (s)"] == "26.0 [25.0, 27.0]"
+    assert allreduce["worst replica accuracy"] == "91.00%"  # the median over seeds
+    assert prague["time to target, smoothed (s)"] == "-"  # never on the smoothed curve
+    assert prague["time to loss 0.3 (s)"] == "12.0 [12.0, -]"
+    cell = {c["method"]: c for c in report.report_json(records)["cells"]}["allreduce"]
+    assert cell["time_to_target_smoothed_s"] == {"median": 23.0, "min": 22.0, "max": 24.0, "ci_low": 22.0,
+                                                 "ci_high": 24.0}
+    assert cell["worst_replica_accuracy"]["min"] == 0.90 and cell["best_replica_accuracy"]["median"] == 0.95
+    assert cell["target_loss"] == 0.3
+
+
+def test_a_given_pace_is_not_called_probed() -> None:
+    record = tta_run("allreduce", "s", 20.0, compute_mode="paced", compute_ms=40.0)
+    assert report.bench_table([record]).splitlines()[0].endswith("compute paced, pace 40 ms")
+
+
+# ------------------------------------------------------------------------------------------------
+# prague report
+
+
+def test_prague_report_prints_what_bench_md_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from prague.cli import main
+
+    records = [tta_run(a, s, t, seed=i) for s in ("homogeneous", "paper:5") for a, t in (("allreduce", 20.0),
+                                                                                       ("prague", 11.0))
+               for i in range(2)]
+    paths = write_bench(tmp_path, records, command="prague bench --repeat 2")
+    assert main(["report", str(paths["json"])]) == 0
+    printed = capsys.readouterr().out
+    assert paths["md"].read_text() == report.BENCH_MD_TITLE + printed
+    assert printed.startswith("```\nprague bench --repeat 2\n```\n")
+    assert main(["report", str(tmp_path), "--markdown"]) == 0  # the folder holding bench.json
+    assert capsys.readouterr().out == printed
+    assert main(["report", str(paths["json"]), "--json"]) == 0
+    written = json.loads(paths["json"].read_text())
+    assert json.loads(capsys.readouterr().out) == {k: written[k] for k in ("schema_version", "command", "cells",
+                                                                           "best_baselines")}
+
+
+@pytest.mark.parametrize(("content", "message"), [(None, "do not exist"), ("{not json", "not valid JSON"),
+                                                  ('{"records": []}', "holds no run records")])
+def test_prague_report_on_a_bad_file_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           content: str | None, message: str) -> None:
+    from prague.cli import main
+
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["report", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("prague report: error: ")
+    assert message in captured.err and str(path) in captured.err and "re-run the benchmark" in captured.err

@@ -134,7 +134,7 @@ def test_a_worker_with_settings_that_cannot_work_fails_the_job_under_torchrun(tm
     # exit 2 is the same on every rank: the guard passes it on instead of going on without the worker
     out, case = tmp_path / "bad", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "prague", "worker", "--algorithm", "prague", "--steps", "20", "--compute", "paced",
+           "-m", "prague", "worker", "--algorithm", "prague", "--steps", "80", "--compute", "paced",
            "--compute-ms", "0.001", "--quiet", "--out", str(out)]
     res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
     assert res.returncode != 0 and "exitcode  : 2" in res.stderr, res.stderr[-4000:]

@@ -61,6 +61,10 @@ def test_ddp_buckets_keep_tensors_whole_and_close_at_the_cap() -> None:
     # ResNet-18's gradients at DDP's 25 MB: the buckets torch 2.13's DDP rebuilt after its first iteration
     # (``_get_ddp_logging_data()["rebuilt_bucket_sizes"]``, bucket_cap_mb=25 passed explicitly).
     assert ddp_buckets(gradient_sizes("resnet18", "synthetic"), 25 * MIB) == [28872744, 15823104]
+    # DDP's default (bucket_cap_mb left unset): a first bucket of 1 MiB. The MNIST CNN's as torch 2.13 rebuilt
+    # them: fc2 and fc1 first, the convolutions after.
+    assert ddp_buckets(gradient_sizes("cnn", "mnist"), 25 * MIB, MIB) == [1611304, 75264]
+    assert ddp_buckets([10, 10, 10, 10, 5], 20, 5) == [10, 20, 15]
 
 
 def test_backward_produces_the_buckets_at_an_even_rate() -> None:
@@ -106,7 +110,7 @@ def test_homogeneous_allreduce_step_is_compute_plus_the_exposed_buckets(nproc: i
     record = simulate(SimConfig.of(algorithm="allreduce", nproc=nproc, nodes=nodes, steps=steps, batch_size=batch,
                                 model="resnet18", data="synthetic", cluster=cluster, warmup_steps=0)).to_dict()
     link = cluster.inter if nodes > 1 else cluster.intra
-    buckets = ddp_buckets(gradient_sizes("resnet18", "synthetic"), 25 * MIB)
+    buckets = ddp_buckets(gradient_sizes("resnet18", "synthetic"), 25 * MIB, MIB)  # DDP's default buckets
     alpha, beta = link.latency_s, link.bandwidth_bytes_per_s
 
     def ring_s(size: float) -> float:

@@ -92,7 +92,7 @@ def test_hosts_and_link_rate_make_the_topology_and_the_inter_node_link(tmp_path:
 def test_allreduce_step_grows_as_bytes_over_the_link_rate() -> None:
     fast, slow = _sim("allreduce", link_rate="1gbit"), _sim("allreduce", link_rate="250mbit")
     gradients = gradient_sizes("resnet18", "synthetic")
-    buckets = len(ddp_buckets(gradients, 25 * MIB))  # DDP's, one ring each, one after the other
+    buckets = len(ddp_buckets(gradients, 25 * MIB, MIB))  # DDP's default, one ring each, one after the other
     ring_bytes = 2 * 7 / 8 * sum(gradients)  # each host's link carries 2(n-1)/n of the gradients each way
     per_step = ring_bytes * 8 * (1 / 250e6 - 1 / 1e9)
     assert slow["wall_s"] - fast["wall_s"] == pytest.approx(20 * per_step, rel=1e-6)

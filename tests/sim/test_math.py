@@ -17,10 +17,12 @@ from prague.simulate.run import SimConfig, build, simulate
 EVERY_S = 0.1
 
 
-def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16, target: float | None = None) -> dict:
+def _sim(algorithm: str, nproc: int, steps: int = 60, batch_size: int = 16, target: float | None = None,
+         target_loss: float | None = None) -> dict:
     return simulate(SimConfig.of(algorithm=algorithm, scenario="paper:5", nproc=nproc, nodes=1, steps=steps,
                               batch_size=batch_size, model="mlp", data="digits", cluster=Cluster(compute_s=0.01),
-                              math="real", lr=0.05, eval_every_s=EVERY_S, target_accuracy=target)).to_dict()
+                              math="real", lr=0.05, eval_every_s=EVERY_S, target_accuracy=target,
+                              target_loss=target_loss)).to_dict()
 
 
 def assert_common_clock(record: dict) -> None:
@@ -34,16 +36,24 @@ def assert_common_clock(record: dict) -> None:
 
 @pytest.mark.parametrize("algorithm", ["allreduce", "prague:smart", "adpsgd", "ps:sync", "ps-eager"])
 def test_real_math_learns_digits(algorithm: str) -> None:
-    record = _sim(algorithm, nproc=8, target=0.6)
+    record = _sim(algorithm, nproc=8, target=0.6, target_loss=0.5)
     assert record["compute_mode"] == "real"
     assert record["test_accuracy"] > 0.8
     assert_common_clock(record)
     history = record["eval_history"]
     assert history[0]["accuracy"] < 0.3  # the initial model, at time 0
-    # the time to target is the first scored point at or above it (the bisection scored the one before)
+    # the time to target is the first scored point at or above it, in time order
     hit = min(h["wall_s"] for h in history if h["accuracy"] >= 0.6)
     assert record["time_to_target_s"] == hit
     assert all(h["accuracy"] < 0.6 for h in history if h["wall_s"] < hit)
+    # the loss target, found in the same time-order pass: the first scored point at or below it
+    assert record["target_loss"] == 0.5
+    assert record["time_to_target_loss_s"] == min(h["wall_s"] for h in history if h["loss"] <= 0.5)
+    smoothed = record["time_to_target_smoothed_s"]
+    assert smoothed is not None and history[0]["wall_s"] <= smoothed <= record["wall_s"]
+    # every worker's own final row, scored on its own
+    assert record["worst_replica_accuracy"] <= record["best_replica_accuracy"]
+    assert record["worst_replica_loss"] > 0
     if algorithm == "allreduce":
         assert record["consensus_distance"] == pytest.approx(0.0, abs=1e-6)
     else:

@@ -13,7 +13,8 @@ from prague.sim.method import SimMethod
 from prague.simulate.run import SimConfig, simulate
 
 EVERY_METHOD = ["allreduce", "ps:sync", "ps:async", "ps-eager", "adpsgd", "prague:static", "prague:smart",
-                "prague:random", "prague:ready", "dssync", "eager-sgd:solo", "eager-sgd:majority", "lossy"]
+                "prague:random", "prague:ready", "dssync", "eager-sgd:solo", "eager-sgd:majority", "lossy",
+                "localsgd", "diloco"]
 
 
 def _sim(algorithm: str, scenario: str = "paper:5", **kw: Any) -> dict[str, Any]:

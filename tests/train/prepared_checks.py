@@ -175,10 +175,33 @@ def check_scaler_refused(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
+def check_rounds(algorithm: str, opts: dict[str, object]) -> None:
+    """Methods that average every few steps (localsgd, diloco): the replicas drift apart inside a round
+    and are bit for bit equal right after its average."""
+    import torch.distributed as dist
+
+    ctx = prague.context()
+    every = 3
+    base = net()
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9), algorithm,
+                                **{**opts, "sync_every_steps": every})
+    for step in range(2 * every):
+        x, y = data(ctx.rank, step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        replicas = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+        dist.all_gather(replicas, flat)
+        equal = all(torch.equal(r, replicas[0]) for r in replicas)
+        assert equal == ((step + 1) % every == 0 or ctx.world_size == 1), (step, equal)
+    model.close()
+
+
 LAST: list[torch.optim.Optimizer] = []  # an optimizer whose method has ended, for the check after shutdown
 
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
-          "scaler_refused": check_scaler_refused}
+          "scaler_refused": check_scaler_refused, "rounds": check_rounds}
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ from prague.algorithms.api import StepTimes
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, parse_scenario
 from prague.train.harness import Harness
+from prague.train.pacing import Pace
 from prague.train.trainer import StepRecord
 from prague_testing import run_command
 
@@ -73,7 +74,7 @@ def test_a_paced_step_lasts_its_pace_times_its_slowdown() -> None:
 def test_a_pace_the_real_pass_cannot_hold_is_refused_naming_the_time() -> None:
     harness = Harness(parse_scenario("homogeneous"), 0, 1, nominal_s=0.001, paced=True)
     with pytest.raises(ConfigError, match=r"more than the pace of 1 ms; raise --compute-ms"):
-        for step in range(10):  # the pace is judged after its first 8 steps
+        for step in range(Pace.WARMUP_STEPS + 2 * Pace.WINDOW):  # judged after warm-up, on two windows
             _run_step(harness, step, real_s=0.003)
     with pytest.raises(ConfigError, match="paced compute needs compute_ms > 0"):
         Harness(parse_scenario("homogeneous"), 0, 1, paced=True)

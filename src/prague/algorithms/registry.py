@@ -7,14 +7,14 @@ simulator's lookup. Importing this module imports no method's runtime or simulat
 
 from __future__ import annotations
 
-from prague.algorithms import adpsgd, allreduce, dssync, eager_sgd, lossy, prague, ps, ps_eager
+from prague.algorithms import adpsgd, allreduce, diloco, dssync, eager_sgd, localsgd, lossy, prague, ps, ps_eager
 from prague.algorithms.spec import Method, OptionInfo
 from prague.errors import ConfigError, unknown_choice
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (allreduce.METHOD, prague.METHOD, dssync.METHOD, ps.METHOD, ps_eager.METHOD, adpsgd.METHOD,
-              eager_sgd.METHOD, lossy.METHOD)
+              eager_sgd.METHOD, lossy.METHOD, localsgd.METHOD, diloco.METHOD)
 }
 
 

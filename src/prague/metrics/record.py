@@ -25,7 +25,7 @@ from prague.metrics.summary import (
     worker_rate,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -53,6 +53,8 @@ class RunRecord:
     nproc: int | None = _doc("number of workers")
     compute_mode: str | None = _doc("`real`, `paced` or `emulated`")
     compute_ms: float | None = _doc("nominal compute time per iteration (paced, emulated, simulated, or given), ms")
+    pace_probe: dict[str, Any] | None = _doc(
+        "`--compute-ms auto`: what the probe found, `{ms, step_ms, workers, margin, probed}` (null: the pace was given)")
     model: str | None = _doc("model name")
     parameters: int | None = _doc("trainable parameters of the model")
     data: str | None = _doc("data set name")
@@ -75,11 +77,21 @@ class RunRecord:
     test_accuracy: float | None = _doc("test accuracy of the average of all replicas (null without real compute)")
     target_accuracy: float | None = _doc("the `--target-accuracy`, or null")
     time_to_target_s: float | None = _doc("time on the common clock until the average of the replicas first "
-                                          "reached the target")
-    eval_history: list[dict[str, float]] = _doc_list(
-        "`{wall_s, accuracy}` of the average of the replicas' states at `wall_s` on the common clock, the job's "
-        "end last (simulated: `{wall_s, step, accuracy}`)")
+                                          "reached the target (the first scored point at or above it)")
+    time_to_target_smoothed_s: float | None = _doc(
+        "the same on the smoothed curve: the first instant at which the mean of three consecutive coarse points' "
+        "accuracies reaches the target, interpolated linearly between scored instants")
+    target_loss: float | None = _doc("the `--target-loss`, or null")
+    time_to_target_loss_s: float | None = _doc("time on the common clock until the mean test cross-entropy loss of "
+                                               "the average of the replicas first fell to the `--target-loss`")
+    eval_history: list[dict[str, float | None]] = _doc_list(
+        "`{wall_s, accuracy, loss}` (loss: mean test cross-entropy, null if not finite) of the average of the "
+        "replicas' states at `wall_s` on the common clock, the scored grid points and the job's end last")
     consensus_distance: float | None = _doc("mean distance of the replicas from their average at the end (null if not finite)")
+    best_replica_accuracy: float | None = _doc("test accuracy of the best closing worker's own final replica")
+    worst_replica_accuracy: float | None = _doc("test accuracy of the worst closing worker's own final replica")
+    worst_replica_loss: float | None = _doc("the highest mean test cross-entropy loss of a closing worker's own "
+                                            "final replica (null if not finite)")
     mean_compute_s: list[float] = _doc_list("per worker: mean compute time per iteration after warm-up, s")
     mean_comm_s: list[float] = _doc_list("per worker: mean communication time per iteration, s")
     mean_wait_s: list[float] = _doc_list("per worker: mean time per iteration waiting for others, s")

@@ -4,17 +4,25 @@ A benchmark runs every method in every scenario on the same machine, with one or
 (``--repeat``), and produces one record per (method, scenario, seed) run (see docs/ARCHITECTURE.md). A
 *cell* is one (method, scenario) pair over its seeds (:func:`cells`). This module turns the records into
 
-- ``bench.json``: ``{"schema_version", "command", "records", "cells"}``: every seed's record, and per cell
-  the median, min and max of the time to target, the job time, the final accuracy and the throughput;
-- ``bench.md``: a title, the command that produced the run, and :func:`bench_table`: time to accuracy
-  first (median and min-max over seeds, its speed-up over ``allreduce``, final accuracy at the budget, job
-  time, samples), then throughput (with the share of purely local steps for methods that skip averages);
+- ``bench.json``: ``{"schema_version", "command", "records", "cells", "best_baselines"}``: every seed's
+  record, and per cell the median, min and max of each figure, the 95% bootstrap interval of the median
+  of the times to target and of the final accuracy, and the speed-ups (:func:`report_json`);
+- ``bench.md``: a title, then :func:`report_markdown`: the command that produced the run and
+  :func:`bench_table`: time to accuracy first (per cell the median over seeds and its 95% bootstrap
+  interval, the speed-up over ``allreduce`` and over the scenario's best baseline, final accuracy at the
+  budget, median job time and samples), then throughput (with the share of purely local steps for methods that skip
+  averages). ``prague report BENCH_JSON`` prints the same text from ``bench.json``, and the tables in the
+  docs are that text between ``<!-- prague report FILE -->`` and ``<!-- end report -->`` (a test keeps
+  them current);
 - ``accuracy.png``: test accuracy against time on the common clock, one panel per scenario, one line per
   method (the median over seeds, the min-max shaded);
 - ``throughput.png``: throughput per scenario, one bar per method, the no-wait limit dashed.
 
-Ratios are to ``allreduce`` in the same scenario (throughput also to ``allreduce`` in ``homogeneous``).
-Absolute numbers from different benchmark runs should not be compared: the machines are noisy.
+Intervals are percentile bootstrap intervals (:func:`bootstrap_median`, :func:`bootstrap_ratio`), seeded,
+so a report is the same every time it is rendered. Ratios are to ``allreduce`` in the same scenario
+(throughput also to ``allreduce`` in ``homogeneous``) and, for the time to target, to the scenario's best
+baseline (:data:`BASELINE_METHODS`). Absolute numbers from different benchmark runs should not be
+compared: the machines are noisy.
 
 Everything is rendered in memory first and only then written, each file atomically
 (:mod:`prague.io`), so a failure leaves the previous report untouched.
@@ -25,7 +33,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -39,11 +49,32 @@ from prague.metrics.summary import nominal_compute_s, scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [
+    "BASELINE_METHODS",
+    "BENCH_MD_TITLE",
+    "Bench",
+    "Interval",
     "bench_table",
+    "bootstrap_median",
+    "bootstrap_ratio",
+    "cells",
     "load_records",
     "method_label",
+    "read_bench",
+    "report_json",
+    "report_markdown",
+    "tta_table",
     "write_bench",
 ]
+
+#: The methods a new method has to beat. Per scenario, the *best baseline* is the cell with the lowest
+#: median time to target among those whose method is one of these, with any variant or none
+#: (``allreduce``, ``allreduce:backup``, ``allreduce:balanced``, ``allreduce:drop``, ``localsgd``, ``diloco``).
+BASELINE_METHODS: frozenset[str] = frozenset({"allreduce", "localsgd", "diloco"})
+#: Every interval of a report: this many bootstrap resamples, this coverage, a ``random.Random`` of this
+#: seed (fixed: the same records always give the same report, byte for byte).
+BOOTSTRAP_RESAMPLES = 10_000
+CONFIDENCE = 0.95
+BOOTSTRAP_SEED = 0
 
 _BASELINE_ALGORITHM = "allreduce"
 _HOMOGENEOUS_SCENARIO = "homogeneous"
@@ -59,11 +90,14 @@ _COLUMNS = (
     "of no-wait limit",
     "local steps",
 )
+#: The time-to-accuracy table's columns; :func:`tta_table` adds the smoothed time to target, the time to
+#: the loss target and the worst replica's accuracy where some record has them.
 _TTA_COLUMNS = (
     "method",
     "scenario",
     "time to target (s)",
     "speed-up vs allreduce",
+    "speed-up vs best baseline",
     "final accuracy",
     "job time (s)",
     "samples",
@@ -101,8 +135,18 @@ def _check_records(records: object, source: str, fix: str) -> list[dict[str, Any
     return out
 
 
-def load_records(path: Path) -> list[RunRecord]:
-    """Read the run records of a ``bench.json`` written by :func:`write_bench`.
+@dataclass(frozen=True)
+class Bench:
+    """What a ``bench.json`` holds: its run records (their JSON form, checked through :class:`RunRecord`)
+    and the command line that produced them (None in files that do not say)."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    command: str | None
+
+
+def read_bench(path: Path) -> Bench:
+    """Read a ``bench.json`` written by :func:`write_bench` (or, before schema 3, a bare list of records).
 
     ``path`` may also be the directory that holds ``bench.json``. Raises :class:`ConfigError`,
     naming the path and how to fix it, when the file is missing, is not JSON, or is not a non-empty
@@ -124,9 +168,17 @@ def load_records(path: Path) -> list[RunRecord]:
         raise ConfigError(
             f"benchmark results {str(path)!r} are not valid JSON ({exc}); {fix}"
         ) from exc
+    command = None
     if isinstance(data, dict) and "records" in data:  # {"records": [...], "cells": [...]}; a list before schema 3
+        command = data.get("command") if isinstance(data.get("command"), str) else None
         data = data["records"]
-    return [RunRecord.from_dict(r) for r in _check_records(data, f"benchmark results {str(path)!r}", fix)]
+    return Bench(path, _check_records(data, f"benchmark results {str(path)!r}", fix), command)
+
+
+def load_records(path: Path) -> list[RunRecord]:
+    """The run records of a ``bench.json`` as :class:`RunRecord` objects (:func:`read_bench`, whose
+    errors it raises)."""
+    return [RunRecord.from_dict(r) for r in read_bench(path).records]
 
 
 def load_resume(out_dir: Path, argv: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -137,7 +189,7 @@ def load_resume(out_dir: Path, argv: Sequence[str]) -> tuple[list[dict[str, Any]
     path = Path(out_dir) / "bench.json"
     if not path.is_file():
         return [], []
-    records = [r.to_dict() for r in load_records(path)]
+    records = read_bench(path).records
     data = json.loads(path.read_text(encoding="utf-8"))
     resume = data.get("resume") if isinstance(data, dict) else None
     if not isinstance(resume, dict) or not isinstance(resume.get("runs"), list) \
@@ -214,11 +266,31 @@ def _distinct(records: Sequence[Record], key: str) -> str:
     return "/".join(values)
 
 
+def _pace(records: Sequence[Record]) -> str:
+    """The step time the records' compute was paced (or emulated, or scaled) to, ``40 ms``, with
+    ``(probed)`` where a probe of the machine chose it (``pace_probe``: ``{"ms", "probed"}``); distinct
+    values joined with ``/``, empty when no record says."""
+    values: list[str] = []
+    for record in records:
+        ms, probe = record.get("compute_ms"), record.get("pace_probe")
+        probed = False
+        if isinstance(probe, Mapping):
+            ms, probed = probe.get("ms", ms), bool(probe.get("probed"))
+        if isinstance(ms, (int, float)) and not isinstance(ms, bool):
+            text = f"{float(ms):g} ms" + (" (probed)" if probed else "")
+            if text not in values:
+                values.append(text)
+    return "/".join(values)
+
+
 def _header(records: Sequence[Record]) -> str:
     budget = _distinct(records, "budget")
+    modes = _distinct(records, "compute_mode")
+    pace = _pace(records)
     return (
         f"nproc {_distinct(records, 'nproc')}, model {_distinct(records, 'model')}, "
-        f"data {_distinct(records, 'data')}, compute {_distinct(records, 'compute_mode')}"
+        f"data {_distinct(records, 'data')}, compute {modes}"
+        + ("" if not pace else f", {'pace' if 'paced' in modes.split('/') else 'nominal step'} {pace}")
         + ("" if budget == "?" else f", budget {budget}")
     )
 
@@ -261,13 +333,139 @@ def _label_of_cell(record: Record) -> tuple[str, str]:
     return method_label(record), str(record["scenario"])
 
 
-def _spread(values: Sequence[float]) -> dict[str, float] | None:
-    """``{median, min, max}`` of ``values`` (None when empty); the median of an even count is the lower
-    middle value, so it is one seed's figure (infinite times stay infinite)."""
+def _spread(values: Sequence[float], *, interval: bool = False) -> dict[str, float] | None:
+    """``{median, min, max}`` of ``values`` (None when empty), and with ``interval`` the 95% bootstrap
+    interval of the median, ``ci_low`` and ``ci_high`` (:func:`bootstrap_median`). The median of an even
+    count is the lower middle value, so it is one seed's figure (infinite times stay infinite)."""
     if not values:
         return None
     ordered = sorted(values)
-    return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1]}
+    out = {"median": _median(ordered), "min": ordered[0], "max": ordered[-1]}
+    if interval and (ci := bootstrap_median(ordered)) is not None:
+        out.update(ci_low=ci.low, ci_high=ci.high)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Intervals
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A statistic (``value``) and its bootstrap interval ``[low, high]``; a bound may be infinite
+    (``high``: the data cannot bound it, e.g. seeds that never reached a target)."""
+
+    value: float
+    low: float
+    high: float
+
+
+def _median(ordered: Sequence[float]) -> float:
+    """The median of sorted values: the lower middle one for an even count, so always one seed's value."""
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _check_bootstrap(values: Sequence[float], resamples: int, confidence: float) -> list[float]:
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ConfigError(f"bootstrap resamples must be a positive integer, got {resamples!r}; pass e.g. "
+                          f"{BOOTSTRAP_RESAMPLES}")
+    if not 0.0 < confidence < 1.0:
+        raise ConfigError(f"bootstrap confidence must be in (0, 1), got {confidence!r}; pass e.g. {CONFIDENCE}")
+    ordered = sorted(float(v) for v in values)
+    if any(math.isnan(v) for v in ordered):
+        raise ConfigError(f"cannot bootstrap {list(values)!r}: NaN has no order; leave out the runs without "
+                          "the figure, or count a missed target as infinitely late (inf)")
+    return ordered
+
+
+def _resampled_median(ordered: Sequence[float], draw: Any) -> float:
+    """The median of ``len(ordered)`` values drawn with replacement from sorted ``ordered`` with
+    ``draw() -> [0, 1)``: the value at the median of the drawn indices, since the values are sorted."""
+    n = len(ordered)
+    picks = sorted([int(draw() * n) for _ in range(n)])
+    return ordered[picks[(n - 1) // 2]]
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` percentile of sorted bootstrap replications: the ``ceil(B q)``-th value (1-based; Efron &
+    Tibshirani's B*alpha-th value), no interpolation, so an infinite replication is never averaged."""
+    k = math.ceil(round(len(ordered) * q, 9))
+    return ordered[min(len(ordered), max(1, k)) - 1]
+
+
+def bootstrap_median(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
+                     confidence: float = CONFIDENCE, seed: int = BOOTSTRAP_SEED) -> Interval | None:
+    """The median of ``values`` (the lower middle value for an even count) and its percentile bootstrap
+    interval (Efron & Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13).
+
+    ``resamples`` times, draw ``len(values)`` values with replacement (from ``random.Random(seed)``) and
+    take their median; the interval is the ``(1 - confidence) / 2`` and ``(1 + confidence) / 2``
+    percentiles of those medians. Pure and deterministic: the same arguments give the same interval.
+    ``inf`` (a seed that never reached a target: infinitely late) sorts last, so a bound that falls on it
+    is infinite. One value, or all equal: the interval is that value. None when ``values`` is empty;
+    :class:`ConfigError` for NaN, ``resamples < 1`` or ``confidence`` outside (0, 1).
+    """
+    ordered = _check_bootstrap(values, resamples, confidence)
+    if not ordered:
+        return None
+    median = _median(ordered)
+    if ordered[0] == ordered[-1]:
+        return Interval(median, median, median)
+    draw = random.Random(seed).random
+    replications = sorted(_resampled_median(ordered, draw) for _ in range(resamples))
+    return Interval(median, _percentile(replications, (1 - confidence) / 2),
+                    _percentile(replications, (1 + confidence) / 2))
+
+
+def _divide(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator`` of two times, with ``x / inf = 0`` and ``inf / x = inf`` (one side never
+    reached the target); None when undefined (both infinite, or both zero)."""
+    if math.isinf(numerator) and math.isinf(denominator) or numerator == denominator == 0:
+        return None
+    if math.isinf(numerator) or denominator == 0:
+        return math.inf
+    return numerator / denominator
+
+
+def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
+                    resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                    seed: int = BOOTSTRAP_SEED) -> Interval | None:
+    """The ratio of medians ``median(numerator) / median(denominator)`` and its percentile bootstrap
+    interval (Efron & Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13). A speed-up is
+    ``bootstrap_ratio(baseline_times, times)``.
+
+    Each replication resamples the two samples independently, each with replacement and its own size
+    (from one ``random.Random(seed)``, the numerator first), and divides the resampled medians; the
+    interval is the ``(1 - confidence) / 2`` and ``(1 + confidence) / 2`` percentiles of the
+    replications. Infinite values count as infinitely late: ``x / inf = 0``, ``inf / x = inf``; a
+    replication with both medians infinite is undefined and counts as 0 for the lower bound and as inf
+    for the upper one, so the interval covers whatever it would have been. Pure and deterministic. None
+    when either sample is empty or the ratio of the medians themselves is undefined; :class:`ConfigError`
+    for NaN or bad settings (as :func:`bootstrap_median`).
+    """
+    top = _check_bootstrap(numerator, resamples, confidence)
+    bottom = _check_bootstrap(denominator, resamples, confidence)
+    if not top or not bottom:
+        return None
+    value = _divide(_median(top), _median(bottom))
+    if value is None:
+        return None
+    if top[0] == top[-1] and bottom[0] == bottom[-1]:
+        return Interval(value, value, value)
+    draw = random.Random(seed).random
+    lows: list[float] = []
+    highs: list[float] = []
+    for _ in range(resamples):
+        ratio = _divide(_resampled_median(top, draw), _resampled_median(bottom, draw))
+        lows.append(0.0 if ratio is None else ratio)
+        highs.append(math.inf if ratio is None else ratio)
+    lows.sort()
+    highs.sort()
+    return Interval(value, _percentile(lows, (1 - confidence) / 2), _percentile(highs, (1 + confidence) / 2))
+
+
+# --------------------------------------------------------------------------------------------------
+# Cells: one (method, scenario) over its seeds
 
 
 def local_share(record: Record) -> float | None:
@@ -284,42 +482,101 @@ def local_share(record: Record) -> float | None:
     return sum(float(v) * w for v, w in zip(shares, weights)) / total if total > 0 else None
 
 
+def _times(records: Sequence[Record], key: str) -> list[float]:
+    """Each record's ``key`` (a time to a target), ``inf`` where it never reached it: no time, or the run
+    diverged (the model it left is broken, whatever the record says)."""
+    return [float(r[key]) if r.get(key) is not None and not r.get("diverged") else math.inf for r in records]
+
+
+def _speedup_figure(baseline: list[float], times: list[float]) -> dict[str, float] | None:
+    if baseline is times:  # a cell over itself: 1 by definition, not two independent resamplings of one sample
+        return {"ratio": 1.0, "ci_low": 1.0, "ci_high": 1.0} if times and math.isfinite(_median(sorted(times))) \
+            else None
+    ratio = bootstrap_ratio(baseline, times)
+    return None if ratio is None else {"ratio": ratio.value, "ci_low": ratio.low, "ci_high": ratio.high}
+
+
 def cells(records: Sequence[RecordLike]) -> list[dict[str, Any]]:
-    """One entry per (method, scenario), in first-seen order, over its seeds: ``seeds``, ``reached`` (seeds
-    that reached the target), and ``{median, min, max}`` of ``time_to_target_s`` (a seed that never reached
-    it counts as infinitely late: null in JSON), ``job_s``, ``test_accuracy``, ``samples``,
-    ``throughput_samples_per_s`` and ``local_step_share`` (None where no seed has the figure), and
-    ``diverged`` (seeds whose run diverged: each counts as never reaching the target, whatever its record
-    says, since the model it left is broken)."""
+    """One entry per (method, scenario), in first-seen order, over its seeds.
+
+    Each has ``seeds``, ``reached`` (seeds that reached the target), ``diverged`` (seeds whose run
+    diverged: each counts as never reaching any target, whatever its record says, since the model it left
+    is broken), ``target_accuracy`` and ``target_loss``, and per figure ``{median, min, max}`` (None where
+    no seed has it): ``time_to_target_s`` (a seed that never reached the target counts as infinitely late:
+    null in JSON), ``time_to_target_smoothed_s`` (when some record of the bench has it) and
+    ``time_to_target_loss_s`` (seeds with a ``target_loss``) and ``test_accuracy``, each of these four
+    with ``ci_low``/``ci_high``, the 95% bootstrap interval of the median (:func:`bootstrap_median`); and
+    ``job_s``, ``samples``, ``throughput_samples_per_s``, ``local_step_share``,
+    ``worst_replica_accuracy`` and ``best_replica_accuracy``.
+
+    Speed-ups in the time to target, ``{ratio, ci_low, ci_high}`` (the ratio of the medians and its
+    bootstrap interval, :func:`bootstrap_ratio`; a cell over itself: exactly 1), or None without the two
+    cells' times or when neither median is finite:
+    ``speedup_vs_allreduce`` (over ``allreduce`` without a variant in the same scenario) and
+    ``speedup_vs_best_baseline`` over ``best_baseline``, the scenario's fastest cell (lowest median time
+    to target, the first on ties) whose method is one of :data:`BASELINE_METHODS` (None without one).
+    """
     groups: dict[tuple[str, str], list[Record]] = {}
     for record in _check_records(list(records), "bench records", _RECORDS_FIX):
         groups.setdefault(_label_of_cell(record), []).append(record)
-    out = []
+    everything = [r for group in groups.values() for r in group]
+    smoothed = any(r.get("time_to_target_smoothed_s") is not None for r in everything)
+    out: list[dict[str, Any]] = []
+    times: dict[tuple[str, str], list[float]] = {}
+    baselines: dict[str, list[dict[str, Any]]] = {}
     for (method, scenario), group in groups.items():
         targeted = [r for r in group if r.get("target_accuracy") is not None]
+        loss_targeted = [r for r in group if r.get("target_loss") is not None]
 
         def figures(key: str, group: list[Record] = group) -> list[float]:
             return [float(r[key]) for r in group if r.get(key) is not None]
 
-        tta = [float(r["time_to_target_s"]) if r.get("time_to_target_s") is not None and not r.get("diverged")
-               else math.inf for r in targeted]
-        out.append({
+        tta = times[(method, scenario)] = _times(targeted, "time_to_target_s")
+        cell: dict[str, Any] = {
             "method": method, "scenario": scenario, "seeds": [r.get("seed") for r in group],
             "target_accuracy": targeted[0]["target_accuracy"] if targeted else None,
+            "target_loss": loss_targeted[0]["target_loss"] if loss_targeted else None,
             "reached": sum(math.isfinite(t) for t in tta),
-            "time_to_target_s": _spread(tta),
+            "time_to_target_s": _spread(tta, interval=True),
+            "time_to_target_smoothed_s": _spread(_times(targeted, "time_to_target_smoothed_s") if smoothed else [],
+                                                 interval=True),
+            "time_to_target_loss_s": _spread(_times(loss_targeted, "time_to_target_loss_s"), interval=True),
             "job_s": _spread(figures("job_s") or figures("wall_s")),
-            "test_accuracy": _spread(figures("test_accuracy")),
+            "test_accuracy": _spread(figures("test_accuracy"), interval=True),
+            "worst_replica_accuracy": _spread(figures("worst_replica_accuracy")),
+            "best_replica_accuracy": _spread(figures("best_replica_accuracy")),
             "samples": _spread(figures("samples")),
             "throughput_samples_per_s": _spread(figures("throughput_samples_per_s")),
             "local_step_share": _spread([v for r in group if (v := local_share(r)) is not None]),
             "diverged": sum(bool(r.get("diverged")) for r in group),
-        })
+        }
+        out.append(cell)
+        if group[0]["algorithm"] in BASELINE_METHODS and tta:
+            baselines.setdefault(scenario, []).append(cell)
+    best = {scenario: min(candidates, key=lambda c: c["time_to_target_s"]["median"])
+            for scenario, candidates in baselines.items()}
+    for cell in out:
+        key = (cell["method"], cell["scenario"])
+        allreduce = times.get((_BASELINE_ALGORITHM, cell["scenario"]))
+        fastest = best.get(cell["scenario"])
+        cell["speedup_vs_allreduce"] = _speedup_figure(allreduce, times[key]) if allreduce and times[key] else None
+        cell["best_baseline"] = fastest["method"] if fastest else None
+        if fastest is not None and fastest["method"] == _BASELINE_ALGORITHM:  # the same figure: resample once
+            cell["speedup_vs_best_baseline"] = cell["speedup_vs_allreduce"]
+        else:
+            cell["speedup_vs_best_baseline"] = (_speedup_figure(times[(fastest["method"], fastest["scenario"])],
+                                                                times[key]) if fastest and times[key] else None)
     return out
 
 
+def _best_baselines(table: Sequence[dict[str, Any]]) -> dict[str, str | None]:
+    """Each scenario's best baseline (first-seen order), None where it has none."""
+    return {c["scenario"]: c["best_baseline"] for c in table}
+
+
 def _json_cells(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``cells`` with infinite times (a seed never reached the target) written as null."""
+    """``cells`` with infinite values (a seed never reached the target; an interval without an upper
+    bound) written as null."""
     def clean(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
@@ -327,72 +584,124 @@ def _json_cells(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [clean(c) for c in table]
 
 
+# --------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _bound(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else "-"
+
+
+def _with_interval(value: float, low: float | None, high: float | None, spec: str, unit: str = "") -> str:
+    """``12.3 [11.0, 14.1]``: a value and its interval, the interval left out where it is the value
+    itself at this precision; an infinite value or bound is ``-``."""
+    text = _bound(value, spec) + (unit if math.isfinite(value) else "")
+    if low is None or high is None:
+        return text
+    low_text, high_text = _bound(low, spec), _bound(high, spec)
+    if low_text == high_text == _bound(value, spec):
+        return text
+    return f"{text} [{low_text}, {high_text}]"
+
+
 def _seconds(spread: dict[str, float] | None) -> str:
-    """``12.3 [11.0-14.1]``: the median and the range over seeds (``-`` for never)."""
+    """The median time over seeds and its 95% interval (``-`` for never); ``n/a`` for no figure."""
     if spread is None:
         return "n/a"
-
-    def one(v: float) -> str:
-        return f"{v:.1f}" if math.isfinite(v) else "-"
-    if one(spread["min"]) == one(spread["max"]):
-        return one(spread["median"])
-    return f"{one(spread['median'])} [{one(spread['min'])}-{one(spread['max'])}]"
+    return _with_interval(spread["median"], spread.get("ci_low"), spread.get("ci_high"), ".1f")
 
 
-def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    mine, theirs = cell["time_to_target_s"], baseline and baseline["time_to_target_s"]
-    if not mine or not theirs or not math.isfinite(mine["median"]) or mine["median"] <= 0:
-        return "n/a" if not theirs or not mine else "-"
-    if not math.isfinite(theirs["median"]):
-        return "allreduce never"
-    return f"{theirs['median'] / mine['median']:.2f}x"
-
-
-def _percent(spread: dict[str, float] | None) -> str:
+def _percent(spread: dict[str, float] | None, *, interval: bool = True) -> str:
     if spread is None:
         return "-"
-    low, high = f"{100 * spread['min']:.2f}", f"{100 * spread['max']:.2f}"
-    text = f"{100 * spread['median']:.2f}%"
-    return text if low == high else f"{text} [{low}-{high}]"
+    scaled = {k: 100 * v for k, v in spread.items()}
+    if not interval:
+        return f"{scaled['median']:.2f}%"
+    return _with_interval(scaled["median"], scaled.get("ci_low"), scaled.get("ci_high"), ".2f", "%")
 
 
-def tta_table(records: Sequence[RecordLike]) -> str:
-    """The time-to-accuracy table: one row per (method, scenario) over its seeds."""
-    table = cells(records)
-    baselines = {c["scenario"]: c for c in table if c["method"] == _BASELINE_ALGORITHM}
+def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None, figure: dict[str, float] | None) -> str:
+    """A speed-up's cell: ``2.00x [1.50, 3.10]``; ``-`` when ``cell`` never reached the target, ``NAME
+    never`` when only the baseline did not, ``n/a`` without the two cells' times."""
+    mine = cell["time_to_target_s"]
+    if baseline is None or not mine or not baseline["time_to_target_s"]:
+        return "n/a"
+    if not math.isfinite(mine["median"]) or mine["median"] <= 0 or figure is None:
+        return "-"
+    if not math.isfinite(baseline["time_to_target_s"]["median"]):
+        return f"{baseline['method']} never"
+    return _with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x")
+
+
+def _targets(table: Sequence[dict[str, Any]], key: str) -> str:
+    return "/".join(f"{v:g}" for v in sorted({c[key] for c in table if c[key] is not None}))
+
+
+def _tta_text(table: Sequence[dict[str, Any]]) -> str:
+    """The time-to-accuracy table of ``cells``, and under it each scenario's best baseline."""
+    by_method = {(c["method"], c["scenario"]): c for c in table}
+    best = _best_baselines(table)
     targets = sorted({c["target_accuracy"] for c in table if c["target_accuracy"] is not None})
     title = ("Time to " + "/".join(f"{100 * t:g}%" for t in targets) + " test accuracy"
              if targets else "No --target-accuracy: no time to target")
-    lines = [f"{title} (median [min-max] over seeds; `-`: not reached)", "",
-             "| " + " | ".join(_TTA_COLUMNS) + " |",
-             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(_TTA_COLUMNS))) + "|"]
+    optional = {  # column: shown when some cell has the figure
+        "time to target, smoothed (s)": any(c["time_to_target_smoothed_s"] for c in table),
+        f"time to loss {_targets(table, 'target_loss')} (s)": any(c["time_to_target_loss_s"] for c in table),
+        "worst replica accuracy": any(c["worst_replica_accuracy"] for c in table),
+    }
+    columns = list(_TTA_COLUMNS)
+    for name, shown in optional.items():
+        if shown:
+            columns.insert(columns.index("job time (s)" if name.endswith("accuracy") else "final accuracy"), name)
+    lines = [f"{title} (median over seeds [95% percentile-bootstrap interval of the median]; speed-up: the "
+             "ratio of the medians [95% bootstrap interval]; `-`: not reached, or no upper bound)", "",
+             "| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|"]
     for cell in table:
+        seeds = len(cell["seeds"])
         tta = _seconds(cell["time_to_target_s"])
-        if cell["time_to_target_s"] is not None and len(cell["seeds"]) > 1 and cell["reached"] < len(cell["seeds"]):
-            tta += f" ({cell['reached']}/{len(cell['seeds'])} reached)"
-        speedup = _speedup(cell, baselines.get(cell["scenario"]))
+        if cell["time_to_target_s"] is not None and seeds > 1 and cell["reached"] < seeds:
+            tta += f" ({cell['reached']}/{seeds} reached)"
+        best_cell = by_method.get((best[cell["scenario"]], cell["scenario"])) if best[cell["scenario"]] else None
+        speedups = [_speedup(cell, by_method.get((_BASELINE_ALGORITHM, cell["scenario"])),
+                             cell["speedup_vs_allreduce"]),
+                    _speedup(cell, best_cell, cell["speedup_vs_best_baseline"])]
         if cell["diverged"]:
-            tta += f" ({cell['diverged']}/{len(cell['seeds'])} DIVERGED)"
-            speedup = "diverged" if speedup in ("-", "n/a") else f"{speedup}, {cell['diverged']} diverged"
+            tta += f" ({cell['diverged']}/{seeds} DIVERGED)"
+            speedups = ["diverged" if s in ("-", "n/a") else f"{s}, {cell['diverged']} diverged" for s in speedups]
         samples = cell["samples"]
-        row = (cell["method"], cell["scenario"], tta, speedup,
-               _percent(cell["test_accuracy"]), _seconds(cell["job_s"]),
-               "-" if samples is None else f"{samples['median']:.0f}", str(len(cell["seeds"])))
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+        values = {
+            "method": cell["method"], "scenario": cell["scenario"], "time to target (s)": tta,
+            "speed-up vs allreduce": speedups[0], "speed-up vs best baseline": speedups[1],
+            "time to target, smoothed (s)": _seconds(cell["time_to_target_smoothed_s"]),
+            f"time to loss {_targets(table, 'target_loss')} (s)": _seconds(cell["time_to_target_loss_s"]),
+            "final accuracy": _percent(cell["test_accuracy"]),
+            "worst replica accuracy": _percent(cell["worst_replica_accuracy"], interval=False),
+            "job time (s)": "n/a" if cell["job_s"] is None else f"{cell['job_s']['median']:.1f}",
+            "samples": "-" if samples is None else f"{samples['median']:.0f}", "seeds": str(seeds),
+        }
+        lines.append("| " + " | ".join(_cell(values[c]) for c in columns) + " |")
+    if targets:
+        names = ", ".join(f"`{m}`" for m in sorted(BASELINE_METHODS))
+        lines += ["", f"Best baseline per scenario (the fastest of {names}, with any variant): "
+                  + "; ".join(f"{scenario}: {method or 'n/a'}" for scenario, method in best.items())]
     return "\n".join(lines) + "\n"
 
 
-def bench_table(records: Sequence[RecordLike]) -> str:
-    """Render runs as GitHub markdown, preceded by a one-line header of the shared settings: the time to
-    accuracy first (:func:`tta_table`), then one throughput row per run (per seed).
+def tta_table(records: Sequence[RecordLike]) -> str:
+    """The time-to-accuracy table: one row per (method, scenario) over its seeds (:func:`cells`): the
+    median time to target and its 95% bootstrap interval, the speed-ups over ``allreduce`` and over the
+    scenario's best baseline (named under the table), final accuracy, the median job time and samples;
+    and where some record has them, the smoothed time to target, the time to the loss target and the
+    worst replica's final accuracy (the median over seeds). Raises :class:`ConfigError` if a record lacks
+    a required key."""
+    return _tta_text(cells(records))
 
-    Throughput rows are grouped by scenario in first-seen order. Ratios are taken against the
-    ``allreduce`` record without a variant of the same scenario (and seed) and of scenario ``homogeneous``;
-    ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required key.
-    """
-    checked = harmonize_limits(_check_records(list(records), "bench_table records", _RECORDS_FIX))
-    lines = [_header(checked), "", tta_table(checked), "Throughput (samples/s after warm-up, over the window in "
-             "which every worker trains; it ignores when the job ends: read it with the job time above)", "",
+
+def _throughput_text(checked: Sequence[Record]) -> str:
+    """The throughput table of checked, harmonized records: one row per run (per seed)."""
+    lines = ["Throughput (samples/s after warm-up, over the window in which every worker trains; it ignores "
+             "when the job ends: read it with the job time above)", "",
              "| " + " | ".join(_COLUMNS) + " |",
              "|" + "|".join("---" if i < 3 else "---:" for i in range(len(_COLUMNS))) + "|"]
     for seed in dict.fromkeys(r.get("seed") for r in checked):
@@ -416,6 +725,53 @@ def bench_table(records: Sequence[RecordLike]) -> str:
                 )
                 lines.append("| " + " | ".join(_cell(c) for c in cells_) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tables(checked: Sequence[Record], table: Sequence[dict[str, Any]], tta_only: bool = False) -> str:
+    parts = [_header(checked), "", _tta_text(table)]
+    return "\n".join(parts if tta_only else parts + [_throughput_text(checked)])
+
+
+def _checked(records: Sequence[RecordLike], source: str) -> list[dict[str, Any]]:
+    return harmonize_limits(_check_records(list(records), source, _RECORDS_FIX))
+
+
+def bench_table(records: Sequence[RecordLike]) -> str:
+    """Render runs as GitHub markdown, preceded by a one-line header of the shared settings: the time to
+    accuracy first (:func:`tta_table`), then one throughput row per run (per seed).
+
+    Throughput rows are grouped by scenario in first-seen order. Ratios are taken against the
+    ``allreduce`` record without a variant of the same scenario (and seed) and of scenario ``homogeneous``;
+    ``n/a`` when that record is missing. Raises :class:`ConfigError` if a record lacks a required key.
+    """
+    checked = _checked(records, "bench_table records")
+    return _tables(checked, cells(checked))
+
+
+def _report_text(checked: Sequence[Record], table: Sequence[dict[str, Any]], command: str | None,
+                 tta_only: bool = False) -> str:
+    return "\n".join((["```", command, "```", ""] if command else []) + [_tables(checked, table, tta_only)])
+
+
+def report_markdown(records: Sequence[RecordLike], command: str | None = None, *, tta_only: bool = False) -> str:
+    """What ``bench.md`` holds under its title and ``prague report`` prints: the command that produced the
+    runs (a fenced block, when given), then :func:`bench_table`; ``tta_only`` (``prague report --tta``):
+    the time-to-accuracy table without the throughput rows of every seed. The docs' generated tables are
+    this text. Raises :class:`ConfigError` if a record lacks a required key."""
+    checked = _checked(records, "report records")
+    return _report_text(checked, cells(checked), command, tta_only)
+
+
+def _summary(table: list[dict[str, Any]], command: str | None) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, "command": command, "cells": _json_cells(table),
+            "best_baselines": _best_baselines(table)}
+
+
+def report_json(records: Sequence[RecordLike], command: str | None = None) -> dict[str, Any]:
+    """``prague report --json``: ``{"schema_version", "command", "cells", "best_baselines"}``, the cells as
+    ``bench.json`` holds them (:func:`cells`, infinite values as null) and each scenario's best baseline
+    (null without one). Raises :class:`ConfigError` if a record lacks a required key."""
+    return _summary(cells(_checked(records, "report records")), command)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,12 +917,8 @@ def _accuracy_figure(records: Sequence[Record]) -> Figure:
 # Files
 
 
-def _markdown(records: Sequence[dict[str, Any]], command: str | None) -> str:
-    parts = ["# prague benchmark", ""]
-    if command:
-        parts += ["```", command, "```", ""]
-    parts.append(bench_table(list(records)))
-    return "\n".join(parts)
+#: ``bench.md``'s first lines; :func:`report_markdown` follows.
+BENCH_MD_TITLE = "# prague benchmark\n\n"
 
 
 def write_bench(
@@ -586,7 +938,7 @@ def write_bench(
     leave an earlier report in ``out_dir`` untouched. Returns the paths keyed ``"json"``, ``"md"``,
     ``"throughput"``, ``"accuracy"``.
     """
-    checked = harmonize_limits(_check_records(list(records), "write_bench records", _RECORDS_FIX))
+    checked = _checked(records, "write_bench records")
     try:
         # allow_nan=False: NaN would make bench.json unreadable by strict JSON parsers.
         json.dumps(checked, allow_nan=False)
@@ -595,7 +947,8 @@ def write_bench(
             f"benchmark records cannot be written as JSON ({exc}); keep record values to "
             "str, int, float (finite), bool, None, lists and dicts"
         ) from exc
-    markdown = _markdown(checked, command)
+    table = cells(checked)
+    markdown = BENCH_MD_TITLE + _report_text(checked, table, command)
     throughput_png = _png(_throughput_figure(checked))
     accuracy_png = _png(_accuracy_figure(checked))
 
@@ -607,7 +960,7 @@ def write_bench(
         "accuracy": out_dir / "accuracy.png",
     }
     document: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "command": command, "records": checked,
-                                "cells": _json_cells(cells(checked))}
+                                **_summary(table, command)}
     if resume is not None:
         document["resume"] = dict(resume)
     atomic_write_json(paths["json"], document)

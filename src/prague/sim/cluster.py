@@ -124,7 +124,8 @@ class Cluster:
     the compute: what DDP's bucketed all-reduce overlaps with (:func:`prague.sim.costs.exposed_allreduce_s`).
     The scenario's extra time is not in it (the runtime sleeps it before forward), nor is the overhead.
     ``allreduce_ring_factor`` scales the alpha-beta ring time of the all-reduces of ``allreduce``,
-    ``eager-sgd`` and ``lossy`` (the collective's measured distance from the ideal ring; calibration fits it).
+    ``eager-sgd``, ``lossy``, ``localsgd`` and ``diloco`` (the collective's measured distance from the ideal
+    ring; calibration fits it).
     """
 
     name: str = "custom"

@@ -42,21 +42,23 @@ BYTES_PER_FLOAT32 = 4
 MIB = 2**20  # DDP's "MB" of --bucket-cap-mb
 
 
-def ddp_buckets(tensor_bytes: Sequence[float], bucket_cap_bytes: float) -> list[float]:
+def ddp_buckets(tensor_bytes: Sequence[float], bucket_cap_bytes: float,
+                first_cap_bytes: float | None = None) -> list[float]:
     """The bytes of each of DDP's gradient buckets, in the order backward fills them.
 
     ``tensor_bytes``: the gradients' sizes in the order backward produces them (the reverse of
     ``model.parameters()``). As DDP's reducer once it has rebuilt its buckets after the first iteration
     (``torch.distributed._compute_bucket_assignment_by_size``): tensors stay whole, and a bucket closes
-    as soon as it holds ``bucket_cap_bytes`` or more, so a bucket may exceed the cap and the last one is
-    the rest. The runtime passes ``bucket_cap_mb`` to DDP explicitly, so its first bucket has the same
-    cap as the others (DDP's 1 MiB first bucket applies only when the cap is left at its default).
+    as soon as it holds its cap or more, so a bucket may exceed the cap and the last one is the rest. The
+    first bucket's cap is ``first_cap_bytes`` (DDP's 1 MiB when its bucket size is left at the default:
+    the runtime's ``--bucket-cap-mb`` unset), the others' ``bucket_cap_bytes``.
     """
     buckets: list[float] = []
     filled = 0.0
     for size in tensor_bytes:
         filled += size
-        if filled >= bucket_cap_bytes:
+        cap = first_cap_bytes if first_cap_bytes is not None and not buckets else bucket_cap_bytes
+        if filled >= cap:
             buckets.append(filled)
             filled = 0.0
     if filled > 0 or not buckets:

@@ -17,11 +17,14 @@ workers than that (digits has 1,437 training images) each worker instead draws i
 the whole training set, seeded by (seed, rank, step). Models with buffers (BatchNorm) are not
 supported: buffers would be shared by all simulated workers.
 
-Evaluation is on the common clock, as in ``prague run`` (:mod:`prague.train.evaluation`): at every point
-``j * every_s`` of the simulated clock (``--eval-every-s``, the same grid that doubles past
-:data:`~prague.metrics.grid.MAX_POINTS` intervals) the mean of the workers' rows is kept, i.e. what a
-user stopping the job then would get; after the run the same points are scored, the curve's and then a
-bisection for the time to the target (:func:`~prague.metrics.grid.first_reaching`), plus the final mean.
+Evaluation is on the common clock, as in ``prague run`` (:mod:`prague.train.evaluation`): at every kept
+point ``j * every_s`` of the simulated clock (``--eval-every-s``; :func:`~prague.metrics.grid.kept` with
+:data:`~prague.metrics.grid.MAX_POINTS` dense points, the runtime's grid for a small model) the mean of the
+workers' rows is kept, i.e. what a user stopping the job then would get; after the run the same points are
+scored (accuracy and mean cross-entropy loss) by the runtime's time-order scan
+(:func:`~prague.metrics.grid.scan`: the times to the targets, the smoothed one too), plus the final mean.
+Every worker's final row is scored on its own too (``best_replica_accuracy``, ``worst_replica_accuracy``,
+``worst_replica_loss``): one pass over the test set per simulated worker.
 
 :class:`NoMath` has the same methods and does nothing, so a method's code never branches on the mode.
 """
@@ -41,7 +44,7 @@ from torch.func import functional_call
 
 from prague.errors import ConfigError, unknown_choice
 from prague.hetero.spec import uniform
-from prague.metrics.grid import DEFAULT_EVAL_EVERY_S, MAX_POINTS, first_reaching, grid_level
+from prague.metrics.grid import DEFAULT_EVAL_EVERY_S, MAX_POINTS, Score, next_kept, scan
 from prague.optim import SGDRule
 from prague.workload.data import Dataset, GlobalBatches, ShardLoader, load_dataset
 from prague.workload.models import build_model
@@ -61,6 +64,7 @@ class MathConfig:
     seed: int = 0
     eval_every_s: float | None = None
     target_accuracy: float | None = None
+    target_loss: float | None = None
 
 
 @lru_cache(maxsize=4)
@@ -117,7 +121,8 @@ class NoMath:
     def use_global_batches(self, index_of: Callable[[int, int], int]) -> None: ...
 
     def results(self) -> dict[str, Any]:
-        return {"test_accuracy": None, "eval_history": [], "consensus_distance": None, "time_to_target_s": None}
+        """The record's evaluation fields (none without arithmetic)."""
+        return {"test_accuracy": None, "eval_history": [], "consensus_distance": None}
 
 
 class RealMath(NoMath):
@@ -156,7 +161,7 @@ class RealMath(NoMath):
         self._global: GlobalBatches | None = None
         self.every_s = config.eval_every_s or DEFAULT_EVAL_EVERY_S
         self.steps = steps
-        self.entries: dict[int, torch.Tensor] = {}  # grid index -> the workers' mean at that point
+        self.entries: dict[int, torch.Tensor] = {}  # kept grid index -> the workers' mean at that point
         self.end_s = 0.0  # the last iteration's end: the job's time
 
     # -- data and gradients -------------------------------------------------------------------------
@@ -283,19 +288,18 @@ class RealMath(NoMath):
             # deadlock, which the method reports): no more points
             if finished() or not engine.pending:
                 return
-            level = grid_level(engine.now, self.every_s, MAX_POINTS)
             self.entries[j] = self.X[: self.n].mean(dim=0)
-            for old in [i for i in self.entries if i % 2 ** level]:
-                del self.entries[old]
-            step = 2 ** level
-            engine.at((j // step + 1) * step * self.every_s, tick, (j // step + 1) * step)
+            following = next_kept(j, MAX_POINTS)
+            engine.at(following * self.every_s, tick, following)
 
         engine.at(0.0, tick, 0)
 
     @torch.no_grad()
-    def accuracy(self, flat: torch.Tensor) -> float:
+    def evaluate(self, flat: torch.Tensor) -> Score:
+        """(test accuracy, mean test cross-entropy loss) of the parameters ``flat``."""
         out = functional_call(self.model, self._params(flat), (self.data.test_x,))
-        return float((out.argmax(dim=1) == self.data.test_y).float().mean())
+        accuracy = float((out.argmax(dim=1) == self.data.test_y).float().mean())
+        return accuracy, float(F.cross_entropy(out.double(), self.data.test_y))
 
     def results(self) -> dict[str, Any]:
         workers = self.X[: self.n]
@@ -304,12 +308,20 @@ class RealMath(NoMath):
         points = sorted(j for j in self.entries if j * self.every_s < self.end_s)
         states = [self.entries[j] for j in points] + [mean]
         times = [j * self.every_s for j in points] + [self.end_s]
-        scores, hit = first_reaching(lambda i: self.accuracy(states[i]), len(states), self.config.target_accuracy)
+        found = scan(lambda i: self.evaluate(states[i]), times, self.config.target_accuracy, self.config.target_loss)
+        replicas = [self.evaluate(row) for row in workers]
+        worst_loss = max(loss for _, loss in replicas)
         return {
-            "test_accuracy": scores[len(states) - 1],
-            "eval_history": [{"wall_s": times[i], "accuracy": scores[i]} for i in sorted(scores)],
+            "test_accuracy": found.scores[len(states) - 1][0],
+            "eval_history": [{"wall_s": times[i], "accuracy": accuracy, "loss": loss if math.isfinite(loss) else None}
+                             for i, (accuracy, loss) in sorted(found.scores.items())],
             "consensus_distance": consensus if math.isfinite(consensus) else None,
-            "time_to_target_s": None if hit is None else times[hit],
+            "time_to_target_s": None if found.accuracy_hit is None else times[found.accuracy_hit],
+            "time_to_target_smoothed_s": found.smoothed_s,
+            "time_to_target_loss_s": None if found.loss_hit is None else times[found.loss_hit],
+            "best_replica_accuracy": max(accuracy for accuracy, _ in replicas),
+            "worst_replica_accuracy": min(accuracy for accuracy, _ in replicas),
+            "worst_replica_loss": worst_loss if math.isfinite(worst_loss) else None,
         }
 
 

@@ -96,6 +96,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cluster_from_args(args: argparse.Namespace, base: Cluster | None = None) -> Cluster:
     """``--cluster`` (or ``base``) with the single-value flags applied; ConfigError naming a bad flag."""
     cluster = base if base is not None else load_cluster(args.cluster or "paper")
+    if isinstance(args.compute_ms, str):
+        raise ConfigError("--compute-ms auto probes this machine for real runs (prague run, prague bench); the "
+                          "simulator's nominal compute is a number of ms: give one")
     if getattr(args, "allreduce_exposed", None) is not None:
         raise ConfigError("--allreduce-exposed is gone: the simulator plays out DDP's buckets (--bucket-cap-mb) "
                           "against backward; set --backward-share (0: nothing hidden) and --allreduce-ring-factor")

@@ -186,6 +186,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     math = make_math(config.math, run.nproc, steps, MathConfig(
         model=run.model, data=run.data, data_dir=run.data_dir, batch_size=run.batch_size, lr=run.lr,
         momentum=run.momentum, seed=run.seed, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
+        target_loss=run.target_loss,
     ))
     world = World(cluster=cluster, topology=config.topology,
                   scenario=parse_scenario(run.scenario, seed=run.seed), steps=steps,
@@ -261,9 +262,8 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         wall_s=max((e[-1] for e in world.end_s if e), default=0.0),
         job_s=max((e[-1] for e in world.end_s if e), default=0.0),  # the clock starts at 0 for every worker
         samples=sum(worker_samples), worker_samples=worker_samples,
-        test_accuracy=results["test_accuracy"], target_accuracy=run.target_accuracy,
-        time_to_target_s=results["time_to_target_s"], eval_history=results["eval_history"],
-        consensus_distance=results["consensus_distance"], algorithm_stats=[stats], simulated=True, sim=sim,
+        target_accuracy=run.target_accuracy, target_loss=run.target_loss, **results,
+        algorithm_stats=[stats], simulated=True, sim=sim,
     )
 
 

@@ -35,12 +35,44 @@ from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
 
 #: The nominal step time of paced and emulated compute when --compute-ms is not given.
 DEFAULT_COMPUTE_MS = 100.0
+#: ``--compute-ms auto``: the smallest pace this machine holds, probed by ``prague run`` and ``prague bench``.
+AUTO = "auto"
+#: The default split of a paced step into its forward and backward part (``--pace-split``).
+DEFAULT_SPLIT = "1:2"
 
 
-def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, exclusive: str | None = None) -> Any:
-    """Declare a run flag: its default, help text, valid names (if any) and the group of flags it
-    excludes (``--steps`` and ``--epochs``)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "exclusive": exclusive})
+def forward_share(split: str) -> float:
+    """The forward part's share of a paced step from ``--pace-split F:B`` (``"1:2"``: 1/3); ConfigError
+    naming the value otherwise."""
+    parts = str(split).split(":")
+    try:
+        forward, backward = (float(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--pace-split takes F:B, the forward and backward parts of a paced step (like 1:2), "
+                          f"got {split!r}") from None
+    if not (math.isfinite(forward) and math.isfinite(backward) and forward >= 0 and backward > 0):
+        raise ConfigError(f"--pace-split {split!r}: the forward part must be >= 0 and the backward part > 0, "
+                          "both finite (like 1:2)")
+    return forward / (forward + backward)
+
+
+def pace_value(text: str) -> float | str:
+    """``--compute-ms``'s value: a number of ms, or ``auto``."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of ms or {AUTO}, got {text!r}") from None
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, exclusive: str | None = None,
+            parse: Any = None) -> Any:
+    """Declare a run flag: its default, help text, valid names (if any), the group of flags it
+    excludes (``--steps`` and ``--epochs``) and, where the field's type is not enough, the function that
+    reads its text (``--compute-ms auto``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "exclusive": exclusive,
+                                            "parse": parse})
 
 
 @dataclass(frozen=True)
@@ -84,15 +116,23 @@ class RunConfig:
                            choices=COMPUTE_MODES)
     compute_ms: float | None = setting(None, "nominal compute time per iteration, ms: what paced and emulated steps "
                                              "take and what injected slowdowns multiply in every mode (paced, "
-                                             "emulated: default 100; real: one step measured by the launcher)")
+                                             "emulated: default 100; real: one step measured by the launcher); "
+                                             "auto (paced, prague run and bench): the smallest pace this machine "
+                                             "holds for the workers and model, probed once", parse=pace_value)
+    pace_split: str = setting(DEFAULT_SPLIT, "paced compute: the forward and backward parts of a step, F:B; the "
+                                             "backward part is spent layer by layer in autograd's order, so "
+                                             "gradients are ready when they would be on an accelerator")
     seed: int = setting(0, "seed of the model, the data order and every scenario draw")
     target_accuracy: float | None = setting(None, "record the time to reach this test accuracy")
+    target_loss: float | None = setting(None, "record the time to reach this mean test cross-entropy loss (of the "
+                                              "average of the replicas), or lower")
     stop_at_target: bool = setting(False, "end the job once the average of the replicas reaches --target-accuracy "
                                           "(scored while training by a process beside the workers: one machine)")
     eval_every: int | None = setting(None, "gone: runs and simulations evaluate on the common clock (--eval-every-s)")
     eval_every_s: float | None = setting(None, "evaluate the average of the replicas' states every S seconds of the "
-                                               "common clock (default 1; the interval doubles each time the job "
-                                               "has run 64 of them)")
+                                               "common clock (default 1; beyond the first 64 points the interval "
+                                               "doubles each time the elapsed time doubles, the same instants "
+                                               "for every job)")
     warmup_steps: int | None = setting(None, "steps left out of the throughput window")
     divergence_factor: float = setting(DEFAULT_FACTOR, "a run whose loss stays above this many times its starting "
                                                        f"loss (the median of its first {REFERENCE_STEPS}) for "
@@ -150,9 +190,13 @@ class RunConfig:
             choices = f.metadata["choices"]
             if choices is not None and getattr(self, f.name) not in choices:
                 raise unknown_choice(_what(f.name), getattr(self, f.name), choices)
+        if self.compute_ms == AUTO:
+            raise ConfigError("--compute-ms auto is probed by prague run and prague bench before the workers start; "
+                              "here give a number of ms")
         if self.compute_ms is not None and not 0 <= self.compute_ms / 1e3 <= threading.TIMEOUT_MAX:
             raise ConfigError(f"--compute-ms must be a number of ms in 0..{threading.TIMEOUT_MAX * 1000:.3g}, "
                               f"got {self.compute_ms}")
+        forward_share(self.pace_split)
         if self.compute == "paced" and self.compute_ms == 0:
             raise ConfigError("--compute paced needs a pace: give --compute-ms above 0 (the nominal step time)")
         if self.budget is not None:
@@ -172,6 +216,9 @@ class RunConfig:
             raise ConfigError(f"--data-dir {str(self.data_dir)!r} is not a directory; pass the folder holding the data files")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ConfigError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.target_loss is not None and not 0 < self.target_loss < math.inf:
+            raise ConfigError(f"--target-loss must be a finite loss > 0 (mean cross-entropy, nats), got "
+                              f"{self.target_loss}")
         if self.eval_every is not None:
             raise ConfigError("--eval-every counted steps; runs and simulations now evaluate on the common clock: "
                               "give --eval-every-s SECONDS")
@@ -308,7 +355,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str,
             where.add_argument(_flag(f.name), dest=f.name, action="store_true", default=None, help=helptext)
             continue
         choices = f.metadata["choices"]
-        where.add_argument(_flag(f.name), dest=f.name, type=types[f.name], default=None, help=helptext,
+        where.add_argument(_flag(f.name), dest=f.name, type=f.metadata["parse"] or types[f.name], default=None,
+                           help=helptext,
                            metavar="{" + ",".join(choices) + "}" if choices else None)
     if defaults:
         parser.set_defaults(**{k: v for k, v in defaults.items() if k in types})

@@ -12,8 +12,10 @@ None of this is in the library's training API: :class:`Harness` is a
 * the scenario's slowdown factor f makes the step longer: under emulated or real compute by a sleep of
   (f - 1) x the nominal compute time (the emulated model's, ``compute_ms``, or else this rank's running
   average of its measured compute), before the forward pass;
-* under paced compute (:class:`Pace`) the real forward and backward pass is padded to f x the nominal
-  time, so that a worker sharing this machine's cores behaves like one with an accelerator of its own.
+* under paced compute (:class:`~prague.train.pacing.Pace`) the real forward and backward pass is padded to
+  f x the nominal time, the forward part as a whole and the backward part layer by layer in autograd's
+  order, so that a worker sharing this machine's cores behaves like one with an accelerator of its own
+  (gradients ready when they would be on an accelerator: :mod:`prague.train.pacing`).
 """
 
 from __future__ import annotations
@@ -25,80 +27,38 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from prague.algorithms.api import StepTimes
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario
 from prague.io import atomic_write_json
+from prague.train.pacing import DEFAULT_SPLIT, Pace
 from prague.train.trainer import StepHooks, StepRecord
-
-
-class Pace:
-    """Paced compute: each step's forward and backward pass, real, padded to the nominal time ``pace_s``
-    times the step's slowdown factor, so that a worker sharing this machine's cores behaves like one with
-    an accelerator of its own (its step takes the nominal time, and background communication runs in the
-    padding instead of taking compute from it).
-
-    The padding comes before the real pass: :meth:`before` sleeps the nominal time less the real pass's
-    recent median, :meth:`pad_rest` whatever is still short. So the gradients are ready at the step's end, as
-    on an accelerator, and communication that starts from them (DDP's buckets) is not hidden in the
-    padding. After :data:`FIT_STEPS` steps, a median real pass (without what the method communicated inside
-    the backward pass, as DDP does) longer than ``pace_s`` means the pace cannot
-    be held: :class:`~prague.errors.ConfigError` naming the measured time."""
-
-    FIT_STEPS = 8
-
-    def __init__(self, pace_s: float, rank: int) -> None:
-        self.pace_s, self.rank = pace_s, rank
-        self._real: list[float] = []
-
-    def _median(self) -> float:
-        recent = sorted(self._real[-self.FIT_STEPS:])
-        return recent[len(recent) // 2] if recent else 0.0
-
-    def before(self, factor: float) -> None:
-        pad = self.pace_s * factor - self._median()
-        if pad > 0:
-            time.sleep(pad)
-
-    def pad_rest(self, t0: float, factor: float) -> None:
-        """Sleep until the step started at ``t0`` (``time.perf_counter``) has taken its nominal time."""
-        rest = t0 + self.pace_s * factor - time.perf_counter()
-        if rest > 0:
-            time.sleep(rest)
-
-    def record(self, real_s: float) -> None:
-        """The step's real forward and backward pass took ``real_s``; raise once the first steps show
-        that the pace cannot be held."""
-        self._real.append(real_s)
-        if len(self._real) == self.FIT_STEPS and self._median() > self.pace_s:
-            raise ConfigError(
-                f"--compute paced: rank {self.rank}'s real forward and backward pass takes "
-                f"{self._median() * 1e3:.1f} ms (median of its first {self.FIT_STEPS} steps), more than the pace "
-                f"of {self.pace_s * 1e3:g} ms; raise --compute-ms to at least {self._median() * 1.2e3:.0f} or run "
-                "fewer workers on this machine")
 
 
 class Harness(StepHooks):
     """The built-in loop's faults, slowdowns and pacing for rank ``rank`` of ``world_size`` (see the module
     docstring). ``nominal_s``: the nominal compute time of a step that slowdowns scale (None: this rank's
-    running average of its measured compute); ``paced``: pad each real pass to it (needs ``nominal_s``).
+    running average of its measured compute); ``paced``: pad each real pass to it (needs ``nominal_s``;
+    ``split``: ``--pace-split``; the loop hooks the model with :meth:`attach`).
     After each step the loop hands the trainer's record to :meth:`finish_step`. ``fired``: the file that
     records the faults this rank fired (None: none is recorded); ``continued``: the job continues an
     earlier attempt, so faults that file lists do not fire again (otherwise the file is cleared)."""
 
     def __init__(self, scenario: Scenario, rank: int, world_size: int, nominal_s: float | None = None,
-                 paced: bool = False, fired: Path | None = None, continued: bool = False) -> None:
+                 paced: bool = False, fired: Path | None = None, continued: bool = False,
+                 split: str = DEFAULT_SPLIT) -> None:
         scenario.check_world(world_size)
         if paced and not nominal_s:
             raise ConfigError("paced compute needs compute_ms > 0: the nominal step time each step is padded to")
         self.scenario, self.rank, self.world_size = scenario, rank, world_size
         self.nominal_s = nominal_s
-        self.pace = Pace(nominal_s, rank) if paced and nominal_s else None
+        self.pace = Pace(nominal_s, rank, split) if paced and nominal_s else None
         self.ema_s: float | None = None  # running average of this rank's compute without the injected sleep
         self._factor = 1.0
         self._delay = 0.0
         self._t0 = 0.0
-        self._real_start = 0.0
         self._real_end = 0.0
         self._fired_path = fired
         self.fired: set[tuple[str, int]] = set()
@@ -106,6 +66,17 @@ class Harness(StepHooks):
             self.fired = {(str(kind), int(step)) for kind, step in json.loads(fired.read_text())}
         elif fired is not None:
             fired.unlink(missing_ok=True)
+
+    def attach(self, model: nn.Module) -> None:
+        """Under paced compute, hook ``model`` so that its gradients are ready when they would be on an
+        accelerator (:meth:`Pace.attach`); nothing otherwise. :meth:`detach` before evaluating copies."""
+        if self.pace is not None:
+            self.pace.attach(model)
+
+    def detach(self) -> None:
+        """Remove the model's pacing hooks (training is over)."""
+        if self.pace is not None:
+            self.pace.detach()
 
     def _fires(self, kind: str, step: int) -> bool:
         """Whether the fault ``kind`` at ``step`` fires now: not if it fired before in this job; recorded
@@ -132,22 +103,20 @@ class Harness(StepHooks):
         self._factor = self.scenario.slowdown(rank, step, self.world_size)
         self._delay = self._delay_s(self._factor)
         if self.pace is not None:
-            self.pace.before(self._factor)
+            self.pace.begin(self._factor)
         elif self._delay > 0:
             time.sleep(self._delay)
 
-    def before_forward(self, step: int) -> None:
-        self._real_start = time.perf_counter()
-
     def after_backward(self, step: int) -> None:
         self._real_end = time.perf_counter()
+        if self.pace is not None:  # before the method's gradient communication, which comes after, exposed
+            self.pace.pad_rest()
 
     def before_update(self, step: int, times: StepTimes) -> None:
-        if self.pace is None:
-            return
-        self.pace.pad_rest(self._t0, self._factor)  # after the method's hook, which measures what it waited for
-        # the real pass, less what the method communicated inside backward (DDP)
-        self.pace.record(self._real_end - self._real_start - times.inner_comm_s)
+        if self.pace is not None:
+            # the step's compute to the end of its backward pass, less what the method communicated inside
+            # it (DDP's buckets that compute did not hide)
+            self.pace.record(self._real_end - self._t0 - times.inner_comm_s)
 
     def finish_step(self, record: StepRecord) -> StepRecord:
         """Put the step's slowdown factor on ``record`` and keep the running average of the compute

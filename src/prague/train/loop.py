@@ -40,7 +40,8 @@ from prague.train.config import RunConfig
 from prague.train.divergence import DivergenceFlag, LossWatch, divergence_line
 from prague.train.evaluator import StateFiles, stop_requested
 from prague.train.evaluation import (
-    DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, start_together,
+    DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, finite_or_none,
+    replica_scores, start_together,
 )
 from prague.train.harness import Harness
 from prague.train.trainer import DistributedTrainer, StepRecord
@@ -222,7 +223,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
     training = Training([], snapshots or SnapshotLog(math.inf), 0.0)
     if resumed is not None:
         training.records = [StepRecord(**r) for r in resumed.records]
-        training.snapshots.entries = dict(resumed.snapshots)
+        training.snapshots.restore(resumed.snapshots)
     progress = f"{PROGRESS_KEY}{ctx.rank}"
     ctx.store.set(progress, progress_text(trainer.steps_done, work.expected))
     start_together(ctx.store, ctx.rank, ctx.world_size)
@@ -257,7 +258,10 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             done = trainer.steps_done
             ctx.store.set(progress, progress_text(done, max(work.expected, done), rec.loss))
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < work.expected:
-                save_checkpoint(cfg, ctx, trainer, harness, training, clock.now())
+                now = clock.now()
+                if keep:  # the points passed during this step, with the state before it, go in the checkpoint
+                    training.snapshots.observe(trainer.model, now)
+                save_checkpoint(cfg, ctx, trainer, harness, training, now)
         if keep:
             training.snapshots.observe(trainer.model, clock.now())
     training.wall_s = clock.now()  # the method's close included: the job ends when its last group is done
@@ -278,25 +282,34 @@ def write_background(path: Path, spans: Sequence[tuple[str, Span]], clock: Train
 
 
 def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,
-                 training: Training) -> tuple[float | None, list[dict[str, float]], float | None, float]:
-    """(final test accuracy, evaluation history, time to target, job time) of the model averaged over the
-    closing ranks on the common clock (:func:`accuracy_history`); no accuracy under emulated compute
-    (``data`` None). Collective."""
+                 training: Training) -> dict[str, Any]:
+    """The record's evaluation fields (``job_s``, ``test_accuracy``, ``eval_history``, the times to the
+    targets, the best and worst replica): the model averaged over the closing ranks on the common clock
+    (:func:`accuracy_history`), and each closing rank's own final replica scored by that rank
+    (:func:`replica_scores`). Only the job's time under emulated compute (``data`` None): nothing is
+    learnt. Collective."""
     if data is None:
-        return None, [], None, max(closing.all_gather_floats(training.wall_s))
-    history, time_to_target, job_s = accuracy_history(trainer.model, training.snapshots, training.wall_s, data,
-                                                      closing, cfg.target_accuracy)
+        return {"job_s": max(closing.all_gather_floats(training.wall_s))}
+    found = accuracy_history(trainer.model, training.snapshots, training.wall_s, data, closing,
+                             cfg.target_accuracy, cfg.target_loss)
+    accuracies, losses = replica_scores(trainer.model, data, closing)
     if cfg.save_model:
         final = trainer.averaged_model(closing.group)
         if closing.is_main:
             torch.save(final.state_dict(), Path(cfg.out) / "model.pt")
-    return history[-1]["accuracy"], history, time_to_target, job_s
+    return {
+        "job_s": found.job_s, "test_accuracy": found.test_accuracy, "eval_history": found.history,
+        "time_to_target_s": found.time_to_target_s, "time_to_target_smoothed_s": found.time_to_target_smoothed_s,
+        "time_to_target_loss_s": found.time_to_target_loss_s, "best_replica_accuracy": max(accuracies),
+        "worst_replica_accuracy": min(accuracies), "worst_replica_loss": finite_or_none(max(losses)),
+    }
 
 
 def snapshot_log(cfg: RunConfig, model: nn.Module, files: StateFiles | None) -> SnapshotLog | None:
     """The grid of model states this rank keeps for evaluation (None under emulated compute: nothing is
-    learnt), each also written to ``files`` when given (``--stop-at-target``). At most ``SNAPSHOT_BYTES``
-    of states are kept (at least 8 points)."""
+    learnt), each also written to ``files`` when given (``--stop-at-target``). The dense points' states
+    take at most ``SNAPSHOT_BYTES`` (at least 8 points); the grid beyond them grows with the logarithm of
+    the job's length (:mod:`prague.metrics.grid`)."""
     if cfg.emulated:
         return None
     state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model))
@@ -336,7 +349,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
         nominal_s = cfg.nominal_compute_ms / 1e3
     harness = Harness(scenario, ctx.rank, ctx.world_size, nominal_s, paced=cfg.compute == "paced",
                       fired=Path(cfg.out) / FAULTS_DIR / f"rank{ctx.rank}.json",
-                      continued=cfg.resume or restarts > 0)
+                      continued=cfg.resume or restarts > 0, split=cfg.pace_split)
+    harness.attach(model)  # paced: gradients ready when they would be on an accelerator
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.options, ctx=ctx, seed=cfg.seed, decisions=decisions,
@@ -347,7 +361,10 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             checkpoint.set_rng_state(resumed.rng)
         work = plan_work(cfg, ctx, trainer, data, train_samples, per_epoch)
         # closes the method: its last groups are logged
-        training = run_steps(cfg, ctx, trainer, harness, work, snapshot_log(cfg, model, files), resumed)
+        try:
+            training = run_steps(cfg, ctx, trainer, harness, work, snapshot_log(cfg, model, files), resumed)
+        finally:
+            harness.detach()  # evaluation's copies of the model run unpaced
         if files is not None:
             files.write_final(flatten(state_tensors(trainer.model)))
     finally:
@@ -365,7 +382,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
     """Evaluate, gather and (on the closing ranks' first) write ``summary.json``. Collective over the
     closing ranks."""
     ctx = closing.ctx
-    accuracy, history, time_to_target, job_s = evaluate_run(cfg, closing, trainer, data, training)
+    evaluation = evaluate_run(cfg, closing, trainer, data, training)
     consensus: float | None = trainer.consensus_distance(closing.group)
     if consensus is not None and not math.isfinite(consensus):  # a diverged run's replicas: JSON has no NaN
         consensus = None
@@ -395,11 +412,11 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
         compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
-        wall_s=max(g["wall_s"] for g in gathered), test_accuracy=accuracy, target_accuracy=cfg.target_accuracy,
-        time_to_target_s=time_to_target, eval_history=history, consensus_distance=consensus,
+        wall_s=max(g["wall_s"] for g in gathered), target_accuracy=cfg.target_accuracy, target_loss=cfg.target_loss,
+        consensus_distance=consensus, **evaluation,
         algorithm_stats=[g["stats"] for g in gathered], simulated=False,
         failures=[f.summary() for _, f in sorted(closing.failures.items())], completed_steps=completed,
-        ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares, job_s=job_s,
+        ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
         diverged=diverged.as_dict() if diverged is not None else None,
         restarts=elastic_restarts() if "TORCHELASTIC_RESTART_COUNT" in os.environ else None,

@@ -11,15 +11,20 @@ from prague.algorithms.spec import Method, Options, option
 from prague.errors import ConfigError
 
 MAX_BUCKET_MB = 2**63 / 2**20  # DDP counts a bucket's bytes in a signed 64-bit integer
+#: DDP's bucket cap when none is given, MB, and its first bucket's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
+DDP_BUCKET_MB = 25.0
+DDP_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass(frozen=True)
 class AllReduceOptions(Options):
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB")
+    bucket_cap_mb: float | None = option(None, "DDP gradient bucket size in MB (default: DDP's own, 25 with a "
+                                               "first bucket of 1, which lets the last layers' all-reduce start "
+                                               "early in backward)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.bucket_cap_mb < MAX_BUCKET_MB:
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < MAX_BUCKET_MB:
             raise ConfigError(f"--bucket-cap-mb must be a number > 0 and below {MAX_BUCKET_MB:.3g}, "
                               f"got {self.bucket_cap_mb!r}")
 

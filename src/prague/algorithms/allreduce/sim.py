@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prague.algorithms.allreduce import DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB
 from prague.sim.costs import MIB, Transfer, bucket_ready_s, ddp_buckets, overlapped_allreduce_s, ring_allreduce_s
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
@@ -29,7 +30,9 @@ class SimAllReduce(SimMethod):
 
     def __init__(self, world: Any, options: Any) -> None:
         super().__init__(world, options)
-        self.buckets = ddp_buckets(world.gradient_bytes, options.bucket_cap_mb * MIB)
+        cap = options.bucket_cap_mb
+        self.buckets = (ddp_buckets(world.gradient_bytes, DDP_BUCKET_MB * MIB, DDP_FIRST_BUCKET_MB * MIB) if cap is None
+                        else ddp_buckets(world.gradient_bytes, cap * MIB))
         self._backward: dict[int, list[tuple[float, float]]] = {}  # step -> (compute end, backward) per worker
         self.exposed_s = 0.0  # summed over steps: time from the last worker's compute end to the step's end
         self.allreduce_s = 0.0  # summed over steps: the buckets' all-reduce times (exposed_s is a share of it)
