@@ -76,26 +76,29 @@ def test_costs_follow_the_arithmetic_not_the_parameter_count() -> None:
 
 
 def _paced_step(pace: Pace, model: nn.Module, x: torch.Tensor, y: torch.Tensor, factor: float = 1.0) -> dict[str, float]:
-    """One paced step; when each parameter's gradient reached autograd's accumulation, s after the start."""
-    seen: dict[str, float] = {}
+    """One paced step of a method that sends each gradient as soon as it is computed, through the pace's
+    gate (as DDP sends its buckets); when each was sent, s after the step's start."""
+    sent: dict[str, float] = {}
 
-    def mark(name: str) -> object:
+    def send(name: str, p: torch.Tensor) -> object:
         def hook(grad: torch.Tensor) -> None:
-            seen.setdefault(name, time.perf_counter())
+            pace.gate([p])
+            sent.setdefault(name, time.perf_counter())
         return hook
 
-    handles = [p.register_hook(mark(name)) for name, p in model.named_parameters()]
+    handles = [p.register_hook(send(name, p)) for name, p in model.named_parameters()]
     t0 = time.perf_counter()
     pace.begin(factor)
     F.cross_entropy(model(x), y).backward()
+    sent["backward"] = time.perf_counter()
     pace.pad_rest()
-    seen["end"] = time.perf_counter()
+    sent["end"] = time.perf_counter()
     for h in handles:
         h.remove()
-    return {k: v - t0 for k, v in seen.items()}
+    return {k: v - t0 for k, v in sent.items()}
 
 
-def test_each_gradient_is_released_when_due_on_the_nominal_clock() -> None:
+def test_each_gradient_is_sent_when_it_would_be_ready_on_an_accelerator() -> None:
     torch.manual_seed(0)
     model = build_model("cnn", (1, 28, 28), 10)
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
@@ -108,15 +111,33 @@ def test_each_gradient_is_released_when_due_on_the_nominal_clock() -> None:
         backward = 0.2 * factor
         forward_end = 0.1 * factor
         for name in ("10.weight", "8.weight", "3.weight", "0.weight"):
-            # never before it is due (sleeping does not end early); the hook runs right after the release
+            # never before it is due (sleeping does not end early); sent right after the gate opens
             assert times[name] >= forward_end + backward * shares[name] - 1e-3, (name, factor, times)
         assert times["8.weight"] < forward_end + backward * 0.5  # fc1 well before conv2: DDP can overlap it
         assert times["end"] >= 0.3 * factor - 1e-3
     pace.detach()
     pace.begin(1.0)
     t0 = time.perf_counter()
-    F.cross_entropy(model(x), y).backward()
-    assert time.perf_counter() - t0 < 0.1  # unhooked: the passes are real time only
+    model(x)
+    assert time.perf_counter() - t0 < 0.05  # unhooked: the forward pass is real time only
+
+
+def test_without_a_gate_the_real_backward_runs_at_once_and_the_step_is_padded_at_its_end() -> None:
+    """A method that sends nothing inside backward: the real backward pass is not held anywhere (its
+    arithmetic never piles up at a deadline); the step still takes its nominal time."""
+    model = build_model("cnn", (1, 28, 28), 10)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    pace = Pace(0.3, rank=0)
+    pace.attach(model)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        pace.begin(1.0)
+        F.cross_entropy(model(x), y).backward()
+        backward_end = time.perf_counter() - t0
+        pace.pad_rest()
+        assert 0.1 - 1e-3 <= backward_end < 0.2  # the forward part, then the real backward only
+        assert time.perf_counter() - t0 >= 0.3 - 1e-3
+    assert pace.due(list(model.parameters())) is None  # outside a step: nothing to wait for
 
 
 def test_a_copy_of_a_hooked_model_is_not_paced_outside_a_step() -> None:

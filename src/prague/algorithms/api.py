@@ -114,6 +114,10 @@ class Algorithm:
         self.resources = contextlib.ExitStack()
         self.failed = False  # set by close(): releasing after a failure (kill rather than wait)
         self._closed = False
+        #: Set by a harness that paces the backward pass (:mod:`prague.train.pacing`), else None. A method
+        #: that sends gradients from inside backward (DDP's buckets) calls it with the gradients' parameters
+        #: right before sending them; it returns once they would be ready on an accelerator.
+        self.gradient_gate: Callable[[Sequence[torch.Tensor]], None] | None = None
 
     @classmethod
     def job_resources(cls, options: Any, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> JobResources:

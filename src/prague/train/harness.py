@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from prague.algorithms.api import StepTimes
+from prague.algorithms.api import Algorithm, StepTimes
 from prague.errors import ConfigError
 from prague.hetero.spec import InjectedCrash, Scenario
 from prague.io import atomic_write_json
@@ -55,6 +55,7 @@ class Harness(StepHooks):
         self.scenario, self.rank, self.world_size = scenario, rank, world_size
         self.nominal_s = nominal_s
         self.pace = Pace(nominal_s, rank, split) if paced and nominal_s else None
+        self._algorithm: Algorithm | None = None
         self.ema_s: float | None = None  # running average of this rank's compute without the injected sleep
         self._factor = 1.0
         self._delay = 0.0
@@ -67,16 +68,21 @@ class Harness(StepHooks):
         elif fired is not None:
             fired.unlink(missing_ok=True)
 
-    def attach(self, model: nn.Module) -> None:
-        """Under paced compute, hook ``model`` so that its gradients are ready when they would be on an
-        accelerator (:meth:`Pace.attach`); nothing otherwise. :meth:`detach` before evaluating copies."""
+    def attach(self, model: nn.Module, algorithm: Algorithm) -> None:
+        """Under paced compute, hook ``model`` (its forward part, :meth:`Pace.attach`) and give
+        ``algorithm`` the pace's gradient gate, so that what it sends from inside backward leaves when it
+        would on an accelerator; nothing otherwise. :meth:`detach` before evaluating copies."""
         if self.pace is not None:
             self.pace.attach(model)
+            algorithm.gradient_gate = self.pace.gate
+            self._algorithm = algorithm
 
     def detach(self) -> None:
-        """Remove the model's pacing hooks (training is over)."""
+        """Remove the model's pacing hooks and the algorithm's gate (training is over)."""
         if self.pace is not None:
             self.pace.detach()
+            if self._algorithm is not None:
+                self._algorithm.gradient_gate = None
 
     def _fires(self, kind: str, step: int) -> bool:
         """Whether the fault ``kind`` at ``step`` fires now: not if it fired before in this job; recorded

@@ -350,7 +350,6 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     harness = Harness(scenario, ctx.rank, ctx.world_size, nominal_s, paced=cfg.compute == "paced",
                       fired=Path(cfg.out) / FAULTS_DIR / f"rank{ctx.rank}.json",
                       continued=cfg.resume or restarts > 0, split=cfg.pace_split)
-    harness.attach(model)  # paced: gradients ready when they would be on an accelerator
     decisions = DecisionLog(Path(cfg.out) / DECISIONS_DIR, ctx.rank) if cfg.log_decisions else None
     try:
         trainer = DistributedTrainer(model, optimizer, cfg.options, ctx=ctx, seed=cfg.seed, decisions=decisions,
@@ -359,6 +358,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             trainer.load_state_dict(resumed.trainer)
             harness.load_state_dict(resumed.trainer)
             checkpoint.set_rng_state(resumed.rng)
+        harness.attach(model, trainer.algorithm)  # paced: gradients ready when they would be on an accelerator
         work = plan_work(cfg, ctx, trainer, data, train_samples, per_epoch)
         # closes the method: its last groups are logged
         try:

@@ -14,17 +14,21 @@ forward) and the backward part is spent layer by layer, in autograd's own order:
 
 * the forward part ends when the model's forward pass returns (a forward hook on the model sleeps until
   ``t0 + f T F/(F+B)``, ``t0`` the step's start);
-* the backward part starts there, and each parameter's gradient is released when it would be ready on
-  an accelerator: a hook on the parameter (``Tensor.register_hook``, which runs before the gradient is
-  accumulated and so before DDP's bucket hook sees it) sleeps until ``t_b + f T B/(F+B) r_p``, where
-  ``r_p`` is the share of the backward pass done once ``p``'s module has been differentiated;
+* the backward part starts there, and each gradient is ready when it would be on an accelerator: at
+  ``t_b + f T B/(F+B) r_p``, where ``r_p`` is the share of the backward pass done once ``p``'s module has
+  been differentiated. A method that sends gradients from inside backward (DDP's buckets) asks the pace's
+  gate (:meth:`Pace.gate`, the method's ``gradient_gate``) before sending a group of them, and the gate
+  holds it until the last of them is due; the real backward pass itself runs at full speed, so its
+  arithmetic never piles up at a deadline (workers that share cores would otherwise all compute the first
+  layer's gradient at once, right before the backward part ends). What other methods send, they send
+  after backward, which ends at ``t_b + f T B/(F+B)`` (:meth:`Pace.pad_rest`);
 * ``r_p`` comes from each module's arithmetic cost (:func:`module_cost`), measured from the shapes of
   the first forward pass: a module's backward runs after those of every module that ran after it in the
   forward pass, so ``r_p`` is the summed cost of ``p``'s module and of every later one, over the whole.
 
 In the MNIST CNN, for example, ``fc1`` holds 95% of the parameters but 10% of the arithmetic: its
-gradient is ready 10% into the backward part, and DDP's all-reduce of it hides behind the convolutions'
-backward, as on a GPU. A slowdown factor f scales both parts. What a step communicates after its backward
+gradient is ready 10% into the backward part, and DDP's all-reduce of its bucket hides behind the
+convolutions' backward, as on a GPU. A slowdown factor f scales both parts. What a step communicates after its backward
 pass (a method's hook, a wait for others) comes after the nominal time, exposed, as on an accelerator.
 
 The pace must be one this machine holds (:class:`Pace` judges it after a warm-up and refuses only a
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -93,9 +97,10 @@ def ready_shares(order: list[nn.Module], costs: dict[nn.Module, float]) -> dict[
 
 class Pace:
     """The accelerator-faithful clock of one rank (see the module docstring). The harness calls
-    :meth:`begin` at a step's start, the model's hooks (:meth:`attach`) pad the forward part and release
-    each gradient when due, :meth:`pad_rest` pads what is still short once the method's backward hook has
-    run, and :meth:`record` judges whether this machine holds the pace.
+    :meth:`begin` at a step's start; the model's forward hook (:meth:`attach`) pads the forward part; a
+    method that sends gradients inside backward calls :meth:`gate` before sending them; the harness calls
+    :meth:`pad_rest` when backward returns and :meth:`record`, which judges whether this machine holds the
+    pace.
 
     The judgement ignores start-up: after :data:`WARMUP_STEPS` steps, each window of :data:`WINDOW`
     steps' median compute (the step's time to the end of its backward pass, less what the method
@@ -115,7 +120,7 @@ class Pace:
         self._factor = 1.0
         self._backward_t: float | None = None
         self._in_step = False
-        self._shares: dict[torch.nn.Parameter, float] = {}
+        self._shares: dict[int, float] = {}  # a parameter's data_ptr -> its ready share
         self._costs: dict[nn.Module, float] = {}
         self._order: list[nn.Module] = []
         self._handles: list[Any] = []
@@ -127,10 +132,10 @@ class Pace:
     # -- the model's hooks
 
     def attach(self, model: nn.Module) -> None:
-        """Hook ``model``: its forward pass ends at the forward part's end, each parameter's gradient is
-        released when due; outside a step (between :meth:`begin` and :meth:`pad_rest`) the hooks do
-        nothing. Costs are measured on the first forward pass. The hooks are closures, not bound methods,
-        so a copy of the model (``copy.deepcopy``) does not copy this object; :meth:`detach` removes them."""
+        """Hook ``model``: its forward pass ends at the forward part's end; the first forward pass measures
+        the modules' costs. Outside a step (between :meth:`begin` and :meth:`pad_rest`) the hooks do
+        nothing. They are closures, not bound methods, so a copy of the model (``copy.deepcopy``) does not
+        copy this object; :meth:`detach` removes them."""
         self.detach()
         pace = self
 
@@ -148,11 +153,6 @@ class Pace:
             has_own = any(True for _ in module.parameters(recurse=False))
             if has_own or not any(True for _ in module.children()):
                 self._cost_handles.append(module.register_forward_hook(count))
-        seen: set[int] = set()
-        for p in model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self._handles.append(p.register_hook(self._gradient_hook(p)))
 
     def detach(self) -> None:
         """Remove every hook :meth:`attach` placed."""
@@ -167,20 +167,26 @@ class Pace:
             for handle in self._cost_handles:
                 handle.remove()
             self._cost_handles = []
-            self._shares = ready_shares(self._order, self._costs)
+            self._shares = {p.data_ptr(): share for p, share in ready_shares(self._order, self._costs).items()}
         if self._backward_t is None:  # the step's first forward pass (a second one is real time only)
             self._sleep_until(self._t0 + self.pace_s * self._factor * self.forward_share)
             self._backward_t = self._clock()
 
-    def _gradient_hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
-        pace = self
+    def due(self, params: Sequence[torch.Tensor]) -> float | None:
+        """When the last gradient of ``params`` is ready in this step (``time.perf_counter`` s; a parameter
+        the first forward pass did not see: at the backward part's end); None outside a step's backward."""
+        start = self._backward_t
+        if not self._in_step or start is None:
+            return None
+        share = max((self._shares.get(p.data_ptr(), 1.0) for p in params), default=1.0)
+        return start + self.pace_s * self._factor * (1.0 - self.forward_share) * share
 
-        def release(grad: torch.Tensor) -> None:
-            start = pace._backward_t
-            if pace._in_step and start is not None:
-                share = pace._shares.get(p, 1.0)
-                pace._sleep_until(start + pace.pace_s * pace._factor * (1.0 - pace.forward_share) * share)
-        return release
+    def gate(self, params: Sequence[torch.Tensor]) -> None:
+        """Return once the gradients of ``params`` would be ready on an accelerator (:meth:`due`): called by
+        a method before it sends them from inside backward (the algorithm's ``gradient_gate``)."""
+        deadline = self.due(params)
+        if deadline is not None:
+            self._sleep_until(deadline)
 
     def _sleep_until(self, deadline: float) -> None:
         rest = deadline - self._clock()
