@@ -20,14 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from prague.algorithms.allreduce import AllReduceOptions
 from prague.algorithms.api import Algorithm, StepTimes
-from prague.runtime.stall import Phase
 
 
 class _HookState:
-    def __init__(self, process_group: dist.ProcessGroup, phase: Phase, algorithm: Algorithm) -> None:
+    def __init__(self, process_group: dist.ProcessGroup, algorithm: Algorithm) -> None:
         self.process_group = process_group
         self.last_launch = 0.0
-        self.phase = phase
         self.algorithm = algorithm
 
 
@@ -37,7 +35,7 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
         gate(bucket.parameters())
     state.last_launch = time.perf_counter()
     if bucket.is_last():  # backward's compute is over: what follows is waiting for the others
-        state.phase.communicate()
+        state.algorithm.phase.communicate()
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
@@ -54,7 +52,7 @@ class AllReduce(Algorithm):
         )
         world = dist.group.WORLD
         assert world is not None, "init_process_group has run (prague.init) before setup"
-        self._hook = _HookState(world, self.phase, self)
+        self._hook = _HookState(world, self)
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
         # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
         # synchronous collective where a fast rank waits for a slow one. Time it as communication.
