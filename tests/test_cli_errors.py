@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 
 CASES = [
     (["run", "--algorithm", "nosuch"], ["'nosuch'", "allreduce"]),
-    (["run", "--algorithm", "allreduce:fast"], ["'allreduce'", "no variants"]),
+    (["run", "--algorithm", "dssync:fast"], ["'dssync'", "no variants"]),
+    (["run", "--algorithm", "allreduce:fast"], ["variant of allreduce", "backup, ddp, drop"]),
     (["run", "--data", "imagenet"], ["'imagenet'", "digits", "mnist", "synthetic"]),
     (["run", "--model", "vgg"], ["'vgg'", "cnn", "mlp", "resnet18"]),
     (["run", "--compute", "quantum"], ["'quantum'", "emulated", "real"]),

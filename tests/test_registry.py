@@ -26,10 +26,14 @@ def test_every_method_is_complete(name: str) -> None:
     assert issubclass(method.runtime_class(), Algorithm)
     assert issubclass(method.sim_class(), SimMethod)
     defaults = method.make_options()
-    assert method.variant_of(defaults) == method.default_variant
+    # a method whose default variant is the method itself (allreduce is DDP) names it by the plain name
+    assert method.variant_of(defaults) == (None if method.plain_default else method.default_variant)
     for variant in method.variants:
         assert parse_method(f"{name}:{variant}") == (method, variant)
-        assert method.variant_of(method.make_options({}, variant)) == variant
+        named = None if method.plain_default and variant == method.default_variant else variant
+        assert method.variant_of(method.make_options({}, variant)) == named
+        assert issubclass(method.runtime_class(variant), Algorithm)
+        assert issubclass(method.sim_class(variant), SimMethod)
     assert all(o.help for o in method.option_infos), "every option has help text"
 
 
@@ -37,6 +41,8 @@ def test_bad_names_list_the_valid_ones() -> None:
     with pytest.raises(ConfigError, match="valid choices: .*allreduce"):
         parse_method("nosuch")
     with pytest.raises(ConfigError, match="no variants"):
+        parse_method("dssync:fast")
+    with pytest.raises(ConfigError, match="backup, ddp, drop"):
         parse_method("allreduce:fast")
     with pytest.raises(ConfigError, match="random, ready, smart, smart-blind, static, static-blind"):
         parse_method("prague:fast")

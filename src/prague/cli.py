@@ -81,7 +81,7 @@ def check_data(cfg: Any) -> None:
 def method_resources(cfg: Any, host: str = "127.0.0.1") -> tuple[Any, bool]:
     """The services and environment the method of ``cfg`` needs (its services listening on ``host``),
     and whether it survives failed workers."""
-    return (cfg.method.runtime_class().job_resources(cfg.seeded_options, cfg.nproc, Path(cfg.out), host=host),
+    return (cfg.method.runtime_class(cfg.method.variant_of(cfg.seeded_options)).job_resources(cfg.seeded_options, cfg.nproc, Path(cfg.out), host=host),
             cfg.method.survives_failures)
 
 

@@ -126,6 +126,14 @@ def _worker_pids(out: Path) -> list[int]:
     return found
 
 
+def _namespace_of(pid: int, hosts: dict[int, int]) -> int:
+    """The emulated host whose namespace holds ``pid`` (-1: none of them, or the process is gone)."""
+    try:
+        return hosts.get(os.stat(f"/proc/{pid}/ns/net").st_ino, -1)
+    except OSError:
+        return -1
+
+
 @needs_netns
 def test_workers_run_in_their_hosts_namespaces_and_a_killed_launcher_is_cleaned_up_next_time(
         tmp_path: Path) -> None:
@@ -136,14 +144,18 @@ def test_workers_run_in_their_hosts_namespaces_and_a_killed_launcher_is_cleaned_
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     net = EmulatedHosts(2, 10**9, owner=launcher.pid)
     try:
+        # A worker joins its namespace as its first act (setns), so a worker seen at its very start may
+        # still be in the launcher's namespace: poll until every worker has joined, or the deadline.
         deadline = time.monotonic() + 60
         pids: list[int] = []
-        while time.monotonic() < deadline and len(pids) < 4:
+        placed: list[int] = []
+        while time.monotonic() < deadline and placed != [0, 0, 1, 1]:
             time.sleep(0.5)
             pids = _worker_pids(out)
+            if len(pids) == 4 and all(os.path.exists(f"/var/run/netns/{net.namespace(h)}") for h in range(2)):
+                hosts = {os.stat(f"/var/run/netns/{net.namespace(h)}").st_ino: h for h in range(2)}
+                placed = sorted(_namespace_of(pid, hosts) for pid in pids)
         assert len(pids) == 4, pids
-        hosts = {os.stat(f"/var/run/netns/{net.namespace(h)}").st_ino: h for h in range(2)}
-        placed = sorted(hosts.get(os.stat(f"/proc/{pid}/ns/net").st_ino, -1) for pid in pids)
         assert placed == [0, 0, 1, 1]  # two workers in each host's namespace
         assert os.stat("/proc/self/ns/net").st_ino != os.stat(f"/var/run/netns/{net.namespace(0)}").st_ino
         gg = json.loads((out / "services.json").read_text())["services"][0]["address"]

@@ -29,6 +29,8 @@ def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
     ("prague", "order,features"),  # an averaging method: a Group Generator and background averages
     ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
     ("ps-eager", "order"),  # a parameter server: rank 0 starts the shards, the model installs their values
+    ("allreduce:backup", "order"),  # rounds of the first n - b gradients; a worker may be counted out of them
+    ("allreduce:drop", "order"),  # DDP behind a front whose target changes when a rank leaves
     ("localsgd", "order,rounds"),  # a lockstep method that averages parameters every few steps
     ("diloco", "features,rounds"),  # the same rounds with an outer step, under the paper's inner AdamW
 ])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -118,6 +118,12 @@ class Algorithm:
         #: that sends gradients from inside backward (DDP's buckets) calls it with the gradients' parameters
         #: right before sending them; it returns once they would be ready on an accelerator.
         self.gradient_gate: Callable[[Sequence[torch.Tensor]], None] | None = None
+        #: The ranks still taking steps, once a method has let others leave the job (``allreduce:drop``);
+        #: None: every rank. Under a job-wide budget the loop shares the leavers' batches among them.
+        self.stepping: tuple[int, ...] | None = None
+        #: This rank has left the job: it takes no further steps that matter, and its replica is not the
+        #: job's model (the run's closing is the others').
+        self.left = False
 
     @classmethod
     def job_resources(cls, options: Any, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> JobResources:
@@ -173,6 +179,18 @@ class Algorithm:
         self.background.append(work)
         self.resources.callback(lambda: work.shutdown(self.failed, self.ctx.timeout_s))
         return work
+
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        """Around a collective of the user's loop (the averaged model, the consensus distance), which a
+        rank reaches at its own time: a method whose steps need other ranks' steps to go on
+        (``allreduce:backup``'s rounds) counts this rank out of them meanwhile. Nothing by default."""
+        yield
+
+    def replica_group(self) -> tuple[tuple[int, ...], Any]:
+        """The ranks whose replicas are the job's model, and a communicator over them (None: the world's),
+        for ``model.averaged_model()``. Every rank by default."""
+        return tuple(range(self.ctx.world_size)), None
 
     def peers(self) -> Sequence[int] | None:
         """The ranks this worker's communication of the moment involves (a P-Reduce group, a partner),

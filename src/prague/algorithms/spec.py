@@ -168,6 +168,9 @@ class Method:
     reports: Mapping[str, str] = field(default_factory=dict)
     sim_reports: Mapping[str, str] = field(default_factory=dict)
     survives_failures: bool = False
+    variant_runtimes: Mapping[str, str] = field(default_factory=dict)
+    variant_sims: Mapping[str, str] = field(default_factory=dict)
+    plain_default: bool = False
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):
@@ -178,6 +181,10 @@ class Method:
                 raise TypeError(f"{self.name}: variant option {self.variant_option!r} is not one of {sorted(names)}")
             if not self.variants:
                 raise TypeError(f"{self.name}: the variant option {self.variant_option!r} declares no choices")
+        for table in (self.variant_runtimes, self.variant_sims):
+            unknown = sorted(set(table) - set(self.variants))
+            if unknown:
+                raise TypeError(f"{self.name}: {unknown} are not variants ({', '.join(self.variants) or 'none'})")
 
     @cached_property
     def option_infos(self) -> tuple[OptionInfo, ...]:
@@ -238,21 +245,26 @@ class Method:
             check(nproc)
 
     def variant_of(self, options: Any) -> str | None:
-        """The variant ``options`` select, or None for a method without variants."""
-        return None if self.variant_option is None else str(getattr(options, self.variant_option))
+        """The variant ``options`` select, or None for a method without variants (and for the default
+        variant of a method whose default is plain, :attr:`plain_default`)."""
+        if self.variant_option is None:
+            return None
+        variant = str(getattr(options, self.variant_option))
+        return None if self.plain_default and variant == self.default_variant else variant
 
     def label(self, options: Any) -> str:
         """``NAME`` or ``NAME:VARIANT``: how bench tables name a run."""
         variant = self.variant_of(options)
         return self.name if variant is None else f"{self.name}:{variant}"
 
-    def runtime_class(self) -> Any:
-        """The :class:`prague.algorithms.api.Algorithm` subclass (imports torch and the runtime)."""
-        return _load(self.runtime)
+    def runtime_class(self, variant: str | None = None) -> Any:
+        """The :class:`prague.algorithms.api.Algorithm` subclass of ``variant`` (default: the method's own;
+        imports torch and the runtime)."""
+        return _load(self.variant_runtimes.get(variant or "", self.runtime))
 
-    def sim_class(self) -> Any:
-        """The :class:`prague.sim.method.SimMethod` subclass (imports the simulator)."""
-        return _load(self.sim)
+    def sim_class(self, variant: str | None = None) -> Any:
+        """The :class:`prague.sim.method.SimMethod` subclass of ``variant`` (imports the simulator)."""
+        return _load(self.variant_sims.get(variant or "", self.sim))
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (``prague methods --json``)."""

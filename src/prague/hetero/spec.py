@@ -9,6 +9,7 @@ Grammar (terms joined with ``+``)::
     paper:X                 each iteration, each worker is X times slower with probability 1/n
                             (the slowdown model of Prague, Luo et al., ASPLOS 2020)
     straggler:RANK:X        worker RANK is always X times slower
+    straggler:RANK:X:A-B    worker RANK is X times slower in its steps A..B-1 only (a transient straggler)
     crash:RANK:STEP         worker RANK dies (raises) when it reaches step STEP
     hang:RANK:STEP          worker RANK freezes (stops making progress without exiting) at step STEP
 
@@ -58,16 +59,25 @@ class PaperSlowdown:
 
 @dataclass(frozen=True)
 class Straggler:
-    """Worker ``rank`` always runs ``factor`` times slower."""
+    """Worker ``rank`` runs ``factor`` times slower: always, or in its steps ``start..end-1`` only."""
 
     rank: int
     factor: float
+    start: int = 0
+    end: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"straggler rank must be >= 0, got {self.rank!r}; e.g. straggler:1:3")
         if not 1.0 <= self.factor <= MAX_FACTOR:
             raise ConfigError(f"straggler factor must be in 1..{MAX_FACTOR:g}, got {self.factor!r}; e.g. straggler:1:3")
+        if self.start < 0 or (self.end is not None and self.end <= self.start):
+            raise ConfigError(f"a transient straggler's steps A-B need 0 <= A < B, got {self.start}-{self.end}; "
+                              "e.g. straggler:1:3:0-40")
+
+    def covers(self, step: int) -> bool:
+        """Whether the slowdown holds at ``step``."""
+        return self.start <= step and (self.end is None or step < self.end)
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class Scenario:
             if uniform(self.seed, rank, step, self._paper_stream) < 1.0 / world_size:
                 factor *= term.factor
         for s in self.stragglers:
-            if s.rank == rank:
+            if s.rank == rank and s.covers(step):
                 factor *= s.factor
         return factor
 
@@ -142,7 +152,7 @@ class Scenario:
         for term in self.paper:
             factor *= 1.0 + (term.factor - 1.0) / world_size
         for s in self.stragglers:
-            if s.rank == rank:
+            if s.rank == rank and s.end is None:  # a transient one does not last: the long run's mean
                 factor *= s.factor
         return factor
 
@@ -164,7 +174,8 @@ class Scenario:
         return not (self.paper or self.stragglers)
 
 
-FORMS = "valid forms: homogeneous, paper:X, straggler:RANK:X, crash:RANK:STEP, hang:RANK:STEP (join with '+')"
+FORMS = ("valid forms: homogeneous, paper:X, straggler:RANK:X, straggler:RANK:X:A-B, crash:RANK:STEP, "
+         "hang:RANK:STEP (join with '+')")
 
 
 def _number(text: str, term: str, what: str, kind: type) -> float | int:
@@ -192,10 +203,15 @@ def parse_scenario(text: str, seed: int = 0) -> Scenario:
             continue
         if kind == "paper" and len(args) == 1:
             paper.append(PaperSlowdown(float(_number(args[0], term, "factor", float))))
-        elif kind == "straggler" and len(args) == 2:
-            stragglers.append(
-                Straggler(int(_number(args[0], term, "rank", int)), float(_number(args[1], term, "factor", float)))
-            )
+        elif kind == "straggler" and len(args) in (2, 3):
+            start, end = 0, None
+            if len(args) == 3:
+                a, dash, b = args[2].partition("-")
+                if not dash:
+                    raise ConfigError(f"malformed scenario term {term!r}: steps {args[2]!r} must be A-B; {forms}")
+                start, end = int(_number(a, term, "first step", int)), int(_number(b, term, "end step", int))
+            stragglers.append(Straggler(int(_number(args[0], term, "rank", int)),
+                                        float(_number(args[1], term, "factor", float)), start, end))
         elif kind == "crash" and len(args) == 2:
             crashes.append(Crash(int(_number(args[0], term, "rank", int)), int(_number(args[1], term, "step", int))))
         elif kind == "hang" and len(args) == 2:

@@ -22,6 +22,8 @@ Kinds of :class:`Decision` (``allreduce`` decides nothing and writes nothing):
 * ``partner``: the passive rank an ``adpsgd`` active worker averaged with (passives log nothing);
 * ``drop``: the chunks a ``lossy`` step dropped (``chunks``, their indices in the gradient's chunk plan;
   the same on every rank) and their ``share`` of the gradient's elements, one line per step;
+* ``arrival``: an ``allreduce:backup`` gradient offered to round ``seq`` (the job's step it was computed
+  for) and whether it was among the round's first n - b (``accepted``), one line per step;
 * ``push``: a parameter-server push (``ps``, ``ps-eager``), one line per shard: ``tau`` and
   ``accepted`` as the shard answered, and ``scale``, the factor it applied to the learning rate
   (:func:`prague.algorithms.ps.rules.update_scale`). ``ps-eager`` logs a push when its answer arrives.
@@ -40,7 +42,7 @@ from prague.io import JsonLines, read_json_lines
 
 DECISIONS_DIR = "decisions"
 GG_TRACE_FILE = "gg.jsonl"
-KINDS = ("group", "partner", "push", "drop")
+KINDS = ("group", "partner", "push", "drop", "arrival")
 
 
 def rank_path(folder: Path, rank: int) -> Path:
@@ -97,6 +99,10 @@ class Decision:
     @classmethod
     def of_push(cls, step: int, shard: int, tau: int, scale: float, accepted: bool) -> Decision:
         return cls(step, "push", shard=shard, tau=tau, scale=scale, accepted=accepted)
+
+    @classmethod
+    def of_arrival(cls, step: int, round_id: int, accepted: bool) -> Decision:
+        return cls(step, "arrival", seq=round_id, accepted=accepted)
 
     @classmethod
     def of_drop(cls, step: int, chunks: tuple[int, ...], share: float) -> Decision:

@@ -91,6 +91,17 @@ def announce_failure(store: dist.Store, failure: Failure, consequence: str = GO_
     return True
 
 
+#: A rank that left the job before its end (``allreduce:drop``): the steps it had completed.
+LEFT_KEY = "prague/live/left/"
+
+
+def mark_left(store: dist.Store, rank: int, steps: int) -> None:
+    """This worker left the job after ``steps`` steps: it is done and does not close the run with the
+    others (said before it is marked done, so whoever sees it done sees it left)."""
+    store.set(f"{LEFT_KEY}{rank}", str(steps))
+    mark_done(store, rank)
+
+
 def mark_done(store: dist.Store, rank: int, done_key: str = DONE_KEY) -> None:
     """This worker has run all its steps (and is about to join the closing collectives); ``done_key``:
     see :func:`wait_settled`."""

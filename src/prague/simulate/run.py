@@ -198,7 +198,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     elif shares == "claimed":
         math.use_global_batches(lambda w, k: world.batch_index[w][k])
     try:
-        return world, config.method.sim_class()(world, options)
+        return world, config.method.sim_class(config.method.variant_of(options))(world, options)
     except BaseException:
         world.close()
         raise

@@ -3,8 +3,10 @@
 After its last step each worker evaluates, averages and reports with the others. A worker first says
 it is done (:func:`prague.runtime.liveness.mark_done`) and waits until every rank is done or failed.
 Normally that is every rank, and the closing collectives use the job's world group; if some failed (a
-method that survives failures, ``Method.survives_failures``, went on without them), the survivors build a communicator of their own (on the job's backend, through
-the store, like a P-Reduce group), and the closing collectives and the summary are theirs. Every
+method that survives failures, ``Method.survives_failures``, went on without them) or left the job
+(``allreduce:drop`` let them go: :func:`prague.runtime.liveness.mark_left`), the others build a
+communicator of their own (on the job's backend, through the store, like a P-Reduce group), and the
+closing collectives and the summary are theirs. Every
 survivor computes the same survivor set: a rank that is done is not declared failed afterwards, and a
 failed one never becomes done.
 """
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import Failure, Membership, mark_done, wait_settled
+from prague.runtime.liveness import LEFT_KEY, Failure, Membership, mark_done, read_keys, wait_settled
 
 CLOSE_PREFIX = "prague/close"
 
@@ -35,6 +37,7 @@ class Closing:
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None = None
     failures: dict[int, Failure] = field(default_factory=dict)
+    left: dict[int, int] = field(default_factory=dict)  # rank -> steps completed, for ranks that left the job
     _gathers: int = 0  # numbers the store keys of each all_gather_object
 
     @property
@@ -89,13 +92,15 @@ def closing_ranks(ctx: DistContext) -> Closing:
         return Closing(ctx, (0,))
     membership = Membership(ctx.private_store(), ctx.world_size)
     mark_done(ctx.store, ctx.rank)
-    survivors = wait_settled(ctx.store, membership, ctx.timeout_s)
+    done = wait_settled(ctx.store, membership, ctx.timeout_s)
     failures = membership.failed()
+    left = {rank: int(steps) for rank, steps in read_keys(ctx.store, LEFT_KEY, done).items()}
+    survivors = tuple(r for r in done if r not in left)
     if len(survivors) == ctx.world_size:
         return Closing(ctx, survivors)
     store = dist.PrefixStore(f"{CLOSE_PREFIX}/{_name(survivors)}/pg", ctx.store)
     group = backend_group(ctx, store, survivors.index(ctx.rank), len(survivors), ctx.timeout)
-    return Closing(ctx, survivors, group, failures)
+    return Closing(ctx, survivors, group, failures, left)
 
 
 def _name(ranks: Sequence[int]) -> str:

@@ -246,9 +246,10 @@ class RunConfig:
         method, variant = parse_method(self.algorithm)
         options = self.options
         if isinstance(options, method.options):
-            if variant is not None and method.variant_of(options) != variant:
+            chosen = None if method.variant_option is None else getattr(options, method.variant_option)
+            if variant is not None and chosen != variant:
                 raise ConfigError(f"--algorithm {self.algorithm} and the options' {method.variant_option} "
-                                  f"{method.variant_of(options)!r} disagree; give one of them")
+                                  f"{chosen!r} disagree; give one of them")
         elif options is None or isinstance(options, Mapping):
             options = method.make_options(_typed_values(method, dict(options or {})), variant)
         else:

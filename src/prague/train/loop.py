@@ -31,7 +31,7 @@ from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
 from prague.runtime.background import Span
 from prague.runtime.context import DistContext
-from prague.runtime.liveness import PROGRESS_KEY, progress_text, read_progress
+from prague.runtime.liveness import PROGRESS_KEY, mark_left, progress_text, read_progress
 from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
 from prague.workload.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
@@ -131,6 +131,7 @@ class Work:
     stop_signal: Callable[[], bool] | None = None  # --stop-at-target: the evaluator found the target reached
     watch: LossWatch | None = None
     divergence: DivergenceFlag | None = None
+    stepping: tuple[int, ...] | None = None  # the ranks still taking steps, once some left (None: all)
 
     def stop_before(self, completed: int, now_s: float) -> bool:
         """Whether this rank stops before its next step, having completed ``completed``."""
@@ -140,6 +141,15 @@ class Work:
             return self.agreement.stop_before(completed, must or (self.divergence is not None
                                                                   and self.divergence.reported))
         return must or (self.divergence is not None and self.divergence.seen())
+
+    def regroup(self, completed: int, ranks: tuple[int, ...]) -> None:
+        """From step ``completed`` on only ``ranks`` take steps (the others left the job): under a job-wide
+        budget they share the batches not taken yet (:meth:`EqualShares.regroup`)."""
+        self.stepping = ranks
+        if isinstance(self.plan, EqualShares):
+            self.plan.regroup(completed, ranks)
+            if self.plan.steps is not None:
+                self.expected = max(completed, self.plan.steps)
 
     def observe_loss(self, step: int, loss: float | None) -> None:
         """Apply the divergence rule to this rank's loss at ``step``; report a divergence it completes."""
@@ -248,6 +258,9 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
                 x, y = work.loader.batch(index)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 rec = trainer.step(lambda m: F.cross_entropy(m(x), y))
+            stepping = trainer.algorithm.stepping
+            if stepping is not None and stepping != work.stepping:  # ranks left: share their batches
+                work.regroup(trainer.steps_done, stepping)
             harness.finish_step(rec)
             rec.t_end_s = clock.now()
             if cfg.budget is not None:
@@ -257,6 +270,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             work.observe_loss(rec.step, rec.loss)
             done = trainer.steps_done
             ctx.store.set(progress, progress_text(done, max(work.expected, done), rec.loss))
+            if trainer.algorithm.left:  # this rank left the job: the others go on without it
+                break
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < work.expected:
                 now = clock.now()
                 if keep:  # the points passed during this step, with the state before it, go in the checkpoint
@@ -370,6 +385,9 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     finally:
         if decisions is not None:
             decisions.close()
+    if trainer.algorithm.left:  # it left the job (allreduce:drop): the others close the run without it
+        mark_left(ctx.store, ctx.rank, trainer.steps_done)
+        return None
     closing = closing_ranks(ctx)
     try:
         return close_run(cfg, closing, trainer, data, training, work, scenario.text, n_params)
@@ -401,6 +419,8 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         completed[rank] = g["steps"]
     for rank, failure in closing.failures.items():
         completed[rank] = failure.step
+    for rank, steps in closing.left.items():
+        completed[rank] = steps
     steps = work.expected if cfg.budget is None else max(completed)
     diverged = work.divergence.read() if work.divergence is not None else None
     if diverged is not None and LAUNCHER_PID_ENV not in os.environ:  # torchrun: nobody else will say it

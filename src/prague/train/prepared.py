@@ -143,7 +143,12 @@ class PreparedModel(nn.Module):
         every rank calls it at the same point."""
         self._session.check_open("model.averaged_model()")
         target = copy.deepcopy(self.model)
-        average_into(self.model, target)
+        algorithm = self._session.algorithm
+        ranks, group = algorithm.replica_group()
+        if algorithm.ctx.rank not in ranks:  # this rank left the job (allreduce:drop): its own replica
+            return target
+        with algorithm.outside_steps():
+            average_into(self.model, target, group)
         return target
 
     def close(self) -> None:
@@ -156,7 +161,8 @@ class PreparedModel(nn.Module):
     def consensus_distance(self) -> float:
         """Mean distance of the replicas from their average (0 for all-reduce). Collective."""
         self._session.check_open("model.consensus_distance()")
-        return consensus_distance(self.model)
+        with self._session.algorithm.outside_steps():
+            return consensus_distance(self.model)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.state_dict(*args, **kwargs)

@@ -129,7 +129,8 @@ def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
     method.check_job(method_options, ctx.world_size)
     if ctx.world_size > 1:
         publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard or prague launch
-    return method, method.variant_of(method_options), method.runtime_class()(ctx, method_options)
+    variant = method.variant_of(method_options)
+    return method, variant, method.runtime_class(variant)(ctx, method_options)
 
 
 def setup_algorithm(algorithm: Algorithm, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
@@ -244,12 +245,14 @@ class DistributedTrainer:
         """A new copy of the model holding the mean of all ranks' parameters and buffers (of ``group``'s
         ranks, e.g. the survivors'). Collective."""
         target = copy.deepcopy(self.model)
-        average_into(self.model, target, group)
+        with self.algorithm.outside_steps():
+            average_into(self.model, target, group)
         return target
 
     def consensus_distance(self, group: Any = None) -> float:
         """Mean distance of the replicas (of ``group``'s ranks) from their average (0 for all-reduce). Collective."""
-        return consensus_distance(self.model, group)
+        with self.algorithm.outside_steps():
+            return consensus_distance(self.model, group)
 
     def stats(self) -> dict[str, Any]:
         return self.algorithm.stats()

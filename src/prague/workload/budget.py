@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from prague.errors import ConfigError
@@ -150,19 +150,37 @@ class EqualShares:
     or without end under a time budget."""
 
     def __init__(self, rank: int, nproc: int, total: int | None) -> None:
-        self.rank, self.nproc = rank, nproc
+        self.rank, self.nproc, self.total = rank, nproc, total
         self.steps = None if total is None else total // nproc
         if self.steps == 0:
             raise ConfigError(f"the budget is {total} batch(es), fewer than the {nproc} workers this method runs "
                               "in lockstep; raise --budget or lower --nproc")
         self._k = 0
+        self._base, self._done = 0, 0  # since the last regroup: first batch index, steps before it
+        self._index, self._size = rank, nproc  # this rank's place among the ranks stepping, and their number
 
     def next(self) -> int | None:
         if self.steps is not None and self._k >= self.steps:
             return None
-        index = self.rank + self._k * self.nproc
+        index = self._base + self._index + (self._k - self._done) * self._size
         self._k += 1
         return index
+
+    def regroup(self, completed: int, ranks: Sequence[int]) -> None:
+        """From step ``completed`` on (every rank has completed that many), only ``ranks`` take steps: the
+        batches not taken yet, the leavers' included, are shared among them in the same way. A rank not
+        among them takes none."""
+        if not ranks:
+            raise ConfigError("regroup needs at least one rank still stepping")
+        self._base += (completed - self._done) * self._size
+        self._done = self._k = completed
+        self._size = len(ranks)
+        if self.rank not in ranks:
+            self.steps = completed
+            return
+        self._index = list(ranks).index(self.rank)
+        if self.total is not None:
+            self.steps = completed + (self.total - self._base) // self._size
 
 
 class StopAgreement:

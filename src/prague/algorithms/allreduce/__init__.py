@@ -1,6 +1,13 @@
-"""``allreduce``: synchronous data parallelism with PyTorch DistributedDataParallel, the reference.
+"""``allreduce``: synchronous data parallelism, the reference, and the synchronous variants practitioners
+run against stragglers.
 
-Runtime: :mod:`.runtime` (DDP with a timing communication hook); simulator model: :mod:`.sim`.
+* ``allreduce`` (``allreduce:ddp``): PyTorch DistributedDataParallel. Runtime :mod:`.runtime` (DDP with a
+  timing communication hook); simulator model :mod:`.sim`.
+* ``allreduce:backup``: synchronous SGD with backup workers (Chen et al. 2016): each step applies the mean
+  of the first n - b gradients to arrive. Decisions :mod:`.backup_rules` (pure); runtime :mod:`.backup`;
+  simulator model :mod:`.backup_sim`.
+* ``allreduce:drop``: DDP that lets a persistently slow rank leave. Decisions :mod:`.drop_rules` (pure);
+  runtime :mod:`.drop`; simulator model :mod:`.drop_sim`.
 """
 
 from __future__ import annotations
@@ -14,30 +21,83 @@ MAX_BUCKET_MB = 2**63 / 2**20  # DDP counts a bucket's bytes in a signed 64-bit 
 #: DDP's bucket cap when none is given, MB, and its first bucket's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
 DDP_BUCKET_MB = 25.0
 DDP_FIRST_BUCKET_MB = 1.0
+SYNCS = ("ddp", "backup", "drop")
+#: ``--backup`` when not given: one backup worker, the setting Chen et al. found most of the gain with.
+DEFAULT_BACKUP = 1
+MAX_DROP_FACTOR = 1e6
 
 
 @dataclass(frozen=True)
 class AllReduceOptions(Options):
+    sync: str = option("ddp", "allreduce: ddp (DistributedDataParallel: every step waits for every worker), "
+                       "backup (each step applies the mean of the first n - b gradients to arrive; late ones "
+                       "are dropped) or drop (DDP that lets a persistently slow rank go and goes on without it)",
+                       choices=SYNCS)
     bucket_cap_mb: float | None = option(None, "DDP gradient bucket size in MB (default: DDP's own, 25 with a "
                                                "first bucket of 1, which lets the last layers' all-reduce start "
                                                "early in backward)")
+    backup: int = option(DEFAULT_BACKUP, "allreduce:backup: b, the backup workers: a step goes on once n - b "
+                                         "workers' gradients are in, and the b latest are dropped (0: wait for "
+                                         "all, as DDP, but without overlap)")
+    drop_factor: float = option(2.0, "allreduce:drop: a rank whose median compute time over a window is above "
+                                     "this times the median rank's is slow; slow in two windows in a row, it "
+                                     "leaves the job")
+    drop_window: int = option(20, "allreduce:drop: steps per window over which the ranks' compute times are "
+                                  "compared (the first window is the probe)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < MAX_BUCKET_MB:
             raise ConfigError(f"--bucket-cap-mb must be a number > 0 and below {MAX_BUCKET_MB:.3g}, "
                               f"got {self.bucket_cap_mb!r}")
+        b = self.backup
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ConfigError(f"--backup must be a whole number of workers >= 0, got {b!r}")
+        f = self.drop_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 < f <= MAX_DROP_FACTOR:
+            raise ConfigError(f"--drop-factor must be a number above 1 and at most {MAX_DROP_FACTOR:g}, got {f!r}; "
+                              "2 drops a rank twice as slow as the median")
+        w = self.drop_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError(f"--drop-window must be a whole number of steps >= 1, got {w!r}")
+
+    def check_job(self, nproc: int) -> None:
+        if self.sync == "backup" and nproc > 1 and self.backup >= nproc:
+            raise ConfigError(f"--backup {self.backup} leaves no worker to wait for in a job of --nproc {nproc}; "
+                              f"use at most {nproc - 1}")
+
+    def equal_shares(self) -> bool:
+        return self.sync != "backup"  # a late worker's step is dropped: it takes fewer batches, not the same
 
 
 METHOD = Method(
     name="allreduce",
     summary=("PyTorch DistributedDataParallel (bucketed gradient all-reduce overlapped with backward), then the "
-             "same optimizer step on every rank. The reference."),
-    paper="Li et al., PyTorch Distributed, VLDB 2020; Sergeev and Del Balso, Horovod, 2018",
+             "same optimizer step on every rank. The reference. `allreduce:backup`: synchronous SGD with `--backup` "
+             "b backup workers: each step applies the mean of the first n - b gradients to arrive, the late ones "
+             "are dropped, and every replica stays identical. `allreduce:drop`: DDP that compares the ranks' "
+             "compute times every `--drop-window` steps and lets a rank slower than `--drop-factor` times the "
+             "median, two windows in a row, leave; the others go on as a smaller DDP job and take its batches."),
+    paper=("Li et al., PyTorch Distributed, VLDB 2020; Sergeev and Del Balso, Horovod, 2018; backup: Chen, Pan, "
+           "Monga, Bengio, Jozefowicz, Revisiting Distributed Synchronous SGD, 2016"),
     options=AllReduceOptions,
     runtime="prague.algorithms.allreduce.runtime:AllReduce",
     sim="prague.algorithms.allreduce.sim:SimAllReduce",
-    reports={"bucket_cap_mb": "DDP's gradient bucket size"},
+    variant_option="sync",
+    plain_default=True,
+    variant_runtimes={"backup": "prague.algorithms.allreduce.backup:BackupAllReduce",
+                      "drop": "prague.algorithms.allreduce.drop:DropAllReduce"},
+    variant_sims={"backup": "prague.algorithms.allreduce.backup_sim:SimBackupAllReduce",
+                  "drop": "prague.algorithms.allreduce.drop_sim:SimDropAllReduce"},
+    reports={"bucket_cap_mb": "DDP's gradient bucket size",
+             "backup": "allreduce:backup: b, the backup workers",
+             "rounds": "allreduce:backup: steps of the job (rounds) this worker took part in",
+             "mean_gradients_per_round": "allreduce:backup: gradients averaged in a round, mean over rounds",
+             "accepted": "allreduce:backup: this worker's gradients among the first n - b of their round",
+             "dropped": "allreduce:backup: this worker's gradients that arrived after their round's n - b",
+             "waits": "allreduce:backup: steps in which this worker waited for its round",
+             "drop_factor": "allreduce:drop: the factor over the median compute time that makes a rank slow",
+             "left": "allreduce:drop: the ranks that left the job, each with the step after which it left"},
     sim_reports={"buckets": "DDP's gradient buckets the model's gradients fill",
                  "exposed_fraction": "share of the buckets' all-reduce time left after the last worker's "
                                      "backward (the rest hides behind backward)"},

@@ -43,49 +43,66 @@ class AllReduce(Algorithm):
     """Gradient all-reduce over all ranks through DDP, then the same optimizer step everywhere."""
 
     options: AllReduceOptions
+    _ddp: DistributedDataParallel | None
+    _hook: _HookState | None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
-        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
-            gradient_as_bucket_view=True,
-        )
         world = dist.group.WORLD
         assert world is not None, "init_process_group has run (prague.init) before setup"
-        self._hook = _HookState(world, self)
-        self._ddp.register_comm_hook(self._hook, _timed_allreduce)
-        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
-        # synchronous collective where a fast rank waits for a slow one. Time it as communication.
         # Plain closures, not bound methods: copies of the model (deepcopy) must not drag this object along.
         self._forward_called = 0.0
         self._buffer_sync_s = 0.0
-
-        def on_ddp_forward(module: nn.Module, args: Any) -> None:
-            self._forward_called = time.perf_counter()
 
         def on_module_forward(module: nn.Module, args: Any) -> None:
             if self._forward_called:
                 self._buffer_sync_s += time.perf_counter() - self._forward_called
                 self._forward_called = 0.0
 
-        handles = [self._ddp.register_forward_pre_hook(on_ddp_forward),
-                   model.register_forward_pre_hook(on_module_forward)]
-        self.resources.callback(self._release, handles)
+        self._handles = [model.register_forward_pre_hook(on_module_forward)]
+        self.resources.callback(self._release)
+        return self.wrap(model, world)
+
+    def wrap(self, model: nn.Module, group: dist.ProcessGroup) -> DistributedDataParallel:
+        """DDP over ``group`` for ``model``, with the timing comm hook, as :attr:`_ddp` (replacing, and so
+        releasing, the one before)."""
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        if getattr(self, "_ddp", None) is not None:
+            self._unwrap()
+        self._ddp = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
+            gradient_as_bucket_view=True, process_group=group,
+        )
+        self._hook = _HookState(group, self)
+        self._ddp.register_comm_hook(self._hook, _timed_allreduce)
+
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
+        # synchronous collective where a fast rank waits for a slow one. Time it as communication.
+        def on_ddp_forward(module: nn.Module, args: Any) -> None:
+            self._forward_called = time.perf_counter()
+
+        self._ddp_handle = self._ddp.register_forward_pre_hook(on_ddp_forward)
         return self._ddp
 
-    def _release(self, handles: list[Any]) -> None:
+    def _unwrap(self) -> None:
+        """Let DDP go (its reducer's hooks on the parameters, its hold on the group) and its hooks with it."""
+        self._ddp_handle.remove()
+        self._ddp = None
+        self._hook = None
+
+    def _release(self) -> None:
         """Forget DDP (which holds the world group) and unhook the user's model, so that the world
         group, and its gloo threads, can go when the process group is destroyed."""
-        for handle in handles:
+        for handle in self._handles:
             handle.remove()
-        del self._ddp, self._hook
+        if self._ddp is not None:
+            self._unwrap()
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         times.inner_comm_s += self._buffer_sync_s
         self._buffer_sync_s = 0.0
         # DDP has waited for every bucket by the time backward returns; what followed the last launch
         # was communication that compute did not hide.
-        if self._hook.last_launch:
+        if self._hook is not None and self._hook.last_launch:
             times.inner_comm_s += max(0.0, time.perf_counter() - self._hook.last_launch)
             self._hook.last_launch = 0.0
 

@@ -37,15 +37,15 @@ class SimAllReduce(SimMethod):
         self.exposed_s = 0.0  # summed over steps: time from the last worker's compute end to the step's end
         self.allreduce_s = 0.0  # summed over steps: the buckets' all-reduce times (exposed_s is a share of it)
 
-    def exchange_s(self, step: int, transfer: Transfer) -> float:
-        """Play out step ``step``'s buckets once the last worker has finished its compute (now); return the
-        time from now until the last bucket's all-reduce is done."""
+    def exchange_s(self, step: int, transfer: Transfer, n: int | None = None) -> float:
+        """Play out step ``step``'s buckets once the last of its ``n`` workers (default: all) has finished
+        its compute (now); return the time from now until the last bucket's all-reduce is done."""
         world = self.world
         now = world.engine.now
         arrivals = self._backward.pop(step)
         per_worker = [bucket_ready_s(backward, self.buckets, end - backward) for end, backward in arrivals]
         ready = [max(times) for times in zip(*per_worker)]
-        factor, n = world.cluster.allreduce_ring_factor, world.n
+        factor, n = world.cluster.allreduce_ring_factor, world.n if n is None else n
         latency_s = ring_allreduce_s(n, 0.0, transfer.link)
 
         def bucket_s(i: int, start_s: float) -> float:

@@ -1,0 +1,128 @@
+"""``allreduce:drop``: DDP that lets a persistently slow rank leave, as an operator would by hand.
+
+An engineer with one slow machine in a synchronous job watches the step times, then restarts the job
+without it. Here that happens inside the job: DDP runs as ``allreduce`` does; every ``--drop-window``
+steps the ranks still in the job share their median compute time over the window (one small all-reduce),
+and every rank applies the same rule to the same numbers (:mod:`.drop_rules`): a rank above
+``--drop-factor`` times the median rank's in two windows in a row leaves. The others build a communicator
+of their own (on the job's backend, through the store) and go on as a smaller DDP job over it; under a
+job-wide ``--budget`` they share the batches the leavers would have taken
+(:meth:`~prague.workload.budget.EqualShares.regroup`). The leavers stop stepping: they take no further
+part in the run, their replicas are not the job's model (the closing, :mod:`prague.train.closing`, is the
+others'), and the summary's ``algorithm_stats`` name them with the step after which they left.
+
+A rank's compute time is measured from the start of its step to the launch of DDP's last bucket (when
+backward's compute is over; under paced compute, when its gradients would be ready), less the time its
+forward spent in DDP's buffer broadcast waiting for the others.
+
+Through ``prague.prepare`` a leaver's further steps are local and change nothing (its loop may run on or
+stop: :attr:`Algorithm.left`), and ``model.averaged_model()`` averages the ranks still in the job.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prague.algorithms.allreduce.drop_rules import DropWatch
+from prague.algorithms.allreduce.runtime import AllReduce
+from prague.algorithms.api import StepTimes
+
+
+class Front(nn.Module):
+    """The module the loop runs forward through: the current DDP, or the plain model once this rank has left."""
+
+    target: nn.Module
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "target", target)  # not a submodule: the state stays the user's model's
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.target(*args, **kwargs)
+
+
+class DropAllReduce(AllReduce):
+    """See the module docstring."""
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
+        self._model = model
+        self._watch = DropWatch(self.options.drop_factor)
+        self._times: list[float] = []
+        self._t0 = 0.0
+        self.live: tuple[int, ...] = tuple(range(self.ctx.world_size))
+        self.dropped: dict[int, int] = {}  # rank -> the steps it had completed when it left
+        self._group: dist.ProcessGroup | None = None  # the communicator of the ranks still in (None: the world's)
+        self.front = Front(super().setup(model, optimizer))
+        self.resources.callback(self._release_group)
+        return self.front
+
+    def _release_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def before_compute(self, step: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        if self.left:
+            return
+        launched = self._hook.last_launch if self._hook is not None else 0.0
+        end = launched or time.perf_counter()
+        self._times.append(max(0.0, end - self._t0 - self._buffer_sync_s))
+        super().after_backward(step, times)
+
+    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+        if not self.left:  # a leaver's replica is no longer the job's: it stays as it was
+            super().apply_update(optimizer, step)
+
+    def after_step(self, step: int, times: StepTimes) -> None:
+        if self.left or (step + 1) % self.options.drop_window or len(self.live) < 2:
+            return
+        medians = self._gather(statistics.median(self._times) if self._times else 0.0)
+        self._times = []
+        leaving = self._watch.observe(medians)
+        if leaving:
+            self._leave(leaving, step + 1)
+
+    def _gather(self, mine: float) -> dict[int, float]:
+        """Every live rank's ``mine``, by rank (one all-reduce over the ranks still in)."""
+        values = torch.zeros(len(self.live), dtype=torch.float64)
+        values[self.live.index(self.ctx.rank)] = mine
+        if self.ctx.device.type == "cuda" and self.ctx.backend == "nccl":
+            values = values.to(self.ctx.device)
+        group = self._group if self._group is not None else dist.group.WORLD
+        assert group is not None
+        group.allreduce([values]).wait()
+        return dict(zip(self.live, values.tolist()))
+
+    def _leave(self, leaving: tuple[int, ...], completed: int) -> None:
+        """``leaving`` leave after ``completed`` steps; the others go on over a communicator of their own."""
+        for rank in leaving:
+            self.dropped[rank] = completed
+        kept = tuple(r for r in self.live if r not in leaving)
+        self.live = kept
+        self.stepping = kept
+        old = self._group
+        if self.ctx.rank in leaving:
+            self.left = True
+            self._unwrap()
+            object.__setattr__(self.front, "target", self._model)
+        else:  # only the members build it (DDP needs a group of torch.distributed's own)
+            self._group = dist.new_group(list(kept), timeout=self.ctx.timeout, use_local_synchronization=True)
+            object.__setattr__(self.front, "target", self.wrap(self._model, self._group))
+        if old is not None:
+            dist.destroy_process_group(old)
+
+    def replica_group(self) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
+        return self.live, self._group
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "drop_factor": self.options.drop_factor,
+                "left": {str(rank): step for rank, step in sorted(self.dropped.items())}}
