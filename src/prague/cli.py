@@ -68,14 +68,26 @@ def _default_out(name: str) -> Path:
     return Path("runs") / f"{name.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+#: Data sets that come with the code or are generated: no file of the user's to check before the workers start.
+NO_FILES = ("digits", "synthetic")
+
+
 def check_data(cfg: Any) -> None:
-    """Load the data set once in the launcher, so a bad file is a clear error before any worker starts,
-    and check the method's options against the model built for it (:meth:`Options.check_model`)."""
+    """Load a data set read from files once in the launcher, so a bad file is a clear error before any
+    worker starts (one that comes with the code is not loaded: loading digits imports scikit-learn, a
+    second and a half of every launch), and check the method's options against the model built for it
+    (:meth:`Options.check_model`)."""
+    from prague.workload.catalog import dataset_info
     from prague.workload.data import load_dataset
     from prague.workload.models import build_model, state_elements
 
-    dataset = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
-    cfg.options.check_model(lambda: state_elements(build_model(cfg.model, dataset.input_shape, dataset.num_classes)))
+    if cfg.data in NO_FILES:
+        info = dataset_info(cfg.data)
+        shape, classes = info.input_shape, info.num_classes
+    else:
+        dataset = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
+        shape, classes = dataset.input_shape, dataset.num_classes
+    cfg.options.check_model(lambda: state_elements(build_model(cfg.model, shape, classes)))
 
 
 def method_resources(cfg: Any, host: str = "127.0.0.1") -> tuple[Any, bool]:
@@ -308,8 +320,10 @@ def _resumed_config(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from prague.io import atomic_write_json
+    from prague.runtime.forkserver import prestart
     from prague.train.config import check_options_apply
 
+    prestart(args.data)  # the workers' fork server imports torch while the flags are checked
     probe = None
     if args.resume is not None:
         cfg = _resumed_config(args)
@@ -426,7 +440,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from prague.metrics.report import bench_table, load_resume, write_bench
+    from prague.runtime.forkserver import prestart
     from prague.train.config import run_folder
+
+    prestart(args.data)  # the workers' fork server imports torch while the flags are checked
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]

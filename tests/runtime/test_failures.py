@@ -184,10 +184,11 @@ def _summary(out: Path) -> dict:
 RUN = ["--nproc", "4", "--steps", "60", "--compute", "emulated", "--compute-ms", "20", "--lease-s", "2", "--quiet"]
 
 
+# Each surviving method once, crashes and hangs alternating; the other pairs run elsewhere: dssync's crash and
+# eager-sgd's hang under torchrun (tests/net), adpsgd's crash on a real model, eager-sgd's crash with hangs below.
 @pytest.mark.parametrize("algorithm,fault", [
     ("prague:ready", "crash"), ("prague:ready", "hang"), ("prague:smart", "crash"), ("prague:random", "hang"),
-    ("prague:static", "hang"), ("prague:static", "crash"), ("dssync", "crash"), ("dssync", "hang"),
-    ("adpsgd", "crash"), ("adpsgd", "hang"), ("eager-sgd", "crash"), ("eager-sgd", "hang"),
+    ("prague:static", "hang"), ("dssync", "hang"), ("adpsgd", "hang"), ("eager-sgd", "crash"),
 ])
 def test_survivors_train_to_the_end(tmp_path: Path, algorithm: str, fault: str) -> None:
     out = tmp_path / "run"

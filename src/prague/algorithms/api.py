@@ -187,6 +187,12 @@ class Algorithm:
         (``allreduce:backup``'s rounds) counts this rank out of them meanwhile. Nothing by default."""
         yield
 
+    def batch_share(self) -> tuple[int, int] | None:
+        """The samples this rank takes in its next step, as (offset, count) within the step's samples of
+        all ranks (n times the loop's batch), when the method sets them (``allreduce:balanced``); None: a
+        batch of the loop's own size."""
+        return None
+
     def replica_group(self) -> tuple[tuple[int, ...], Any]:
         """The ranks whose replicas are the job's model, and a communicator over them (None: the world's),
         for ``model.averaged_model()``. Every rank by default."""

@@ -58,6 +58,7 @@ class Harness(StepHooks):
         self._algorithm: Algorithm | None = None
         self.ema_s: float | None = None  # running average of this rank's compute without the injected sleep
         self._factor = 1.0
+        self.fraction = 1.0  # the next step's samples over the nominal batch (allreduce:balanced's shares)
         self._delay = 0.0
         self._t0 = 0.0
         self._real_end = 0.0
@@ -107,9 +108,9 @@ class Harness(StepHooks):
             os.kill(os.getpid(), signal.SIGSTOP)
         self._t0 = time.perf_counter()
         self._factor = self.scenario.slowdown(rank, step, self.world_size)
-        self._delay = self._delay_s(self._factor)
-        if self.pace is not None:
-            self.pace.begin(self._factor)
+        self._delay = self._delay_s(self._factor) * self.fraction
+        if self.pace is not None:  # a step of other than the nominal samples takes that much longer
+            self.pace.begin(self._factor * self.fraction)
         elif self._delay > 0:
             time.sleep(self._delay)
 

@@ -132,6 +132,7 @@ class Work:
     watch: LossWatch | None = None
     divergence: DivergenceFlag | None = None
     stepping: tuple[int, ...] | None = None  # the ranks still taking steps, once some left (None: all)
+    cursor: int | None = None  # batches of the method's sizes from this rank's shard: the next sample's position
 
     def stop_before(self, completed: int, now_s: float) -> bool:
         """Whether this rank stops before its next step, having completed ``completed``."""
@@ -141,6 +142,22 @@ class Work:
             return self.agreement.stop_before(completed, must or (self.divergence is not None
                                                                   and self.divergence.reported))
         return must or (self.divergence is not None and self.divergence.seen())
+
+    def batch(self, index: int, share: tuple[int, int] | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and labels of step ``index`` (the plan's): the loader's batch, or, with a ``share``
+        (offset, count) of the step's samples from the method, those samples: within the step's batches of
+        every rank under a job-wide budget, else next in this rank's own shard."""
+        assert self.loader is not None
+        if share is None:
+            return self.loader.batch(index)
+        offset, count = share
+        if isinstance(self.loader, GlobalBatches):
+            first = self.plan.window_start(index) if isinstance(self.plan, EqualShares) else index
+            return self.loader.samples(first * batch_size + offset, count)
+        if self.cursor is None:
+            self.cursor = index * batch_size
+        start, self.cursor = self.cursor, self.cursor + count
+        return self.loader.samples(start, count)
 
     def regroup(self, completed: int, ranks: tuple[int, ...]) -> None:
         """From step ``completed`` on only ``ranks`` take steps (the others left the job): under a job-wide
@@ -252,10 +269,12 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             index = work.plan.next()
             if index is None:
                 break
+            share = trainer.algorithm.batch_share()  # allreduce:balanced: this rank's samples of the step
+            harness.fraction = 1.0 if share is None else share[1] / cfg.batch_size
             if work.loader is None:  # emulated compute: no data
                 rec = trainer.step(lambda m: m())
             else:
-                x, y = work.loader.batch(index)
+                x, y = work.batch(index, share, cfg.batch_size)
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 rec = trainer.step(lambda m: F.cross_entropy(m(x), y))
             stepping = trainer.algorithm.stepping
@@ -265,6 +284,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             rec.t_end_s = clock.now()
             if cfg.budget is not None:
                 rec.batch = index
+            if share is not None:
+                rec.samples = share[1]
             training.records.append(rec)
             log.write(json.dumps(rec.as_dict()) + "\n")
             work.observe_loss(rec.step, rec.loss)

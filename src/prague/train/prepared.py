@@ -151,6 +151,12 @@ class PreparedModel(nn.Module):
             average_into(self.model, target, group)
         return target
 
+    def batch_share(self) -> int | None:
+        """How many samples this rank should take in its next step, when the method sets it
+        (``allreduce:balanced``: in proportion to this rank's measured speed); None: the loop's own batch."""
+        share = self._session.algorithm.batch_share()
+        return None if share is None else share[1]
+
     def close(self) -> None:
         """End the method on this rank (every rank calls it; :func:`prague.shutdown` does it otherwise).
         The model then runs as the plain model (the method's module, DDP's hold on the process group

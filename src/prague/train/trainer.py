@@ -73,10 +73,11 @@ class StepRecord:
     loss: float | None
     dropped: float | None = None  # share of the gradient dropped (lossy), else None and not written
     batch: int | None = None  # the job-wide batch index under a --budget (set by the loop), else not written
+    samples: int | None = None  # the step's samples when the method set them (allreduce:balanced), else not written
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for optional in ("dropped", "batch"):
+        for optional in ("dropped", "batch", "samples"):
             if out[optional] is None:
                 del out[optional]
         return out

@@ -166,6 +166,11 @@ class EqualShares:
         self._k += 1
         return index
 
+    def window_start(self, index: int) -> int:
+        """The first batch index of the step that handed out ``index`` to this rank: the step's batches,
+        every rank's, are ``window_start .. window_start + ranks stepping - 1``."""
+        return index - self._index
+
     def regroup(self, completed: int, ranks: Sequence[int]) -> None:
         """From step ``completed`` on (every rank has completed that many), only ``ranks`` take steps: the
         batches not taken yet, the leavers' included, are shared among them in the same way. A rank not

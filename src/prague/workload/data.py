@@ -18,6 +18,7 @@ at the same step, and a test can rebuild the union of all ranks' batches in one 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -316,6 +317,13 @@ class ShardLoader:
         rows = self.epoch_order(epoch)[start:start + self.batch_size]
         return self.x[rows], self.y[rows]
 
+    def samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of ``count`` samples of this rank's shard from sample position ``start`` on
+        (positions run through the epochs' orders, ``steps_per_epoch * batch_size`` an epoch, as the batches
+        do): a batch of another size (``allreduce:balanced``)."""
+        rows = _positions(start, count, self._steps_per_epoch * self.batch_size, self.epoch_order)
+        return self.x[rows], self.y[rows]
+
 
 class GlobalBatches:
     """Mini-batches of the whole training set, addressed by a job-wide batch index (the job-wide budget,
@@ -361,6 +369,27 @@ class GlobalBatches:
         epoch, i = divmod(index, self.batches_per_epoch)
         rows = self.epoch_order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
         return self.x[rows], self.y[rows]
+
+    def samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of ``count`` samples from job-wide sample position ``start`` on: batch ``g``
+        is positions ``g * batch_size`` to ``(g + 1) * batch_size - 1``, so a step's batches can be cut
+        into shares of other sizes (``allreduce:balanced``) and every sample is still used once an epoch."""
+        rows = _positions(start, count, self.batches_per_epoch * self.batch_size, self.epoch_order)
+        return self.x[rows], self.y[rows]
+
+
+def _positions(start: int, count: int, per_epoch: int, order: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The sample indices at positions ``start .. start + count - 1`` of the epochs' orders (``per_epoch``
+    positions each; ``order(e)`` the samples of epoch e in order), across epoch ends."""
+    if start < 0 or count < 1:
+        raise ConfigError(f"samples from position {start!r}, {count!r} of them: need start >= 0 and count >= 1")
+    parts, at, left = [], start, count
+    while left:
+        epoch, offset = divmod(at, per_epoch)
+        take = min(left, per_epoch - offset)
+        parts.append(order(epoch)[offset:offset + take])
+        at, left = at + take, left - take
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _mix_seed(seed: int, rank: int, epoch: int) -> int:

@@ -11,9 +11,8 @@ job-wide ``--budget`` they share the batches the leavers would have taken
 part in the run, their replicas are not the job's model (the closing, :mod:`prague.train.closing`, is the
 others'), and the summary's ``algorithm_stats`` name them with the step after which they left.
 
-A rank's compute time is measured from the start of its step to the launch of DDP's last bucket (when
-backward's compute is over; under paced compute, when its gradients would be ready), less the time its
-forward spent in DDP's buffer broadcast waiting for the others.
+A rank's compute time is :class:`~prague.algorithms.allreduce.runtime.TimedAllReduce`'s: from the start
+of its step to the launch of DDP's last bucket, less its wait in DDP's buffer broadcast.
 
 Through ``prague.prepare`` a leaver's further steps are local and change nothing (its loop may run on or
 stop: :attr:`Algorithm.left`), and ``model.averaged_model()`` averages the ranks still in the job.
@@ -22,7 +21,6 @@ stop: :attr:`Algorithm.left`), and ``model.averaged_model()`` averages the ranks
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prague.algorithms.allreduce.drop_rules import DropWatch
-from prague.algorithms.allreduce.runtime import AllReduce
+from prague.algorithms.allreduce.runtime import TimedAllReduce
 from prague.algorithms.api import StepTimes
 
 
@@ -47,14 +45,13 @@ class Front(nn.Module):
         return self.target(*args, **kwargs)
 
 
-class DropAllReduce(AllReduce):
+class DropAllReduce(TimedAllReduce):
     """See the module docstring."""
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         self._model = model
         self._watch = DropWatch(self.options.drop_factor)
         self._times: list[float] = []
-        self._t0 = 0.0
         self.live: tuple[int, ...] = tuple(range(self.ctx.world_size))
         self.dropped: dict[int, int] = {}  # rank -> the steps it had completed when it left
         self._group: dist.ProcessGroup | None = None  # the communicator of the ranks still in (None: the world's)
@@ -67,16 +64,11 @@ class DropAllReduce(AllReduce):
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
 
-    def before_compute(self, step: int) -> None:
-        self._t0 = time.perf_counter()
-
     def after_backward(self, step: int, times: StepTimes) -> None:
         if self.left:
             return
-        launched = self._hook.last_launch if self._hook is not None else 0.0
-        end = launched or time.perf_counter()
-        self._times.append(max(0.0, end - self._t0 - self._buffer_sync_s))
         super().after_backward(step, times)
+        self._times.append(self.compute_s)
 
     def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         if not self.left:  # a leaver's replica is no longer the job's: it stays as it was

@@ -27,12 +27,15 @@ class _HookState:
         self.process_group = process_group
         self.last_launch = 0.0
         self.algorithm = algorithm
+        self.weight = 1.0  # this rank's gradient enters the mean this many times (allreduce:balanced)
 
 
 def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     gate = state.algorithm.gradient_gate
     if gate is not None:  # paced compute: the bucket leaves when its last gradient would be ready
         gate(bucket.parameters())
+    if state.weight != 1.0:  # a sample-weighted mean: this rank's share of the step's samples, times n
+        bucket.buffer().mul_(state.weight)
     state.last_launch = time.perf_counter()
     if bucket.is_last():  # backward's compute is over: what follows is waiting for the others
         state.algorithm.phase.communicate()
@@ -108,3 +111,22 @@ class AllReduce(Algorithm):
 
     def stats(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.options.bucket_cap_mb}
+
+
+class TimedAllReduce(AllReduce):
+    """:class:`AllReduce` that measures this rank's compute time of each step (:attr:`compute_s`, set in
+    ``after_backward``), for variants that decide from the ranks' speeds (``allreduce:drop``,
+    ``allreduce:balanced``): from the start of the step to the launch of DDP's last bucket (when backward's
+    compute is over; under paced compute, when the gradients would be ready), less the time the forward
+    pass waited in DDP's buffer broadcast for the other ranks."""
+
+    compute_s = 0.0
+    _t0 = 0.0
+
+    def before_compute(self, step: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_backward(self, step: int, times: StepTimes) -> None:
+        launched = self._hook.last_launch if self._hook is not None else 0.0
+        self.compute_s = max(0.0, (launched or time.perf_counter()) - self._t0 - self._buffer_sync_s)
+        super().after_backward(step, times)
