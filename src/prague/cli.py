@@ -454,6 +454,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from prague.train.config import check_options_apply, check_out_folder
 
     check_options_apply(args, algorithms)
+    from prague.metrics.pilot import best, parse_lr_values
+
+    lr_values = None if args.lr is None else parse_lr_values(args.lr)
+    if lr_values is not None:
+        args.lr = lr_values[0]  # the cells are checked with the first; a pilot picks each one's
+    elif args.pilot_budget is not None:
+        raise ConfigError("--pilot-budget is the budget of a learning-rate pilot: give --lr several values "
+                          "(0.025,0.05,0.1,0.2) or drop it")
     if args.resume and args.out is None:
         raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")
@@ -473,6 +481,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def folder(cfg: Any, seed: int) -> Path:
         return cfg.out if args.repeat == 1 else cfg.out.with_name(f"{cfg.out.name}_seed{seed}")
 
+    pilot: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    if lr_values is not None and len(lr_values) > 1:
+        pilot = _lr_pilot(args, out, cells, lr_values, nominal)
+        cells = [dataclasses.replace(c, lr=best(pilot[(c.algorithm, c.scenario)])) for c in cells]
     configs = [dataclasses.replace(c, seed=seed, out=folder(c, seed), compute_ms=nominal)
                for seed in range(cells[0].seed, cells[0].seed + args.repeat) for c in cells]
     # the seeds one after another, so the machine's noise spreads over every cell
@@ -489,6 +501,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             records.append(run_config(cfg, quiet=args.quiet))
             if pace_probe is not None:
                 records[-1]["pace_probe"] = pace_probe
+            if pilot:
+                records[-1]["lr_pilot"] = pilot[(cfg.algorithm, cfg.scenario)]
             runs.append(run)
             print(_summary_line(records[-1]), flush=True)
             if records[-1].get("diverged"):  # a result, not a failure: the tables say so, the bench goes on
@@ -508,6 +522,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{len(failures)} run(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _lr_list_flag(parser: argparse.ArgumentParser) -> None:
+    """``prague bench --lr`` takes one learning rate or several (a pilot picks one per cell)."""
+    for action in parser._actions:
+        if action.dest == "lr":
+            action.type = str
+            action.metavar = "LR[,LR...]"
+            action.help = ("learning rate of SGD (default 0.05); several, comma-separated (0.025,0.05,0.1,0.2): "
+                           "every cell is first run at each on --pilot-budget and the full bench runs each cell "
+                           "at its best (soonest to --target-accuracy)")
+
+
+def _lr_pilot(args: argparse.Namespace, out: Path, cells: list[Any], values: tuple[float, ...],
+              nominal: float | None) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Run the learning-rate pilot of every cell (:mod:`prague.metrics.pilot`); each cell's results."""
+    from prague.metrics.pilot import DEFAULT_PILOT_BUDGET, pilot_lines, run_pilot
+    from prague.workload.budget import parse_budget
+
+    budget = parse_budget(args.pilot_budget or DEFAULT_PILOT_BUDGET).text
+    by_cell = {(c.algorithm, c.scenario): c for c in cells}
+
+    def run(algorithm: str, scenario: str, lr: float, folder: Path) -> dict[str, Any]:
+        cfg = dataclasses.replace(by_cell[(algorithm, scenario)], lr=lr, budget=budget, steps=None, epochs=None,
+                                  out=folder, compute_ms=nominal)
+        if cfg.out.exists():  # an interrupted pilot run: start it afresh
+            shutil.rmtree(cfg.out)
+        try:
+            return run_config(cfg, quiet=args.quiet)
+        except WorkerFailed as exc:
+            if usage_error(exc) is not None:
+                raise
+            print(f"FAILED pilot {algorithm} / {scenario} / lr {lr:g}: {exc}", file=sys.stderr, flush=True)
+            return {}
+
+    results = run_pilot(out, list(by_cell), values, run)
+    print("\n".join(["learning rates chosen by the pilot:", *pilot_lines(results)]), flush=True)
+    return results
 
 
 def _bench_pace(args: argparse.Namespace, done: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -590,6 +642,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true", help="go on with the unfinished bench in --out (same "
                                                          "arguments): keep its finished runs, run the rest")
     add_run_arguments(b)
+    _lr_list_flag(b)
+    b.add_argument("--pilot-budget", default=None,
+                   help="with several --lr values: the budget of each pilot run (default epochs:1)")
     b.add_argument("--quiet", action="store_true")
 
     m = sub.add_parser("methods", help="list every method, its variants and options")

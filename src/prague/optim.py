@@ -7,6 +7,8 @@ real arithmetic (:mod:`prague.sim.math`), so that all of them take the step a wo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +60,20 @@ class SGDRule:
         if self.nesterov:
             gain = 1 + self.momentum * gain
         return SGDRule(self.lr * gain, 0.0, 0.0, self.weight_decay, False)
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every param group's learning rate times ``factor`` inside the block, restored after it: on top of
+    whatever rate the user's schedule set for this step."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, saved):
+        group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr

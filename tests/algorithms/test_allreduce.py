@@ -6,13 +6,15 @@ test_ps.py compares with the synchronous parameter server.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from prague_testing import SHORT_RUN
+from prague.algorithms.allreduce.scaling import linear_scaling
+from prague_testing import SHORT_RUN, run_cli
 from prague.workload.data import ShardLoader, load_dataset
 from prague.workload.models import build_model
 
@@ -20,10 +22,25 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_four_workers_match_one_process_on_concatenated_batches(allreduce_run: Path) -> None:
+    _match_one_process(torch.load(allreduce_run / "model.pt"))
+
+
+def test_the_linear_scaling_rule_warms_the_learning_rate_up_to_n_times(tmp_path: Path) -> None:
+    """Goyal et al.'s rule: the one-worker rate times 1, 1.75, 2.5, 3.25, then 4 (four workers, four steps
+    of warm-up), on top of the optimizer's rate: one process with that schedule ends where the job does."""
+    assert [linear_scaling(4, k, 4) for k in range(6)] == [1.75, 2.5, 3.25, 4.0, 4.0, 4.0]
+    assert linear_scaling(4, 0, 0) == 4.0
+    out = tmp_path / "scaled"
+    res = run_cli("run", "--algorithm", "allreduce", "--lr-scaling", "linear", "--scaling-warmup-steps", "4",
+                  *SHORT_RUN.args(), "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    _match_one_process(torch.load(out / "model.pt"), lambda k: linear_scaling(4, k, 4))
+
+
+def _match_one_process(distributed: dict[str, torch.Tensor], factor: Callable[[int], float] = lambda k: 1.0) -> None:
     run = SHORT_RUN
     nproc, steps, batch, lr, momentum, seed = run.nproc, run.steps, run.batch_size, run.lr, run.momentum, run.seed
     assert nproc == 4
-    distributed = torch.load(allreduce_run / "model.pt")
 
     data = load_dataset("digits", seed=seed)
     loaders = [ShardLoader(data.train_x, data.train_y, r, nproc, batch, seed) for r in range(nproc)]
@@ -35,6 +52,8 @@ def test_four_workers_match_one_process_on_concatenated_batches(allreduce_run: P
         xs, ys = zip(*(loader.batch(step) for loader in loaders))
         opt.zero_grad()
         F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        for group in opt.param_groups:
+            group["lr"] = lr * factor(step)
         opt.step()
 
     moved = 0.0

@@ -59,6 +59,11 @@ class RunRecord:
     parameters: int | None = _doc("trainable parameters of the model")
     data: str | None = _doc("data set name")
     batch_size: int | None = _doc("per-worker batch size")
+    lr: float | None = _doc("the learning rate it trained with (`--lr`; a bench given several picks one per cell "
+                            "with its pilot)")
+    lr_pilot: list[dict[str, Any]] = _doc_list(
+        "a bench's learning-rate pilot of this cell (`--lr` with several values): `{lr, time_to_target_s, "
+        "test_accuracy}` per value, each a run on `--pilot-budget` with the bench's first seed")
     steps: int | None = _doc("iterations per worker (under a `--budget`: the most any worker ran)")
     budget: str | None = _doc("the job-wide `--budget` (`epochs:3`), or null for per-worker `--steps`/`--epochs`")
     shares: str | None = _doc("under a budget: `claimed` (batches from a shared counter: fast workers take more) "

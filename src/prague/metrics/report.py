@@ -44,6 +44,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from prague.errors import ConfigError
+from prague.metrics.pilot import pilot_lines
 from prague.metrics.record import SCHEMA_VERSION, RunRecord, method_label_of
 from prague.metrics.summary import nominal_compute_s, scenario_limit
 from prague.io import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -728,8 +729,22 @@ def _throughput_text(checked: Sequence[Record]) -> str:
 
 
 def _tables(checked: Sequence[Record], table: Sequence[dict[str, Any]], tta_only: bool = False) -> str:
-    parts = [_header(checked), "", _tta_text(table)]
+    parts = [_header(checked), "", _tta_text(table)] + _lr_text(checked)
     return "\n".join(parts if tta_only else parts + [_throughput_text(checked)])
+
+
+def _lr_text(records: Sequence[Record]) -> list[str]:
+    """When a learning-rate pilot chose each cell's rate (``lr_pilot``): one line per cell, every value's
+    time to target (or final accuracy) and the one chosen; nothing otherwise."""
+    piloted: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in records:
+        runs = record.get("lr_pilot")
+        if runs:
+            piloted.setdefault((method_label(record), str(record.get("scenario"))), list(runs))
+    if not piloted:
+        return []
+    return ["", "Learning rate per cell, chosen by the pilot (time to target on the pilot's budget, or the final "
+                "accuracy where it was not reached):", ""] + [f"- {line}" for line in pilot_lines(piloted)] + [""]
 
 
 def _checked(records: Sequence[RecordLike], source: str) -> list[dict[str, Any]]:

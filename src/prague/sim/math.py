@@ -91,7 +91,7 @@ class NoMath:
 
     def average(self, members: Sequence[int]) -> None: ...
 
-    def allreduce_step(self, members: Sequence[int], step: int) -> None: ...
+    def allreduce_step(self, members: Sequence[int], step: int, scale: float = 1.0) -> None: ...
 
     def values(self, w: int) -> Any:
         """A copy of x_w as it is now (a snapshot handed to a background average)."""
@@ -257,10 +257,10 @@ class RealMath(NoMath):
         if self.share_momentum:
             self._momentum(w).add_(delta[n:])
 
-    def allreduce_step(self, members: Sequence[int], step: int) -> None:
+    def allreduce_step(self, members: Sequence[int], step: int, scale: float = 1.0) -> None:
         grad = torch.stack([self._grad(self.X[w], w, step) for w in members]).mean(dim=0)
         for w in members:
-            self.apply(w, grad)
+            self.apply(w, grad, scale)
 
     def server_step(self, grads: Sequence[torch.Tensor], rule: SGDRule | None, key: Any, scale: float = 1.0) -> None:
         """The server's values take one step of ``rule`` (default: the run's optimizer) with the mean of

@@ -451,7 +451,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
         warmup=warmup_steps(min(steps, max(completed)), cfg.warmup_steps),  # a run stopped early: its steps
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
-        compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model,
+        compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model, lr=cfg.lr,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
         wall_s=max(g["wall_s"] for g in gathered), target_accuracy=cfg.target_accuracy, target_loss=cfg.target_loss,
         consensus_distance=consensus, **evaluation,

@@ -45,6 +45,11 @@ class AllReduceOptions(Options):
     drop_factor: float = option(2.0, "allreduce:drop: a rank whose median compute time over a window is above "
                                      "this times the median rank's is slow; slow in two windows in a row, it "
                                      "leaves the job")
+    lr_scaling: str = option("none", "allreduce: none, or linear: the linear scaling rule (Goyal et al. 2017): the "
+                                     "learning rate times the workers (a step's batch is n workers' batches), "
+                                     "reached over --scaling-warmup-steps", choices=("none", "linear"))
+    scaling_warmup_steps: int = option(100, "allreduce --lr-scaling linear: steps of gradual warm-up from the "
+                                            "one-worker learning rate (0: none)")
     rebalance_every: int = option(20, "allreduce:balanced: steps between two splits of the step's samples from the "
                                       "ranks' measured compute time per sample")
     drop_window: int = option(20, "allreduce:drop: steps per window over which the ranks' compute times are "
@@ -62,6 +67,9 @@ class AllReduceOptions(Options):
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 < f <= MAX_DROP_FACTOR:
             raise ConfigError(f"--drop-factor must be a number above 1 and at most {MAX_DROP_FACTOR:g}, got {f!r}; "
                               "2 drops a rank twice as slow as the median")
+        s = self.scaling_warmup_steps
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ConfigError(f"--scaling-warmup-steps must be a whole number of steps >= 0, got {s!r}")
         for flag, w in (("--drop-window", self.drop_window), ("--rebalance-every", self.rebalance_every)):
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
                 raise ConfigError(f"{flag} must be a whole number of steps >= 1, got {w!r}")
@@ -86,7 +94,8 @@ METHOD = Method(
              "`allreduce:balanced`: DDP whose workers each take a share of the step's samples in proportion to "
              "their measured speed (every `--rebalance-every` steps), so all finish together; the update is the "
              "mean over all the step's samples."),
-    paper=("Li et al., PyTorch Distributed, VLDB 2020; Sergeev and Del Balso, Horovod, 2018; backup: Chen, Pan, "
+    paper=("Li et al., PyTorch Distributed, VLDB 2020; Sergeev and Del Balso, Horovod, 2018; linear scaling: Goyal et al., "
+           "Accurate, Large Minibatch SGD, 2017; backup: Chen, Pan, "
            "Monga, Bengio, Jozefowicz, Revisiting Distributed Synchronous SGD, 2016; balanced: Chen et al., "
            "Semi-Dynamic Load Balancing (LB-BSP), SoCC 2020"),
     options=AllReduceOptions,
@@ -101,6 +110,7 @@ METHOD = Method(
                   "balanced": "prague.algorithms.allreduce.balanced_sim:SimBalancedAllReduce",
                   "drop": "prague.algorithms.allreduce.drop_sim:SimDropAllReduce"},
     reports={"bucket_cap_mb": "DDP's gradient bucket size",
+             "lr_scaling": "none, or linear (the learning rate times the workers after the warm-up)",
              "backup": "allreduce:backup: b, the backup workers",
              "rounds": "allreduce:backup: steps of the job (rounds) this worker took part in",
              "mean_gradients_per_round": "allreduce:backup: gradients averaged in a round, mean over rounds",

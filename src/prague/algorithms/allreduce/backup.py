@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prague.algorithms.allreduce import AllReduceOptions
+from prague.algorithms.allreduce.scaling import lr_factor
 from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, counts, quorum, starts
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import bind_flat, views_of
@@ -50,6 +51,7 @@ from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
 from prague.metrics.decisions import Decision
+from prague.optim import scaled_lr
 from prague.runtime.background import COMMUNICATING, BackgroundWork
 
 #: Finished rounds a worker may hold before applying them (its thread then waits for room).
@@ -374,7 +376,9 @@ class BackupAllReduce(Algorithm):
                 param.grad = g.clone()
             else:
                 param.grad.copy_(g)
-        self.optimizer.step()
+        with scaled_lr(self.optimizer, lr_factor(self.options, quorum(self.ctx.world_size, self.options.backup),
+                                                 self.applied)):
+            self.optimizer.step()
 
     def finish(self) -> None:
         rounds = self.rounds
@@ -388,7 +392,7 @@ class BackupAllReduce(Algorithm):
         rounds = self.rounds
         completed = rounds.completed if rounds is not None else 0
         gradients = rounds.gradients if rounds is not None else 0
-        return {"backup": self.options.backup, "rounds": completed,
+        return {"backup": self.options.backup, "lr_scaling": self.options.lr_scaling, "rounds": completed,
                 "mean_gradients_per_round": gradients / completed if completed else 0.0,
                 "accepted": rounds.accepted if rounds is not None else 0,
                 "dropped": rounds.dropped if rounds is not None else 0, "waits": self.waits}

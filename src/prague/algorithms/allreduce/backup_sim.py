@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, starts
+from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, quorum, starts
+from prague.algorithms.allreduce.scaling import lr_factor
 from prague.metrics.decisions import Decision
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -148,7 +149,7 @@ class SimBackupAllReduce(SimMethod):
             r = self.applied[w]
             total, count = self._results[r]
             if total is not None and count:
-                math.apply(w, total / count)
+                math.apply(w, total / count, lr_factor(self.options, quorum(self.world.n, self.options.backup), r))
             self.applied[w] += 1
             if min(self.applied) > r:
                 del self._results[r]
@@ -159,6 +160,6 @@ class SimBackupAllReduce(SimMethod):
             raise RuntimeError(f"simulated allreduce:backup stopped after {self.completed} rounds, before the last")
 
     def stats(self) -> dict[str, Any]:
-        return {"backup": self.options.backup, "rounds": self.completed,
+        return {"backup": self.options.backup, "lr_scaling": self.options.lr_scaling, "rounds": self.completed,
                 "mean_gradients_per_round": self.gradients / self.completed if self.completed else 0.0,
                 "accepted": self.accepted, "dropped": self.dropped, "waits": self.waits}

@@ -16,6 +16,7 @@ import statistics
 from typing import Any
 
 from prague.algorithms.allreduce.balanced_rules import balance
+from prague.algorithms.allreduce.scaling import lr_factor
 from prague.algorithms.allreduce.sim import SimAllReduce
 from prague.sim.costs import Transfer
 from prague.sim.engine import Process
@@ -57,7 +58,7 @@ class SimBalancedAllReduce(SimAllReduce):
             self._window[w].append(compute / share)
 
             def update(members: tuple[int, ...], k: int = k) -> None:
-                math.allreduce_step(members, k)
+                math.allreduce_step(members, k, lr_factor(self.options, len(members), k))
                 if (k + 1) % every == 0 and len(members) > 1:
                     self._rebalance()
 

@@ -17,6 +17,7 @@ import statistics
 from typing import Any
 
 from prague.algorithms.allreduce.drop_rules import DropWatch
+from prague.algorithms.allreduce.scaling import lr_factor
 from prague.algorithms.allreduce.sim import SimAllReduce
 from prague.sim.costs import Transfer
 from prague.sim.engine import Process
@@ -68,7 +69,7 @@ class SimDropAllReduce(SimAllReduce):
             members = self.live
 
             def update(group: tuple[int, ...], k: int = k) -> None:
-                math.allreduce_step(group, k)
+                math.allreduce_step(group, k, lr_factor(self.options, len(group), k))
                 if (k + 1) % window == 0 and len(self.live) > 1:
                     self._end_window(k + 1)
 

@@ -20,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from prague.algorithms.allreduce import AllReduceOptions
 from prague.algorithms.api import Algorithm, StepTimes
+from prague.algorithms.allreduce.scaling import lr_factor
+from prague.optim import scaled_lr
 
 
 class _HookState:
@@ -109,8 +111,14 @@ class AllReduce(Algorithm):
             times.inner_comm_s += max(0.0, time.perf_counter() - self._hook.last_launch)
             self._hook.last_launch = 0.0
 
+    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+        if optimizer is None:
+            return
+        with scaled_lr(optimizer, lr_factor(self.options, self.ctx.world_size, step)):
+            optimizer.step()
+
     def stats(self) -> dict[str, Any]:
-        return {"bucket_cap_mb": self.options.bucket_cap_mb}
+        return {"bucket_cap_mb": self.options.bucket_cap_mb, "lr_scaling": self.options.lr_scaling}
 
 
 class TimedAllReduce(AllReduce):

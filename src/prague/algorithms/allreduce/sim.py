@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from prague.algorithms.allreduce import DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB
+from prague.algorithms.allreduce.scaling import lr_factor
 from prague.sim.costs import MIB, Transfer, bucket_ready_s, ddp_buckets, overlapped_allreduce_s, ring_allreduce_s
 from prague.sim.engine import Process
 from prague.sim.method import SimMethod
@@ -72,7 +73,7 @@ class SimAllReduce(SimMethod):
             self._backward.setdefault(k, []).append((t0, world.backward_s(w, k)))
 
             def update(members: tuple[int, ...], k: int = k) -> None:
-                math.allreduce_step(members, k)
+                math.allreduce_step(members, k, lr_factor(self.options, len(members), k))
 
             def exchange(transfer: Transfer, k: int = k) -> float:
                 return self.exchange_s(k, transfer)
@@ -81,5 +82,6 @@ class SimAllReduce(SimMethod):
             world.record(w, compute, engine.now - t0, 0.0)
 
     def stats(self) -> dict[str, Any]:
-        return {"bucket_cap_mb": self.options.bucket_cap_mb, "buckets": len(self.buckets),
+        return {"bucket_cap_mb": self.options.bucket_cap_mb, "lr_scaling": self.options.lr_scaling,
+                "buckets": len(self.buckets),
                 "exposed_fraction": self.exposed_s / self.allreduce_s if self.allreduce_s > 0 else 0.0}
