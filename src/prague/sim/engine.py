@@ -74,6 +74,21 @@ class Signal:
             self._waiters.append(resume)
 
 
+class Signals:
+    """One :class:`Signal` per key (a round's start, its end), made on first use: whoever comes first,
+    the waiter or the firer, finds the same one."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._table: dict[Any, Signal] = {}
+
+    def __getitem__(self, key: Any) -> Signal:
+        sig = self._table.get(key)
+        if sig is None:
+            sig = self._table[key] = Signal(self._engine)
+        return sig
+
+
 class Engine:
     """The event loop; ``now`` is the simulated time in seconds."""
 

@@ -44,3 +44,26 @@ class SimMethod:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+
+class SimRounds(SimMethod):
+    """A method whose workers' round threads all take part in every round (``eager-sgd``,
+    ``allreduce:backup``): one driver process (:meth:`rounds`) plays all of them, beside the workers."""
+
+    def start(self) -> None:
+        super().start()
+        self.world.engine.process(self.rounds())
+
+    def rounds(self) -> Process:
+        raise NotImplementedError
+
+    def all_reduce(self, key: Any) -> Any:
+        """The round ``key``'s all-reduce of the model over every worker, joined by each worker's thread
+        (the driver stands for all of them): ``cluster.allreduce_ring_factor`` times the alpha-beta ring
+        time, after backward (nothing to overlap). Returns the signal to wait for."""
+        world = self.world
+        everyone = tuple(range(world.n))
+        factor = world.cluster.allreduce_ring_factor
+        for _ in everyone:
+            joined = world.meet(key, everyone, cost_s=lambda ring_s: factor * ring_s, setup=False)
+        return joined

@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
-from collections import deque
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,27 +41,25 @@ from torch import nn
 
 from prague.algorithms.allreduce import AllReduceOptions
 from prague.algorithms.allreduce.scaling import lr_factor
-from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, counts, quorum, starts
-from prague.algorithms.api import Algorithm, StepTimes
-from prague.comm.flat import bind_flat, views_of
-from prague.comm.owned import shutdown_group
+from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, quorum, starts
+from prague.algorithms.api import StepTimes
+from prague.algorithms.rounds import RoundResults, RoundsAlgorithm, step_with
+from prague.comm.flat import views_of
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
 from prague.metrics.decisions import Decision
 from prague.optim import scaled_lr
-from prague.runtime.background import COMMUNICATING, BackgroundWork
+from prague.runtime.background import COMMUNICATING
 
 #: Finished rounds a worker may hold before applying them (its thread then waits for room).
 MAX_PENDING = 16
 #: Extra elements after the state in a round buffer: gradients in it, finished workers.
 EXTRAS = 2
 _COUNT, _FINISHED = -2, -1
-#: How long one wait of the round thread for an activation lasts before it checks that it should go on.
-_WAKE_S = 5.0
 _instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 
 
-class BackupRounds(BackgroundWork):
+class BackupRounds(RoundResults):
     """One worker's side of every round: the offered gradient, the thread, the finished results.
 
     The main thread calls :meth:`offer`, :meth:`wait_for`, :meth:`take_results`, :meth:`recycle` and
@@ -75,16 +70,14 @@ class BackupRounds(BackgroundWork):
 
     def __init__(self, *, group: dist.ProcessGroup, store: dist.Store, main_store: dist.Store, prefix: str,
                  rank: int, nproc: int, backup: int, n_grads: int, buffers: torch.Tensor, timeout_s: float) -> None:
-        super().__init__("allreduce:backup round thread", "backup-rounds")
-        self.pg: dist.ProcessGroup | None = group
-        self.store = store  # the thread's own connection: it blocks in wait() there
+        super().__init__("allreduce:backup round thread", "backup-rounds", rank=rank,
+                         size=n_grads + buffers.numel() + EXTRAS, dtype=buffers.dtype, device=buffers.device,
+                         capacity=MAX_PENDING, group=group, store=store, timeout_s=timeout_s)
         self.main_store = main_store  # the worker's: arrivals
         self.prefix = prefix
-        self.rank, self.nproc, self.backup = rank, nproc, backup
-        self.timeout_s = timeout_s
+        self.nproc, self.backup = nproc, backup
         self.n_grads, self.state_size = n_grads, n_grads + buffers.numel()
-        self.device, self.dtype = buffers.device, buffers.dtype
-        self.acc = self._new_buffer()
+        self.acc = self.new_buffer()
         self.acc[n_grads:self.state_size].copy_(buffers)
         self._offered: tuple[int, bool | None] | None = None  # (round, taken?; None while the store decides)
         self._arrived = -1  # the last round this worker added to (a gradient or its finish)
@@ -92,18 +85,11 @@ class BackupRounds(BackgroundWork):
         self.absent = False  # the worker sends no gradient for now (paused, or finished)
         self.finished = False  # the worker has run its last step
         self.over = False  # the last round is done
-        self._free: list[torch.Tensor] = []
-        self._allocated = 1
-        self._results: deque[tuple[int, torch.Tensor]] = deque()
         self.started = 0  # rounds the thread has taken
-        self.completed = 0  # rounds whose result is in
         self.gradients = 0  # gradients averaged in the rounds (every worker's)
         self.accepted = 0  # this worker's gradients taken
         self.dropped = 0  # this worker's gradients that came late
         self.start()
-
-    def _new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.state_size + EXTRAS, dtype=self.dtype, device=self.device)
 
     def _counter(self, round_id: int) -> str:
         return f"{self.prefix}/arrived/{round_id}"
@@ -141,30 +127,6 @@ class BackupRounds(BackgroundWork):
             self.cond.notify_all()
         return taken
 
-    def wait_for(self, round_id: int, timeout_s: float) -> bool:
-        """Block until round ``round_id`` is done; returns whether it had to wait."""
-        with self.cond:
-            if self.completed > round_id:
-                self.raise_if_failed()
-                return False
-        if not self.wait_until(lambda: self.completed > round_id, timeout_s):
-            raise CommError(f"rank {self.rank}: allreduce:backup round {round_id} did not finish within "
-                            f"{timeout_s:g} s")
-        return True
-
-    def take_results(self) -> list[tuple[int, torch.Tensor]]:
-        """The finished rounds not handed out yet, oldest first; hand each buffer back with :meth:`recycle`."""
-        with self.cond:
-            self.raise_if_failed()
-            out = list(self._results)
-            self._results.clear()
-            return out
-
-    def recycle(self, buffer: torch.Tensor) -> None:
-        with self.cond:
-            self._free.append(buffer)
-            self.cond.notify_all()
-
     def pause(self) -> None:
         """The worker leaves its steps for a while (a collective of the user's loop, every rank's own
         time): the rounds count it as absent, as a finished worker, until :meth:`resume`, so those still
@@ -197,15 +159,6 @@ class BackupRounds(BackgroundWork):
         if not self.wait_until(lambda: self.over, timeout_s):
             raise CommError(f"rank {self.rank}: allreduce:backup's last round did not finish within {timeout_s:g} s")
 
-    def shutdown(self, failed: bool, timeout_s: float) -> bool:
-        """Stop and join the thread; its communicator is released once it has ended."""
-        ended = super().shutdown(failed, timeout_s)
-        if ended:
-            pg, self.pg = self.pg, None
-            if pg is not None:
-                shutdown_group(pg)
-        return ended
-
     # -- the thread ----------------------------------------------------------------------------------
     def run(self, index: int) -> None:
         round_id = 0
@@ -224,7 +177,7 @@ class BackupRounds(BackgroundWork):
     def _start(self, round_id: int) -> bool:
         """Wait until round ``round_id`` is activated; False when the worker is stopping."""
         with self.cond:  # room for one more result
-            self.cond.wait_for(lambda: self.stopping or self._allocated - 1 - len(self._free) < MAX_PENDING)
+            self.cond.wait_for(lambda: self.stopping or self.has_room())
             if self.stopping:
                 return False
             mark = self.absent and round_id > self._arrived
@@ -234,18 +187,8 @@ class BackupRounds(BackgroundWork):
                 self._waiting = round_id
         if mark:
             self._arrive(self.store, round_id, FINISHED)
-        deadline = time.monotonic() + self.timeout_s
-        while True:  # the activation, through the store (in slices, to notice a stop)
-            try:
-                self.store.wait([self._key(round_id)], timedelta(seconds=_WAKE_S))
-                break
-            except RuntimeError as exc:  # a timeout slice (DistStoreError); look again
-                with self.cond:
-                    if self.stopping:
-                        return False
-                if time.monotonic() > deadline:
-                    raise CommError(f"rank {self.rank}: allreduce:backup round {round_id} was not started within "
-                                    f"{self.timeout_s:g} s; fewer than n - b workers reached it ({exc})") from exc
+        if not self.wait_key(self._key(round_id), round_id):  # the activation, through the store
+            return False
         with self.cond:
             self._waiting = None
         return True
@@ -259,11 +202,7 @@ class BackupRounds(BackgroundWork):
                                or self._offered[1] is not None)
             offered = self._offered
             mine = offered is not None and offered[0] == round_id and bool(offered[1])
-            if self._free:
-                spare = self._free.pop()
-            else:
-                spare = self._new_buffer()
-                self._allocated += 1
+            spare = self.spare()
             send, self.acc = self.acc, spare
             spare[self.n_grads:self.state_size].copy_(send[self.n_grads:self.state_size])
             finished = self.finished
@@ -287,28 +226,19 @@ class BackupRounds(BackgroundWork):
                             f"{quorum(self.nproc, self.backup)}")
         with self.cond:
             self.gradients += count
-            self._results.append((round_id, send))
-            self.completed = round_id + 1
-            self.cond.notify_all()
+            self.publish(round_id, send, self.nproc)
         return n_finished == self.nproc
 
 
-class BackupAllReduce(Algorithm):
+class BackupAllReduce(RoundsAlgorithm):
     """See the module docstring."""
 
-    sends_gradients_in_step = True
-
     options: AllReduceOptions
+    rounds: BackupRounds | None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         ctx = self.ctx
-        self.optimizer = optimizer
-        self.params = list(model.parameters())
-        self.flat = bind_flat(model)
-        self.n_grads = sum(p.numel() for p in self.params)
-        self.applied = 0  # rounds applied, in order
-        self.waits = 0
-        self.rounds: BackupRounds | None = None
+        self.bind(model, optimizer)
         if ctx.world_size == 1:
             return model
         prefix = f"allreduce-backup/{next(_instances)}"
@@ -335,57 +265,29 @@ class BackupAllReduce(Algorithm):
         rounds = self.rounds
         if rounds is None:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         round_id = self.applied
-        taken = rounds.offer(grads, self.flat[self.n_grads:], round_id)
+        taken = rounds.offer(self.gradients(), self.flat[self.n_grads:], round_id)
         if self.decisions is not None:
             self.decisions.write(Decision.of_arrival(step, round_id, taken))
-        t0 = time.perf_counter()
-        if rounds.wait_for(round_id, self.ctx.timeout_s):  # taken or late, the round is under way
-            self.waits += 1
-            times.wait_s += time.perf_counter() - t0
+        self.wait_round(round_id, times)  # taken or late, the round is under way
 
-    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
-        if self.rounds is None:
-            super().apply_update(optimizer, step)
-            return
-        self._apply_ready()
-
-    def _apply_ready(self) -> None:
-        rounds = self.rounds
-        assert rounds is not None
-        for round_id, result in rounds.take_results():
-            if round_id != self.applied:
-                raise CommError(f"rank {self.ctx.rank}: allreduce:backup got round {round_id} while expecting "
-                                f"{self.applied}")
-            self._apply(result)
-            self.applied += 1
-            rounds.recycle(result)
-
-    def _apply(self, result: torch.Tensor) -> None:
+    def apply_round(self, result: torch.Tensor, n: int) -> None:
         """One round's result: its floating buffers (their mean over all workers), then the mean of its
         gradients through the optimizer (a round without any, at the very end, moves nothing)."""
-        p = self.n_grads
-        self.flat[p:].copy_(result[p:self.flat.numel()]).div_(self.ctx.world_size)
+        self.apply_buffers(result, n)
         count = int(round(float(result[_COUNT])))
         if count == 0 or self.optimizer is None:  # no optimizer (emulated compute): nothing to train
             return
-        grads = result[:p].div_(count)
-        for param, g in zip(self.params, views_of(grads, self.params)):
-            if param.grad is None:
-                param.grad = g.clone()
-            else:
-                param.grad.copy_(g)
         with scaled_lr(self.optimizer, lr_factor(self.options, quorum(self.ctx.world_size, self.options.backup),
                                                  self.applied)):
-            self.optimizer.step()
+            step_with(self.optimizer, self.params, result[:self.n_grads].div_(count))
 
     def finish(self) -> None:
         rounds = self.rounds
         if rounds is None:
             return
         rounds.finish(self.ctx.timeout_s)
-        self._apply_ready()
+        self.apply_ready()
         rounds.join(self.ctx.timeout_s)
 
     def stats(self) -> dict[str, Any]:

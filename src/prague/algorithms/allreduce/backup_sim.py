@@ -26,11 +26,11 @@ from typing import Any
 from prague.algorithms.allreduce.backup_rules import FINISHED, GRADIENT, accepted, quorum, starts
 from prague.algorithms.allreduce.scaling import lr_factor
 from prague.metrics.decisions import Decision
-from prague.sim.engine import Process, Signal
-from prague.sim.method import SimMethod
+from prague.sim.engine import Process, Signals
+from prague.sim.method import SimRounds
 
 
-class SimBackupAllReduce(SimMethod):
+class SimBackupAllReduce(SimRounds):
     """``allreduce:backup`` in simulated time; see the module docstring."""
 
     def __init__(self, world: Any, options: Any) -> None:
@@ -43,8 +43,8 @@ class SimBackupAllReduce(SimMethod):
         self.completed = 0
         self._counters: dict[int, int] = {}
         self._taken: dict[int, list[Any]] = {}  # round -> the gradients it takes (None without real math)
-        self._activated: dict[int, Signal] = {}
-        self._done: dict[int, Signal] = {}
+        self._activated = Signals(world.engine)
+        self._done = Signals(world.engine)
         self._results: dict[int, tuple[Any, int]] = {}  # round -> (gradient sum, count) until all applied it
         self._waiting: int | None = None  # the round the driver waits for
         self._over = world.engine.signal()
@@ -52,12 +52,6 @@ class SimBackupAllReduce(SimMethod):
         self.accepted = 0
         self.dropped = 0
         self.waits = 0
-
-    def _signal(self, table: dict[int, Signal], round_id: int) -> Signal:
-        sig = table.get(round_id)
-        if sig is None:
-            sig = table[round_id] = self.world.engine.signal()
-        return sig
 
     def _arrive(self, w: int, round_id: int, added: int, grad: Any = None) -> bool:
         """Worker ``w`` adds ``added`` to round ``round_id``'s counter (a gradient, ``grad``, or its finish);
@@ -70,24 +64,19 @@ class SimBackupAllReduce(SimMethod):
         if taken:
             self._taken.setdefault(round_id, []).append(grad)
         if starts(value, added, self.world.n, self.options.backup):
-            self._signal(self._activated, round_id).fire()
+            self._activated[round_id].fire()
         return taken
 
-    def start(self) -> None:
-        super().start()
-        self.world.engine.process(self._rounds())
-
     # -- the round threads, in lock step --------------------------------------------------------------
-    def _rounds(self) -> Process:
+    def rounds(self) -> Process:
         world = self.world
         everyone = tuple(range(world.n))
-        factor = world.cluster.allreduce_ring_factor
         round_id = 0
         while True:
             for w in everyone:  # a finished worker's thread marks the round as it reaches it
                 if self.finished[w] and round_id > self.arrived[w]:
                     self._arrive(w, round_id, FINISHED)
-            start = self._signal(self._activated, round_id)
+            start = self._activated[round_id]
             if not start.fired:
                 self._waiting = round_id
                 yield start
@@ -100,14 +89,11 @@ class SimBackupAllReduce(SimMethod):
             for g in grads:
                 if g is not None:
                     total = g if total is None else total + g
-            for _ in everyone:  # every worker's round thread joins; the driver stands for all of them
-                joined = world.meet(("allreduce:backup", round_id), everyone, cost_s=lambda ring_s: factor * ring_s,
-                                    setup=False)
-            yield joined
+            yield self.all_reduce(("allreduce:backup", round_id))
             self.gradients += len(grads)
             self._results[round_id] = (total, len(grads))
             self.completed = round_id + 1
-            self._signal(self._done, round_id).fire()
+            self._done[round_id].fire()
             if last:
                 self._over.fire()
                 return
@@ -128,7 +114,7 @@ class SimBackupAllReduce(SimMethod):
             self.dropped += not taken
             if world.decisions is not None:
                 world.decisions[w].write(Decision.of_arrival(k, round_id, taken))
-            done = self._signal(self._done, round_id)
+            done = self._done[round_id]
             if not done.fired:
                 self.waits += 1
                 yield done

@@ -33,7 +33,7 @@ same number of steps (as with DDP); a mismatch is detected in the rounds and rai
 Failed workers (:mod:`prague.runtime.liveness`): the launcher declares a crashed or hung worker failed
 (and kills a hung one), so a round whose all-reduce involves it breaks on every survivor (gloo reports
 a dead peer at once; a survivor whose own peers are alive sees theirs break in turn); a thread waiting
-for an activation notices the declaration within :data:`_WAKE_S`. Each survivor's thread then
+for an activation notices the declaration within :data:`~prague.algorithms.rounds.WAKE_S`. Each survivor's thread then
 **recovers** (:meth:`RoundThread._recover`): it drops the broken communicator, publishes in the store
 how many rounds it completed, and once every rank that took part is either published or declared
 failed, the published ranks are the new set. A round's all-reduce can complete on some
@@ -52,36 +52,33 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from prague.algorithms.api import Algorithm, StepTimes
+from prague.algorithms.api import StepTimes
+from prague.algorithms.rounds import RoundResults, RoundsAlgorithm, step_with
 from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
 from prague.algorithms.eager_sgd.decisions import Contribution, Ledger, is_sync_round, result_capacity, stale_weight, starts_round
-from prague.comm.flat import bind_flat, views_of
+from prague.comm.flat import views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
 from prague.errors import CommError
-from prague.runtime.background import COMMUNICATING, BackgroundWork
+from prague.runtime.background import COMMUNICATING
 from prague.runtime.liveness import DECLARE_WAIT_S, Membership, read_keys
 
 #: Extra elements after the state in a round buffer: gradients' weight, their count, fresh ones, finished flag.
 EXTRAS = 4
 _WEIGHT, _COUNT, _FRESH, _FINISHED = -4, -3, -2, -1
-#: How long one wait of a round thread for an activation lasts before it checks that it should go on.
-#: Long: a store wait that times out costs the store a reconnection (50 ms slices tripled a round's time).
-_WAKE_S = 5.0
 _FINAL = b"final"
 _instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 
 
-class RoundThread(BackgroundWork):
+class RoundThread(RoundResults):
     """One worker's side of every round: the accumulator, the thread, the finished results.
 
     The main thread calls :meth:`deposit`, :meth:`activate`, :meth:`wait_for`, :meth:`take_results`,
@@ -94,28 +91,22 @@ class RoundThread(BackgroundWork):
     def __init__(self, *, make_group: Callable[[str, int, int], dist.ProcessGroup], store: dist.Store,
                  main_store: dist.Store, prefix: str, rank: int, nproc: int, n_grads: int, buffers: torch.Tensor,
                  options: EagerSGDOptions, timeout_s: float, membership: Membership | None = None) -> None:
-        super().__init__("eager-sgd round thread", "eager-sgd-rounds")
+        super().__init__("eager-sgd round thread", "eager-sgd-rounds", rank=rank,
+                         size=n_grads + buffers.numel() + EXTRAS, dtype=buffers.dtype, device=buffers.device,
+                         capacity=result_capacity(options.sync_every), group=make_group(f"{prefix}/pg", rank, nproc),
+                         store=store, timeout_s=timeout_s)
         self.make_group = make_group  # (store prefix, this rank's index, size) -> a communicator
-        self.pg: dist.ProcessGroup | None = make_group(f"{prefix}/pg", rank, nproc)
         self.membership = membership  # None: a broken round is fatal
         self.live: tuple[int, ...] = tuple(range(nproc))  # the ranks taking part in the rounds
-        self.store = store  # the thread's own connection: it blocks in wait() there
         self.main_store = main_store  # the worker's: activations
-        self.timeout_s = timeout_s
         self.prefix = prefix
-        self.rank, self.nproc = rank, nproc
+        self.nproc = nproc
         self.n_grads, self.state_size = n_grads, n_grads + buffers.numel()
         self.options = options
-        self.device, self.dtype = buffers.device, buffers.dtype
-        self.capacity = result_capacity(options.sync_every)
-        self.acc = self._new_buffer()
+        self.acc = self.new_buffer()
         self.acc[n_grads:self.state_size].copy_(buffers)  # a worker without a gradient yet sends these
         self.ledger = Ledger()
-        self._free: list[torch.Tensor] = []
-        self._allocated = 1
-        self._results: deque[tuple[int, torch.Tensor, int]] = deque()  # (round, result, ranks in it)
         self.started = 0  # rounds the thread has taken
-        self.completed = 0  # rounds whose result is in
         self.finished_at: int | None = None  # this worker's step count, once it has finished
         # What the rounds carried (global figures, from the reduced extras) and this worker's share.
         self.sync_rounds = 0
@@ -127,12 +118,9 @@ class RoundThread(BackgroundWork):
         self.recovered_rounds = 0  # rounds that broke here and were completed by a survivor, which sent them
         # Survivable rounds: the latest completed result (a survivor it broke on may need it) and what
         # this worker contributed to the round that broke here (counted after all if a survivor completed it).
-        self._last: torch.Tensor | None = self._new_buffer() if membership is not None else None
+        self._last: torch.Tensor | None = self.new_buffer() if membership is not None else None
         self._broken: tuple[int, Contribution] | None = None
         self.start()
-
-    def _new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.state_size + EXTRAS, dtype=self.dtype, device=self.device)
 
     def _key(self, round_id: int) -> str:
         return f"{self.prefix}/act/{round_id}"
@@ -177,30 +165,6 @@ class RoundThread(BackgroundWork):
             self.main_store.delete_key(self._key(round_id - 1))
         return True
 
-    def wait_for(self, round_id: int, timeout_s: float) -> bool:
-        """Block until round ``round_id`` is done; returns whether it had to wait."""
-        with self.cond:
-            if self.completed > round_id:
-                self.raise_if_failed()
-                return False
-        if not self.wait_until(lambda: self.completed > round_id, timeout_s):
-            raise CommError(f"rank {self.rank}: eager-sgd round {round_id} did not finish within {timeout_s:g} s")
-        return True
-
-    def take_results(self) -> list[tuple[int, torch.Tensor, int]]:
-        """The finished rounds not handed out yet, oldest first, each as (round, result, how many ranks
-        took part); hand each buffer back with :meth:`recycle`."""
-        with self.cond:
-            self.raise_if_failed()
-            out = list(self._results)
-            self._results.clear()
-            return out
-
-    def recycle(self, buffer: torch.Tensor) -> None:
-        with self.cond:
-            self._free.append(buffer)
-            self.cond.notify_all()
-
     def finish(self, timeout_s: float) -> None:
         """This worker has run its last step (one deposit per step): start the final round here and wait
         for it."""
@@ -211,16 +175,6 @@ class RoundThread(BackgroundWork):
         if steps > 0:
             self.main_store.delete_key(self._key(steps - 1))
         self.wait_for(steps, timeout_s)
-
-    def shutdown(self, failed: bool, timeout_s: float) -> bool:
-        """Stop and join the thread; its communicator is released once it has ended (after a failure a
-        thread stuck in a collective keeps it)."""
-        ended = super().shutdown(failed, timeout_s)
-        if ended:
-            pg, self.pg = self.pg, None
-            if pg is not None:
-                shutdown_group(pg)
-        return ended
 
     # -- the thread ----------------------------------------------------------------------------------
     def run(self, index: int) -> None:
@@ -240,28 +194,20 @@ class RoundThread(BackgroundWork):
     def _start(self, round_id: int) -> bool:
         """Wait until round ``round_id`` may start here; False when the worker is done (or stopping)."""
         with self.cond:  # room for one more result: the worker holds at most `capacity` unapplied
-            self.cond.wait_for(lambda: self.stopping or self._allocated - 1 - len(self._free) < self.capacity)
+            self.cond.wait_for(lambda: self.stopping or self.has_room())
             if self.stopping:
                 return False
             if self.finished_at is not None and round_id > self.finished_at:
                 return False
         if is_sync_round(round_id, self.options.sync_every):
             return self._wait_own_gradient(round_id)
-        deadline = time.monotonic() + self.timeout_s
-        while True:  # an activation through the store (slices, to notice a stop)
-            try:
-                self.store.wait([self._key(round_id)], timedelta(seconds=_WAKE_S))
-                break
-            except RuntimeError as exc:  # a timeout slice (DistStoreError); look again
-                with self.cond:
-                    if self.stopping:
-                        return False
-                lost = self.membership.failed_among(self.live) if self.membership is not None else []
-                if lost:
-                    raise _Broken(f"rank {self.rank}: ranks {lost} failed before eager-sgd round {round_id}") from exc
-                if time.monotonic() > deadline:
-                    raise CommError(f"rank {self.rank}: eager-sgd round {round_id} was not started within "
-                                    f"{self.timeout_s:g} s; no worker reached it ({exc})") from exc
+        def check(exc: Exception) -> None:
+            lost = self.membership.failed_among(self.live) if self.membership is not None else []
+            if lost:
+                raise _Broken(f"rank {self.rank}: ranks {lost} failed before eager-sgd round {round_id}") from exc
+
+        if not self.wait_key(self._key(round_id), round_id, check):  # an activation through the store
+            return False
         if self.store.get(self._key(round_id)) == _FINAL:
             return self._wait_own_gradient(round_id)
         return True
@@ -275,11 +221,7 @@ class RoundThread(BackgroundWork):
 
     def _run(self, round_id: int) -> None:
         with self.cond:
-            if self._free:
-                spare = self._free.pop()  # stale values: the next deposit copies rather than adds
-            else:
-                spare = self._new_buffer()
-                self._allocated += 1
+            spare = self.spare()  # stale values: the next deposit copies rather than adds
             send, self.acc = self.acc, spare
             spare[self.n_grads:self.state_size].copy_(send[self.n_grads:self.state_size])
             mine = self.ledger.take(round_id)
@@ -304,7 +246,7 @@ class RoundThread(BackgroundWork):
             with self.cond:
                 self.lost_gradients += mine.count
                 self._broken = (round_id, mine)
-                self._free.append(send)
+                self.recycle(send)
             raise _Broken(f"rank {self.rank}: eager-sgd round {round_id}'s all-reduce failed: {broke}")
         self._complete(round_id, send, len(self.live), mine)
 
@@ -324,9 +266,7 @@ class RoundThread(BackgroundWork):
             self.gradients += int(round(float(send[_COUNT])))
             self.fresh += int(round(float(send[_FRESH])))
             self.staleness.update(mine.staleness)
-            self._results.append((round_id, send, size))
-            self.completed = round_id + 1
-            self.cond.notify_all()
+            self.publish(round_id, send, size)
 
     def _recover(self, broken: _Broken) -> int:
         """Go on without the failed ranks (see the module docstring); returns the round to resume at."""
@@ -367,7 +307,7 @@ class RoundThread(BackgroundWork):
         """Round ``round_id`` (over ``size`` ranks) completed on the survivor of index ``root`` in ``pg``
         and broke on others: it broadcasts the result, and those it broke on complete it with that."""
         holds = self.completed > round_id
-        buf = self._last if holds else self._new_buffer()
+        buf = self._last if holds else self.new_buffer()
         assert buf is not None
         opts = dist.BroadcastOptions()
         opts.rootRank = root
@@ -403,22 +343,15 @@ class _Broken(CommError):
     """A round could not run because a rank taking part failed (or its communicator broke)."""
 
 
-class EagerSGD(Algorithm):
+class EagerSGD(RoundsAlgorithm):
     """See the module docstring."""
 
-    sends_gradients_in_step = True
-
     options: EagerSGDOptions
+    rounds: RoundThread | None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         ctx = self.ctx
-        self.optimizer = optimizer
-        self.params = list(model.parameters())
-        self.flat = bind_flat(model)
-        self.n_grads = sum(p.numel() for p in self.params)
-        self.applied = 0  # round results applied, in order
-        self.waits = 0
-        self.rounds: RoundThread | None = None
+        self.bind(model, optimizer)
         self._saved: torch.Tensor | None = None  # --lookahead on: the parameters while shifted
         self._shifted = False
         if ctx.world_size == 1:
@@ -477,55 +410,26 @@ class EagerSGD(Algorithm):
         rounds = self.rounds
         if rounds is None:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        rounds.deposit(grads, self.flat[self.n_grads:], self.applied)
+        rounds.deposit(self.gradients(), self.flat[self.n_grads:], self.applied)
         rounds.activate(step)
-        t0 = time.perf_counter()
-        if rounds.wait_for(step, self.ctx.timeout_s):
-            self.waits += 1
-            times.wait_s += time.perf_counter() - t0
+        self.wait_round(step, times)
 
-    def apply_update(self, optimizer: torch.optim.Optimizer | None, step: int) -> None:
-        if self.rounds is None:
-            super().apply_update(optimizer, step)
-            return
-        self._apply_ready()
-
-    def _apply_ready(self) -> None:
-        rounds = self.rounds
-        assert rounds is not None
-        for round_id, result, size in rounds.take_results():
-            if round_id < self.applied:  # run again after a failure; this worker applied it already
-                rounds.recycle(result)
-                continue
-            if round_id != self.applied:
-                raise CommError(f"rank {self.ctx.rank}: eager-sgd got round {round_id} while expecting {self.applied}")
-            self._apply(result, size)
-            self.applied += 1
-            rounds.recycle(result)
-
-    def _apply(self, result: torch.Tensor, n: int) -> None:
+    def apply_round(self, result: torch.Tensor, n: int) -> None:
         """One round's result, over ``n`` workers: its floating buffers (their mean), then its gradient step."""
         p = self.n_grads
-        self.flat[p:].copy_(result[p:self.flat.numel()]).div_(n)
+        self.apply_buffers(result, n)
         count = int(round(float(result[_COUNT])))
         if count == 0 or self.optimizer is None:  # no optimizer (emulated compute): nothing to train
             return
         divisor = float(result[_WEIGHT]) if self.options.renormalize == "on" else n
-        grads = result[:p].div_(divisor)
-        for param, g in zip(self.params, views_of(grads, self.params)):
-            if param.grad is None:
-                param.grad = g.clone()
-            else:
-                param.grad.copy_(g)
-        self.optimizer.step()
+        step_with(self.optimizer, self.params, result[:p].div_(divisor))
 
     def finish(self) -> None:
         rounds = self.rounds
         if rounds is None:
             return
         rounds.finish(self.ctx.timeout_s)
-        self._apply_ready()
+        self.apply_ready()
         rounds.stop()
         rounds.join(self.ctx.timeout_s)
 

@@ -24,11 +24,11 @@ from typing import Any
 
 from prague.algorithms.eager_sgd import rounds_report
 from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, stale_weight, starts_round
-from prague.sim.engine import Process, Signal
-from prague.sim.method import SimMethod
+from prague.sim.engine import Process, Signal, Signals
+from prague.sim.method import SimRounds
 
 
-class SimEagerSGD(SimMethod):
+class SimEagerSGD(SimRounds):
     """``eager-sgd`` in simulated time; see the module docstring."""
 
     def __init__(self, world: Any, options: Any) -> None:
@@ -41,8 +41,8 @@ class SimEagerSGD(SimMethod):
         self.completed = 0
         self.started = 0  # rounds taken: a gradient deposited now goes into round `started` or later
         self.capacity = result_capacity(options.sync_every)
-        self._activated: dict[int, Signal] = {}  # round -> fired when it may start
-        self._done: dict[int, Signal] = {}  # round -> fired when its result is in
+        self._activated = Signals(world.engine)  # round -> fired when it may start
+        self._done = Signals(world.engine)  # round -> fired when its result is in
         self._results: dict[int, Any] = {}  # round -> (sum, count) until every worker applied it
         self._room: Signal | None = None  # fired when a worker applies results
         self.sync_rounds = 0
@@ -51,28 +51,16 @@ class SimEagerSGD(SimMethod):
         self.staleness: Counter[int] = Counter()
         self.waits = 0
 
-    def _signal(self, table: dict[int, Signal], round_id: int) -> Signal:
-        sig = table.get(round_id)
-        if sig is None:
-            sig = table[round_id] = self.world.engine.signal()
-        return sig
-
-    def start(self) -> None:
-        super().start()
-        self.world.engine.process(self._rounds())
-
     # -- the round threads, in lock step --------------------------------------------------------------
-    def _rounds(self) -> Process:
+    def rounds(self) -> Process:
         world = self.world
-        everyone = tuple(range(world.n))
-        factor = world.cluster.allreduce_ring_factor
         round_id = 0
         while True:
             final = round_id == world.steps
             while max(self.completed - a for a in self.applied) >= self.capacity:
                 self._room = world.engine.signal()
                 yield self._room
-            start = self._signal(self._activated, round_id)
+            start = self._activated[round_id]
             if not start.fired:
                 yield start
             taken = [ledger.take(round_id) for ledger in self.ledgers]
@@ -90,13 +78,10 @@ class SimEagerSGD(SimMethod):
             for s in sums:
                 if s is not None:
                     total = s if total is None else total + s
-            for _ in everyone:  # every worker's round thread joins; the driver stands for all of them
-                joined = world.meet(("eager-sgd", round_id), everyone, cost_s=lambda ring_s: factor * ring_s,
-                                    setup=False)
-            yield joined
+            yield self.all_reduce(("eager-sgd", round_id))
             self._results[round_id] = (total, count, weight)
             self.completed = round_id + 1
-            self._signal(self._done, round_id).fire()
+            self._done[round_id].fire()
             if final:
                 return
             round_id += 1
@@ -118,13 +103,13 @@ class SimEagerSGD(SimMethod):
             self.ledgers[w].deposit(self.applied[w], weight)
             if is_sync_round(k, opts.sync_every):
                 if all(ledger.deposited > k for ledger in self.ledgers):
-                    self._signal(self._activated, k).fire()
+                    self._activated[k].fire()
             elif starts_round(opts.quorum, w, k, n, opts.eager_seed):
-                start = self._signal(self._activated, k)
+                start = self._activated[k]
                 if not start.fired:
                     start.fire()
             t0 = engine.now
-            done = self._signal(self._done, k)
+            done = self._done[k]
             if not done.fired:
                 self.waits += 1
                 yield done
@@ -132,8 +117,8 @@ class SimEagerSGD(SimMethod):
             world.record(w, compute, 0.0, engine.now - t0)
         self.finished += 1
         if self.finished == n:
-            self._signal(self._activated, world.steps).fire()
-        done = self._signal(self._done, world.steps)
+            self._activated[world.steps].fire()
+        done = self._done[world.steps]
         if not done.fired:
             yield done
         self._apply(w)
