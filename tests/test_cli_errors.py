@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 CASES = [
     (["run", "--algorithm", "nosuch"], ["'nosuch'", "allreduce"]),
     (["run", "--algorithm", "dssync:fast"], ["'dssync'", "no variants"]),
-    (["run", "--algorithm", "allreduce:fast"], ["variant of allreduce", "backup, ddp, drop"]),
+    (["run", "--algorithm", "allreduce:fast"], ["variant of allreduce", "backup, balanced, ddp, drop"]),
     (["run", "--data", "imagenet"], ["'imagenet'", "digits", "mnist", "synthetic"]),
     (["run", "--model", "vgg"], ["'vgg'", "cnn", "mlp", "resnet18"]),
     (["run", "--compute", "quantum"], ["'quantum'", "emulated", "real"]),

@@ -69,6 +69,7 @@ def place(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (root / "cluster.toml").write_text('base = "paper"\n[compute]\ntime_ms = 20\n')
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("prague.cli.run_config", _accept)
+        mp.setattr("prague.runtime.forkserver.prestart", lambda *args, **kwargs: None)  # no workers to fork
         mp.setattr("prague.simulate.run.simulate_bench", _accept)
         mp.chdir(root)
         yield root

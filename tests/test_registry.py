@@ -42,7 +42,7 @@ def test_bad_names_list_the_valid_ones() -> None:
         parse_method("nosuch")
     with pytest.raises(ConfigError, match="no variants"):
         parse_method("dssync:fast")
-    with pytest.raises(ConfigError, match="backup, ddp, drop"):
+    with pytest.raises(ConfigError, match="backup, balanced, ddp, drop"):
         parse_method("allreduce:fast")
     with pytest.raises(ConfigError, match="random, ready, smart, smart-blind, static, static-blind"):
         parse_method("prague:fast")

@@ -44,10 +44,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: int, out: Path) -> Any:
     """Build and validate the RunConfig of one run from parsed flags, and check what the launcher needs."""
+    from prague.runtime.forkserver import prestart
     from prague.train.config import config_from_args
 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
     cfg.check_data_source()
+    prestart(cfg.data)  # the flags hold: the workers' fork server imports torch while the rest is checked
     check_backend(cfg)
     method_resources(cfg)  # the method's services can be declared for this job, before anything starts
     if cfg.hosts is not None:
@@ -320,10 +322,8 @@ def _resumed_config(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from prague.io import atomic_write_json
-    from prague.runtime.forkserver import prestart
     from prague.train.config import check_options_apply
 
-    prestart(args.data)  # the workers' fork server imports torch while the flags are checked
     probe = None
     if args.resume is not None:
         cfg = _resumed_config(args)
@@ -440,10 +440,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from prague.metrics.report import bench_table, load_resume, write_bench
-    from prague.runtime.forkserver import prestart
     from prague.train.config import run_folder
-
-    prestart(args.data)  # the workers' fork server imports torch while the flags are checked
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]

@@ -18,7 +18,8 @@ import prague.cli  # noqa: F401
 import prague.train.loop  # noqa: F401
 from prague.algorithms.registry import METHODS
 
-for _method in METHODS.values():  # each method's runtime module (grpc for prague's service client)
-    importlib.import_module(_method.runtime.partition(":")[0])
+for _method in METHODS.values():  # each method's runtime modules (grpc for prague's service client)
+    for _path in (_method.runtime, *_method.variant_runtimes.values()):
+        importlib.import_module(_path.partition(":")[0])
 
 torch.set_num_threads(1)  # the server itself computes nothing; a worker sets its own count
