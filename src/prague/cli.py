@@ -49,7 +49,7 @@ def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: 
 
     cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
     cfg.check_data_source()
-    prestart(cfg.data)  # the flags hold: the workers' fork server imports torch while the rest is checked
+    prestart(cfg.data, not cfg.emulated)  # the flags hold: the workers' fork server imports while the rest is checked
     check_backend(cfg)
     method_resources(cfg)  # the method's services can be declared for this job, before anything starts
     if cfg.hosts is not None:
@@ -130,7 +130,7 @@ def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     Raises WorkerFailed if a worker fails (after stopping every process)."""
     from prague.runtime.forkserver import prestart
 
-    prestart(cfg.data)  # the worker fork server imports torch meanwhile
+    prestart(cfg.data, not cfg.emulated)  # the worker fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.checkpoint import CHECKPOINTS_DIR, resume_step
     from prague.train.config import job_file, worker_argv, write_job
@@ -486,7 +486,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                for seed in range(cells[0].seed, cells[0].seed + args.repeat) for c in cells]
     # the seeds one after another, so the machine's noise spreads over every cell
     failures: list[str] = []
-    command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "prague " + " ".join(shlex.quote(a) for a in argv)  # without --resume and --quiet: the same runs
     for cfg in configs:
         run = cfg.out.relative_to(out).as_posix()
         if run in runs:

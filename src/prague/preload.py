@@ -1,7 +1,8 @@
 """What the worker fork server imports once, so that forked workers do not (:mod:`prague.runtime.forkserver`).
 
 Importing this module is its whole job. It must not start threads: the fork server forks from it. A
-data set's own libraries (scikit-learn for digits) are preloaded only for jobs that use it
+data set's own libraries (scikit-learn for digits) are preloaded only for jobs that use it, and what
+only training needs (``torch._dynamo``, which every optimizer imports) only for jobs that train
 (:func:`prague.runtime.forkserver.prestart`).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch._dynamo  # noqa: F401 - imported by every torch.optim optimizer on first use: 1.5 s
 import torch.distributed  # noqa: F401
 import torch.nn.functional  # noqa: F401
 

@@ -207,3 +207,18 @@ def test_a_straggler_under_torchrun_and_the_budget_is_dropped_and_the_job_trains
     # identical replicas (the distance of three equal ones from their float mean is rounding, not 0)
     assert summary["consensus_distance"] < 1e-5 and summary["best_replica_accuracy"] == summary["worst_replica_accuracy"]
     assert summary["test_accuracy"] > 0.6
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_finish_first_apply_the_rounds_the_others_still_run(tmp_path: Path) -> None:
+    """Per-worker --steps with a 4x straggler: the others finish their 80 steps when it has done about 20,
+    and it runs its last 60 rounds alone, far more than the 16 unapplied results a worker may hold; the
+    finished workers apply them as they come, so nobody's round thread stops the rounds."""
+    out = tmp_path / "tail"
+    res = run_cli("run", "--algorithm", "allreduce:backup", "--nproc", "3", "--steps", "80", "--compute", "emulated",
+                  "--compute-ms", "5", "--slowdown", "straggler:2:4", "--out", str(out), "--quiet", timeout_s=100)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed_steps"] == [80, 80, 80]
+    rounds = {s["rounds"] for s in summary["algorithm_stats"]}
+    assert len(rounds) == 1 and rounds.pop() > 80 + 16  # the straggler's tail ran after the others finished

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prague.errors import ConfigError
-from prague.runtime.forkserver import DATA_PRELOAD, PRELOAD, forkable, start_mode
+from prague.runtime.forkserver import DATA_PRELOAD, TRAINING_PRELOAD, PRELOAD, forkable, start_mode
 from prague_testing import run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,13 +53,17 @@ def test_forked_workers_train_exactly_like_fresh_interpreters(tmp_path: Path) ->
 
 
 def test_the_fork_server_preloads_neither_the_simulator_nor_plotting_nor_scikit_learn() -> None:
-    """What every forked worker inherits: the runtime, not the simulator; scikit-learn only for digits jobs."""
+    """What every forked worker inherits: the runtime, not the simulator; scikit-learn only for digits jobs,
+    ``torch._dynamo`` (which every optimizer imports) only for jobs that train."""
     code = f"import json, sys, {PRELOAD}; print(json.dumps(sorted(sys.modules)))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
     imported = set(json.loads(res.stdout))
-    assert {"torch", "torch._dynamo", "prague.train.loop", "prague.algorithms.prague.runtime"} <= imported
+    assert {"torch", "prague.train.loop", "prague.algorithms.prague.runtime",
+            "prague.algorithms.allreduce.backup"} <= imported  # the variants' runtimes too
+    assert "torch._dynamo" not in imported  # emulated compute trains nothing: no optimizer, no dynamo
     assert not {m for m in imported if m.split(".")[0] in ("sklearn", "matplotlib")}
     assert not {m for m in imported if m.startswith(("prague.sim", "prague.simulate"))}
     assert DATA_PRELOAD == {"digits": ("sklearn.datasets", "sklearn.model_selection")}
+    assert TRAINING_PRELOAD == ("torch._dynamo",)

@@ -23,8 +23,10 @@ the same sequence of means through its own optimizer and the replicas stay bit-i
   run its last step marks every later round it takes part in as finished, so the last rounds wait only
   for the workers still training; the round in which every worker has finished is the last.
 
-A worker holds at most :data:`MAX_PENDING` finished rounds unapplied; a worker further behind holds
-its thread, and so every round, until it applies them. ``allreduce:backup`` does not survive a failed
+A training worker holds at most :data:`MAX_PENDING` finished rounds unapplied; one further behind holds
+its thread, and so every round, until it applies them. A worker that has finished applies the others'
+rounds as they come; one counted out for a collective of the user's loop keeps them all meanwhile (one
+result per round) and applies them when it is back. ``allreduce:backup`` does not survive a failed
 worker (as ``allreduce``): a broken round fails the job.
 """
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,15 +151,28 @@ class BackupRounds(RoundResults):
             if not self.finished:
                 self.absent = False
 
-    def finish(self, timeout_s: float) -> None:
+    def finish(self, timeout_s: float, apply: Callable[[], None]) -> None:
         """This worker has run its last step: it counts as absent in every round from now on (the one its
         thread waits for included, unless its last gradient went there) and says it has finished in each
-        round's all-reduce; returns once the last round (every worker finished) is done."""
+        round's all-reduce; returns once the last round (every worker finished) is done. Meanwhile it
+        applies the rounds the others still run as they finish (``apply``), so that however many steps
+        they have left this worker holds few results. ``timeout_s`` counts rounds that do not come."""
         with self.cond:
             self.finished = True
         self.pause()
-        if not self.wait_until(lambda: self.over, timeout_s):
-            raise CommError(f"rank {self.rank}: allreduce:backup's last round did not finish within {timeout_s:g} s")
+        while True:
+            if not self.wait_until(lambda: self.over or bool(self._results), timeout_s):
+                raise CommError(f"rank {self.rank}: no allreduce:backup round finished within {timeout_s:g} s "
+                                "while the others went on")
+            apply()
+            with self.cond:
+                if self.over and not self._results:
+                    return
+
+    def has_room(self) -> bool:
+        """Room for one more unapplied result; always while this worker is counted out of the rounds (it
+        applies them once back: a collective of the user's loop must not hold the others' rounds)."""
+        return self.absent or super().has_room()
 
     # -- the thread ----------------------------------------------------------------------------------
     def run(self, index: int) -> None:
@@ -286,8 +301,7 @@ class BackupAllReduce(RoundsAlgorithm):
         rounds = self.rounds
         if rounds is None:
             return
-        rounds.finish(self.ctx.timeout_s)
-        self.apply_ready()
+        rounds.finish(self.ctx.timeout_s, self.apply_ready)
         rounds.join(self.ctx.timeout_s)
 
     def stats(self) -> dict[str, Any]:
