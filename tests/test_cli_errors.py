@@ -155,7 +155,7 @@ def until_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def launch(*args: object, **kwargs: object) -> None:
         raise _Launched
 
-    monkeypatch.setattr("prague.runtime.forkserver.prestart", lambda data=None: None)
+    monkeypatch.setattr("prague.runtime.forkserver.prestart", lambda *args, **kwargs: None)
     monkeypatch.setattr("prague.runtime.launcher.launch", launch)
 
 
