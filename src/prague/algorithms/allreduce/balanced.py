@@ -29,7 +29,6 @@ import statistics
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from prague.algorithms.allreduce.balanced_rules import balance, offsets
@@ -83,18 +82,12 @@ class BalancedAllReduce(TimedAllReduce):
         n = self.ctx.world_size
         if (step + 1) % self.options.rebalance_every or n < 2 or not self._count:
             return
-        values = torch.zeros(2 * n, dtype=torch.float64)  # every rank's time per sample, then its samples
-        values[self.ctx.rank] = statistics.median(self._per_sample) if self._per_sample else 0.0
-        values[n + self.ctx.rank] = self._count
+        # every rank's time per sample and its samples
+        shared = self.share([statistics.median(self._per_sample) if self._per_sample else 0.0, self._count], range(n))
         self._per_sample = []
-        if self.ctx.backend == "nccl":
-            values = values.to(self.ctx.device)
-        world = dist.group.WORLD
-        assert world is not None
-        world.allreduce([values]).wait()
         if self.total is None:  # the first split: B is the ranks' batches of the moment, together
-            self.total = int(round(float(values[n:].sum())))
-        self.shares = balance(values[:n].tolist(), self.total)
+            self.total = int(round(sum(shared[1::2])))
+        self.shares = balance(shared[0::2], self.total)
         self._offsets = offsets(self.shares)
         self.rebalances += 1
 

@@ -4,8 +4,8 @@ An engineer with one slow machine in a synchronous job watches the step times, t
 without it. Here that happens inside the job: DDP runs as ``allreduce`` does; every ``--drop-window``
 steps the ranks still in the job share their median compute time over the window (one small all-reduce),
 and every rank applies the same rule to the same numbers (:mod:`.drop_rules`): a rank above
-``--drop-factor`` times the median rank's in two windows in a row leaves. The others build a communicator
-of their own (on the job's backend, through the store) and go on as a smaller DDP job over it; under a
+``--drop-factor`` times the median rank's in two windows in a row leaves. The others build a group of
+their own (``torch.distributed.new_group``, created by its members only) and go on as a smaller DDP job over it; under a
 job-wide ``--budget`` they share the batches the leavers would have taken
 (:meth:`~prague.workload.budget.EqualShares.regroup`). The leavers stop stepping: they take no further
 part in the run, their replicas are not the job's model (the closing, :mod:`prague.train.closing`, is the
@@ -77,22 +77,12 @@ class DropAllReduce(TimedAllReduce):
     def after_step(self, step: int, times: StepTimes) -> None:
         if self.left or (step + 1) % self.options.drop_window or len(self.live) < 2:
             return
-        medians = self._gather(statistics.median(self._times) if self._times else 0.0)
+        shared = self.share([statistics.median(self._times) if self._times else 0.0], self.live, self._group)
+        medians = dict(zip(self.live, shared))
         self._times = []
         leaving = self._watch.observe(medians)
         if leaving:
             self._leave(leaving, step + 1)
-
-    def _gather(self, mine: float) -> dict[int, float]:
-        """Every live rank's ``mine``, by rank (one all-reduce over the ranks still in)."""
-        values = torch.zeros(len(self.live), dtype=torch.float64)
-        values[self.live.index(self.ctx.rank)] = mine
-        if self.ctx.device.type == "cuda" and self.ctx.backend == "nccl":
-            values = values.to(self.ctx.device)
-        group = self._group if self._group is not None else dist.group.WORLD
-        assert group is not None
-        group.allreduce([values]).wait()
-        return dict(zip(self.live, values.tolist()))
 
     def _leave(self, leaving: tuple[int, ...], completed: int) -> None:
         """``leaving`` leave after ``completed`` steps; the others go on over a communicator of their own."""

@@ -10,6 +10,7 @@ launched, so the time backward spent waiting on communication can be reported.
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at run time.
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -133,6 +134,20 @@ class TimedAllReduce(AllReduce):
 
     def before_compute(self, step: int) -> None:
         self._t0 = time.perf_counter()
+
+    def share(self, mine: Sequence[float], ranks: Sequence[int], group: dist.ProcessGroup | None = None) -> list[float]:
+        """Every one of ``ranks``' ``mine`` (each the same length), in rank order, laid end to end: one
+        all-reduce over ``group`` (None: the world's), whose members are ``ranks``."""
+        k = len(mine)
+        values = torch.zeros(k * len(ranks), dtype=torch.float64)
+        at = list(ranks).index(self.ctx.rank)
+        values[at * k:(at + 1) * k] = torch.tensor(list(mine), dtype=torch.float64)
+        if self.ctx.backend == "nccl":
+            values = values.to(self.ctx.device)
+        group = group if group is not None else dist.group.WORLD
+        assert group is not None
+        group.allreduce([values]).wait()
+        return [float(v) for v in values.tolist()]
 
     def after_backward(self, step: int, times: StepTimes) -> None:
         launched = self._hook.last_launch if self._hook is not None else 0.0
