@@ -25,7 +25,7 @@ from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.protocol import LAYOUT_KEY, PAIR_BACKEND, Layout, shard_bounds
 from prague.algorithms.ps.runtime import ParameterServer
 from prague.algorithms.ps.server import ShardState, serve_worker
-from prague.runtime.services import MANAGED_ENV
+from prague.jobenv import MANAGED_SERVICES
 from prague.algorithms.ps_eager import PSEagerOptions
 from prague.algorithms.ps_eager.runtime import EagerParameterServer
 from prague.comm.flat import StagingBuffer, staging_device
@@ -202,7 +202,7 @@ def _train_in_process(monkeypatch: pytest.MonkeyPatch, algorithm: type, options:
     """One worker and one shard in this process (the shard's connection served from a thread), the
     runtime's staging decision forced on or off. Returns (the worker's final state, the shard's, the
     runtime)."""
-    monkeypatch.setenv(MANAGED_ENV, "1")  # no shard processes: the test serves the shard itself
+    monkeypatch.setenv(MANAGED_SERVICES, "1")  # no shard processes: the test serves the shard itself
     if staged:
         monkeypatch.setattr("prague.algorithms.ps.runtime.staging_device", lambda backend, device: CPU)
     store = dist.HashStore()

@@ -165,3 +165,20 @@ def test_listing_the_methods_and_the_help_start_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_only_the_job_environment_module_touches_the_environment() -> None:
+    """Every environment variable is read and written in ``prague/jobenv.py`` alone (os.environ, getenv,
+    putenv, unsetenv, or ``environ`` imported from os), so a job's variables have one owner."""
+    touched = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "jobenv.py" and path.parent == SRC:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                    and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv"):
+                touched.append(f"{path.relative_to(SRC)}:{node.lineno} os.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os" \
+                    and any(a.name in ("environ", "getenv", "putenv") for a in node.names):
+                touched.append(f"{path.relative_to(SRC)}:{node.lineno} from os import")
+    assert not touched, f"read or write the environment through prague.jobenv instead: {touched}"

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from prague import jobenv
 from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed
 from prague.net.hosts import EmulatedHosts, check_privileges
 
@@ -407,8 +408,9 @@ def _guarded_worker(args: argparse.Namespace) -> int:
     from prague.runtime.guard import Guard
     from prague.train.config import worker_argv, write_job
 
-    cfg = _worker_job(args, int(os.environ["WORLD_SIZE"]), _read_worker_job(args))
-    resources, survives = method_resources(cfg, host=service_host() if int(os.environ["RANK"]) == 0 else "127.0.0.1")
+    place = jobenv.current()
+    cfg = _worker_job(args, place.need("world_size"), _read_worker_job(args))
+    resources, survives = method_resources(cfg, host=service_host() if place.need("rank") == 0 else "127.0.0.1")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     job = args.job if args.job is not None else write_job(cfg)  # every local rank writes the same description
     guard = Guard(worker_argv(job, resume=cfg.resume), services=resources.services, env=resources.env,
@@ -419,7 +421,6 @@ def _guarded_worker(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from prague.algorithms.spec import check_nproc
     from prague.runtime.launcher import LaunchSpec, launch
-    from prague.runtime.services import SERVICES_FILE_ENV
 
     check_nproc(args.nproc)  # before --echo-all lists every rank
     if not args.script:
@@ -432,7 +433,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, echo_ranks=frozenset(range(args.nproc)) if args.echo_all else frozenset({0}),
         survivable=None,  # the script's method says, when it is set up
         # the services the script's method starts on its rank 0 are listed beside the logs
-        env={SERVICES_FILE_ENV: str((args.log_dir / "services.json").resolve())} if args.log_dir else {},
+        env={jobenv.SERVICES_FILE: str((args.log_dir / "services.json").resolve())} if args.log_dir else {},
     )
     launch(spec)
     return 0

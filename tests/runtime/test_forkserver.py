@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prague.errors import ConfigError
+from prague.jobenv import JobEnv
 from prague.runtime.forkserver import DATA_PRELOAD, TRAINING_PRELOAD, PRELOAD, forkable, start_mode
 from prague_testing import run_cli
 
@@ -22,10 +23,10 @@ RUN = ["run", "--algorithm", "prague:static", "--nproc", "2", "--steps", "12", "
 
 
 def test_start_mode_and_what_can_be_forked() -> None:
-    assert start_mode({"PRAGUE_WORKER_START": "exec"}) == "exec"
-    assert start_mode({}) == ("fork" if sys.platform.startswith("linux") else "exec")
+    assert start_mode(JobEnv.read({"PRAGUE_WORKER_START": "exec"})) == "exec"
+    assert start_mode(JobEnv()) == ("fork" if sys.platform.startswith("linux") else "exec")
     with pytest.raises(ConfigError, match="PRAGUE_WORKER_START must be one of fork, exec"):
-        start_mode({"PRAGUE_WORKER_START": "spawn"})
+        start_mode(JobEnv.read({"PRAGUE_WORKER_START": "spawn"}))
     assert forkable([sys.executable, "-m", "prague", "worker", "--algorithm", "allreduce"])
     assert not forkable([sys.executable, "train.py"])
     assert not forkable(["/other/python", "-m", "prague", "worker"])

@@ -142,12 +142,12 @@ def test_a_worker_with_settings_that_cannot_work_fails_the_job_under_torchrun(tm
 
 
 def test_only_a_worker_torchrun_started_guards() -> None:
-    from prague.runtime.guard import GUARDED_ENV, under_torchrun
-    from prague.runtime.parent import LAUNCHER_PID_ENV
+    from prague.jobenv import GUARDED, LAUNCHER_PID, JobEnv
+    from prague.runtime.guard import under_torchrun
 
     torchrun = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "0"}
-    assert under_torchrun(torchrun)
-    assert not under_torchrun({**torchrun, GUARDED_ENV: "1"})  # the guard's child trains
-    assert not under_torchrun({**torchrun, LAUNCHER_PID_ENV: "1"})  # prague run's launcher sets the same variables
-    assert not under_torchrun({"RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    assert not under_torchrun({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # no store to reach as a client
+    assert under_torchrun(JobEnv.read(torchrun))
+    assert not under_torchrun(JobEnv.read({**torchrun, GUARDED: "1"}))  # the guard's child trains
+    assert not under_torchrun(JobEnv.read({**torchrun, LAUNCHER_PID: "1"}))  # prague run's launcher sets them too
+    assert not under_torchrun(JobEnv.read({"RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}))
+    assert not under_torchrun(JobEnv.read({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"}))  # no agent store

@@ -29,10 +29,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from prague import jobenv
 from prague.metrics.decisions import DecisionLog
 from prague.runtime.background import BackgroundWork, Span
 from prague.runtime.context import DistContext
-from prague.runtime.services import MANAGED_ENV, ServiceSpec
+from prague.runtime.services import ServiceSpec
 from prague.runtime.stall import Phase
 
 W = TypeVar("W", bound=BackgroundWork)
@@ -63,7 +64,7 @@ class JobResources:
 
     def __post_init__(self) -> None:
         if self.services:  # whoever starts them says so to every process of the job (one flag for all)
-            object.__setattr__(self, "env", {MANAGED_ENV: "1", **self.env})  # the caller's dict stays as it was
+            object.__setattr__(self, "env", {jobenv.MANAGED_SERVICES: "1", **self.env})  # the caller's dict stays as it was
 
 
 class BeforeForward(nn.Module):

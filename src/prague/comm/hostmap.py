@@ -16,13 +16,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-HOST_LABEL_ENV = "PRAGUE_HOST_LABEL"
+from prague import jobenv
 
 
 def host_label() -> str:
     """This process's host: ``$PRAGUE_HOST_LABEL`` if set, else its machine's name and the identity of
     its network namespace."""
-    given = os.environ.get(HOST_LABEL_ENV)
+    given = jobenv.current().host_label
     if given:
         return given
     try:

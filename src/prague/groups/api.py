@@ -36,9 +36,6 @@ from typing import Protocol, runtime_checkable
 
 from prague.errors import ConfigError
 
-#: The environment variable that carries the Group Generator's shared secret to the service and its clients.
-TOKEN_ENV = "PRAGUE_GG_TOKEN"
-
 Answer = tuple[int, "Group"]
 """``(worker, group)``: the group ``worker`` must run next."""
 

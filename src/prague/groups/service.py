@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import hmac
 import json
-import os
 import signal
 import sys
 import threading
@@ -53,13 +52,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from prague import jobenv
 from prague.errors import CommError, ConfigError
 from prague.io import JsonLines, atomic_write_text
 from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
-from prague.groups.api import TOKEN_ENV, Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.trace import PolicyCall, call_policy
 from prague.runtime.parent import set_parent_death_signal
 
@@ -672,8 +672,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
     parser.add_argument("--nproc", type=int, required=True)
-    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV, ""),
-                        help=f"shared secret (default: ${TOKEN_ENV})")
+    parser.add_argument("--token", default=jobenv.current().gg_token or "",
+                        help=f"shared secret (default: ${jobenv.GG_TOKEN})")
     parser.add_argument("--generator", default="smart", help=f"one of {', '.join(sorted(GENERATORS))}")
     parser.add_argument("--nodes", type=int, default=1)
     defaults = {f.name: f.default for f in dataclasses.fields(GeneratorConfig)}

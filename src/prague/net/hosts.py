@@ -32,10 +32,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from prague import jobenv
 from prague.errors import ConfigError
 
-#: The environment variable naming the namespace a worker joins (set by the launcher).
-NETNS_ENV = "PRAGUE_NETNS"
 #: Inside every namespace, the host's end of its link.
 INNER_IF = "eth0"
 NETNS_DIR = "/var/run/netns"
@@ -234,7 +233,7 @@ class EmulatedHosts:
 
     def worker_env(self, rank: int, nproc: int) -> dict[str, str]:
         """What worker ``rank`` needs: its namespace, and gloo bound to the host's link."""
-        return {NETNS_ENV: self.namespace(host_of(rank, nproc, self.hosts)), "GLOO_SOCKET_IFNAME": INNER_IF}
+        return {jobenv.NETNS: self.namespace(host_of(rank, nproc, self.hosts)), "GLOO_SOCKET_IFNAME": INNER_IF}
 
     def service_env(self) -> dict[str, str]:
         """What a service in the launcher's namespace needs: gloo bound to the bridge."""
@@ -256,7 +255,7 @@ class EmulatedHosts:
                     "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", self.address(host), *torchrun_args,
                     "-m", "prague", "worker", *worker_args]
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env={**os.environ, "GLOO_SOCKET_IFNAME": INNER_IF, **(env or {})},
+                                          env=jobenv.child({"GLOO_SOCKET_IFNAME": INNER_IF, **(env or {})}),
                                           start_new_session=True))
         deadline = time.monotonic() + timeout_s
         results: list[tuple[int | None, str]] = []
@@ -296,7 +295,7 @@ def enter_namespace(name: str) -> None:
 
 
 def enter_from_env() -> None:
-    """Join the namespace the launcher named in :data:`NETNS_ENV`, if any."""
-    name = os.environ.get(NETNS_ENV)
+    """Join the namespace the launcher named in :data:`prague.jobenv.NETNS`, if any."""
+    name = jobenv.current().netns
     if name:
         enter_namespace(name)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 # Imported first, the defaults are None, which these functions read as the world group anyway.
 import torch.distributed.nn.functional  # noqa: F401
 
+from prague import jobenv
 from prague.errors import ConfigError
 from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, progress_text
 from prague.runtime.parent import set_parent_death_signal
@@ -119,25 +120,13 @@ def report_steps(steps: int) -> None:
         _HEARTBEAT.steps = steps
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        if default is None:
-            raise ConfigError(f"environment variable {name} is not set; start the job with `prague launch` or torchrun")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def attempt_store(store: dist.Store) -> dist.Store:
     """The job's store as this attempt of the job sees it. torchrun (``--max-restarts``) starts the workers
     again on the same store, which outlives them: a restart's keys go under a prefix of their own (as
     torch's env:// rendezvous does), so an earlier attempt's (its ranks' addresses, its failed set, its
     services) cannot mislead this one. The first attempt, and every other launch, use the store as is."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return store if attempt in ("", "0") else dist.PrefixStore(f"prague/attempt{attempt}", store)
+    attempt = jobenv.current().attempt
+    return store if attempt == 0 else dist.PrefixStore(f"prague/attempt{attempt}", store)
 
 
 def service_host() -> str:
@@ -145,11 +134,11 @@ def service_host() -> str:
     torchrun) is reached by every rank of the job: loopback when the whole job runs on this machine
     (``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``, or no job environment), else this machine's address on
     its route to the job's store (``MASTER_ADDR``), the one the other machines already reach it by."""
-    world = _env_int("WORLD_SIZE", 1)
-    if _env_int("LOCAL_WORLD_SIZE", world) >= world:
+    job = jobenv.current()
+    world = job.world_size or 1
+    if (job.local_world_size or world) >= world:
         return "127.0.0.1"
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "1") or 1)
+    master, port = job.master_addr, job.master_port or 1
     try:
         family, _, _, _, where = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:  # a UDP connect sends nothing: it picks a route
@@ -176,22 +165,22 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         raise ConfigError(f"unknown backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    job = jobenv.current()
     local_world_size = 1
-    if "WORLD_SIZE" in os.environ:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE"))
+    if job.launched:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
+        local_world_size = job.local_world_size or job.need("world_size")
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = pick_backend(backend, gpu_count, local_world_size)
 
     set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:
-        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-        local_rank = _env_int("LOCAL_RANK", rank)
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT")
+    if job.launched:
+        rank, world_size = job.need("rank"), job.need("world_size")
+        local_rank = job.local_rank if job.local_rank is not None else rank
+        host, port = job.master_addr, job.need("master_port")
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        agent_store = job.agent_store
         store: dist.Store = attempt_store(dist.TCPStore(
             host, port, world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
             multi_tenant=not agent_store,
@@ -209,7 +198,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
             timeout=timeout,
         )
     _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
-    if "WORLD_SIZE" in os.environ:  # launched: the launcher holds this worker's lease
+    if job.launched:  # the launcher holds this worker's lease
         global _HEARTBEAT
         _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)
     previous_hook = sys.excepthook

@@ -38,9 +38,9 @@ from collections.abc import Mapping, Sequence
 
 import setproctitle
 
+from prague import jobenv
 from prague.errors import ConfigError
 
-START_ENV = "PRAGUE_WORKER_START"
 START_MODES = ("fork", "exec")
 PRELOAD = "prague.preload"
 #: What a data set's loader imports, preloaded only for jobs that use that data set.
@@ -53,11 +53,11 @@ _SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NU
 _lock = threading.Lock()
 
 
-def start_mode(env: Mapping[str, str]) -> str:
+def start_mode(env: jobenv.JobEnv) -> str:
     """``fork`` (default on Linux) or ``exec``, from ``$PRAGUE_WORKER_START``."""
-    mode = env.get(START_ENV, "fork" if sys.platform.startswith("linux") else "exec")
+    mode = env.worker_start or ("fork" if sys.platform.startswith("linux") else "exec")
     if mode not in START_MODES:
-        raise ConfigError(f"${START_ENV} must be one of {', '.join(START_MODES)}, got {mode!r}")
+        raise ConfigError(f"${jobenv.WORKER_START} must be one of {', '.join(START_MODES)}, got {mode!r}")
     return "exec" if not sys.platform.startswith("linux") else mode
 
 
@@ -73,16 +73,8 @@ def _context(data: str | None = None, trains: bool = True) -> multiprocessing.co
     ctx = multiprocessing.get_context("forkserver")
     with _lock:
         ctx.set_forkserver_preload([PRELOAD, *(TRAINING_PRELOAD if trains else ()), *DATA_PRELOAD.get(data or "", ())])
-        saved = {k: os.environ.get(k) for k in _SINGLE_THREADED}
-        os.environ.update(_SINGLE_THREADED)
-        try:
+        with jobenv.overridden(_SINGLE_THREADED):  # the server inherits it when it starts
             multiprocessing.forkserver.ensure_running()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return ctx
 
 
@@ -90,7 +82,7 @@ def prestart(data: str | None = None, trains: bool = True) -> None:
     """Start the fork server now (unless workers are to be exec'd), for jobs on data set ``data`` that
     train (``trains``; emulated compute does not), so that its imports overlap the launcher's own
     preparations; the first fork waits for them."""
-    if start_mode(os.environ) == "fork":
+    if start_mode(jobenv.current()) == "fork":
         _context(data, trains)
 
 
@@ -154,15 +146,11 @@ def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.conn
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=True)
-    os.environ.clear()
-    os.environ.update(env)
-    from prague.runtime.parent import LAUNCHER_PID_ENV
-
-    os.environ[LAUNCHER_PID_ENV] = str(os.getppid())  # the server is this process's parent
-    threads = env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    jobenv.replace(env, launcher_pid=os.getppid())  # the server is this process's parent
+    threads = jobenv.current().threads
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     sys.argv = [sys.executable, *args]
     runpy.run_module("prague", run_name="__main__", alter_sys=True)  # what `python -m prague ARGS` runs

@@ -55,16 +55,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from prague import jobenv
 from prague.errors import EXIT_USAGE, CommError
 from prague.runtime.context import ERROR_KEY, attempt_store
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, progress_steps, read_counters,
     read_keys,
 )
-from prague.runtime.parent import LAUNCHER_PID_ENV
-from prague.runtime.services import SERVICES_FILE_ENV, ServiceKeeper, ServiceSpec
+from prague.runtime.services import ServiceKeeper, ServiceSpec
 
-GUARDED_ENV = "PRAGUE_GUARDED"  # set in the child: it trains, it does not guard
 ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
 ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
 SURVIVES_KEY = "prague/guard/survives/"  # + rank: "1" if the method of that rank's child survives failures
@@ -75,17 +74,17 @@ TICK_S = 0.2
 ATTRIBUTION_S = 1.0
 
 
-def under_torchrun(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Whether this process was started by torchrun's agent (not by ``prague run``'s launcher, which sets
-    the same rank variables), and is not already a guarded child."""
-    return ("TORCHELASTIC_RUN_ID" in env and LAUNCHER_PID_ENV not in env and env.get(GUARDED_ENV) != "1"
-            and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+def under_torchrun(env: jobenv.JobEnv | None = None) -> bool:
+    """Whether this process (``env``: its environment, read now by default) was started by torchrun's agent
+    (not by ``prague run``'s launcher, which sets the same rank variables), and is not already a guarded
+    child."""
+    return (env or jobenv.current()).under_torchrun
 
 
 def publish_survival(store: dist.Store, rank: int, survives: bool) -> None:
     """In a worker started by a guard or by ``prague launch``'s launcher (a script's own method): tell
     whoever watches it whether the method goes on without a failed worker. Nothing otherwise."""
-    if LAUNCHER_PID_ENV in os.environ:
+    if jobenv.current().under_launcher:
         store.set(f"{SURVIVES_KEY}{rank}", "1" if survives else "0")
 
 
@@ -102,12 +101,11 @@ class Guard:
 
     def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
                  survives: bool | None, lease_s: float, out: Path, timeout_s: float) -> None:
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
+        job = jobenv.current()
+        self.rank, self.world_size = job.need("rank"), job.need("world_size")
         self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
-        self.store = attempt_store(dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), self.world_size,
-            is_master=False, timeout=timedelta(seconds=timeout_s)))
+        self.store = attempt_store(dist.TCPStore(job.master_addr, job.need("master_port"), self.world_size,
+                                                 is_master=False, timeout=timedelta(seconds=timeout_s)))
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
         self.services_file = out / "services.json"  # a script's own services are listed there too
@@ -122,9 +120,9 @@ class Guard:
         signal.signal(signal.SIGTERM, self._on_signal)  # torchrun stops its workers with SIGTERM
         try:
             env = self._job_env()
-            self.child = subprocess.Popen(self.argv, env={**os.environ, **env, GUARDED_ENV: "1",
-                                                          LAUNCHER_PID_ENV: str(os.getpid()),
-                                                          SERVICES_FILE_ENV: str(self.services_file.resolve())})
+            self.child = subprocess.Popen(self.argv, env=jobenv.child({
+                **env, jobenv.GUARDED: "1", jobenv.LAUNCHER_PID: str(os.getpid()),
+                jobenv.SERVICES_FILE: str(self.services_file.resolve())}))
             code = self._watch_child()
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded

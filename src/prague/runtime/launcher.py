@@ -47,9 +47,9 @@ from typing import IO
 
 import torch.distributed as dist
 
+from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
 from prague.runtime.context import ERROR_KEY
-from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
@@ -99,7 +99,7 @@ class _Proc:
         self.label = label
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self.popen: subprocess.Popen[str] | ForkedWorker
-        if fork and forkable(argv) and start_mode(env) == "fork":
+        if fork and forkable(argv) and start_mode(jobenv.JobEnv.read(env)) == "fork":
             self.popen = ForkedWorker(argv, env)
         else:
             self.popen = subprocess.Popen(
@@ -156,12 +156,11 @@ class Job:
         self._stalls_read = 0.0
 
     def base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            MASTER_ADDR=self.spec.master_addr, MASTER_PORT=str(self.port), WORLD_SIZE=str(self.spec.nproc),
-            LOCAL_WORLD_SIZE=str(self.spec.nproc), TORCHELASTIC_USE_AGENT_STORE="True",
-            PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())},
-        )
+        env = jobenv.child({
+            "MASTER_ADDR": self.spec.master_addr, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(self.spec.nproc),
+            "LOCAL_WORLD_SIZE": str(self.spec.nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "PYTHONUNBUFFERED": "1", jobenv.LAUNCHER_PID: str(os.getpid()),
+        })
         # n workers share this machine's cores: one intra-op thread each unless the user says otherwise.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.spec.env)

@@ -12,14 +12,15 @@ import os
 import signal
 import sys
 
-LAUNCHER_PID_ENV = "PRAGUE_LAUNCHER_PID"
+from prague import jobenv
+
 _PR_SET_PDEATHSIG = 1
 
 
 def set_parent_death_signal() -> None:
     """Ask Linux to SIGKILL this process when the process named by ``$PRAGUE_LAUNCHER_PID`` (its parent)
     dies; exit at once if it is already gone. A no-op without the variable or off Linux."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    launcher = jobenv.current().launcher_pid
     if launcher is None or not sys.platform.startswith("linux"):
         return
     try:
@@ -27,5 +28,5 @@ def set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != int(launcher):  # the parent died before prctl took effect
+    if os.getppid() != launcher:  # the parent died before prctl took effect
         os._exit(1)

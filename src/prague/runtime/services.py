@@ -23,18 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prague import jobenv
 from prague.errors import CommError
 from prague.io import atomic_write_json
-from prague.runtime.parent import LAUNCHER_PID_ENV
 
 POLL_S = 0.05
-#: Set to "1" in every process of a job whose services its owner (the launcher, rank 0's guard) started:
-#: a method then finds its services through the store instead of starting them from rank 0 itself.
-MANAGED_ENV = "PRAGUE_MANAGED_SERVICES"
-#: Where a service that a script's own method starts (on rank 0, under ``prague launch --log-dir`` or
-#: ``prague guard --out``) is listed: the job owner's ``services.json``, which names no service of its own
-#: then (the owner does not know a script's method).
-SERVICES_FILE_ENV = "PRAGUE_SERVICES_FILE"
 MAX_RESTARTS = 5  # a service that dies more often than this in one job is not started again
 
 
@@ -93,7 +86,7 @@ def start_service(spec: ServiceSpec, log: Path | None = None, *, new_session: bo
     raising, naming ``log``."""
     if spec.ready_file is not None:
         spec.ready_file.unlink(missing_ok=True)
-    env = {**os.environ, **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
+    env = jobenv.child({**spec.env, jobenv.LAUNCHER_PID: str(os.getpid())})
     out = None
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -248,13 +241,14 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 def services_managed() -> bool:
-    """Whether this process belongs to a job whose declared services were started by its owner
-    (:data:`MANAGED_ENV`), not by the method on rank 0 (a script's own method under torchrun or
-    ``prague launch``)."""
-    return os.environ.get(MANAGED_ENV) == "1"
+    """Whether this process belongs to a job whose declared services were started by its owner (the
+    launcher, rank 0's guard: ``$PRAGUE_MANAGED_SERVICES`` is "1"), so that a method finds them through
+    the store, not by the method on rank 0 (a script's own method under torchrun or ``prague launch``)."""
+    return jobenv.current().managed_services
 
 
 def services_file_from_env() -> Path | None:
-    """The ``services.json`` a service this process starts is listed in (:data:`SERVICES_FILE_ENV`), or None."""
-    path = os.environ.get(SERVICES_FILE_ENV)
-    return Path(path) if path else None
+    """The ``services.json`` a service this process starts is listed in (``$PRAGUE_SERVICES_FILE``): a
+    script's own method's services, under ``prague launch --log-dir`` or ``prague guard --out``, go in
+    the job owner's file, which names no service of its own then. None if unset."""
+    return jobenv.current().services_file

@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError
 from prague.runtime.context import DistContext, init, report_failure, shutdown
 
@@ -22,7 +23,7 @@ def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeou
         body(ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         report_failure(exc)
-        rank = ctx.rank if ctx else os.environ.get("RANK", "?")
+        rank = ctx.rank if ctx else _rank_label()
         sys.stderr.write(f"[rank {rank}] " + "".join(traceback.format_exception(exc)))
         sys.stderr.flush()
         sys.stdout.flush()
@@ -31,3 +32,12 @@ def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeou
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _rank_label() -> str:
+    """This worker's rank as its environment gives it, for a failure before it joined; "?" if unknown."""
+    try:
+        rank = jobenv.current().rank
+    except ConfigError:  # a malformed variable: the failure being reported says so
+        rank = None
+    return "?" if rank is None else str(rank)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prague import jobenv
 from prague.comm.flat import flatten, state_tensors
 from prague.errors import ConfigError
 from prague.hetero.spec import parse_scenario
@@ -32,7 +32,6 @@ from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
 from prague.runtime.background import Span
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY, mark_left, progress_text, read_progress
-from prague.runtime.parent import LAUNCHER_PID_ENV
 from prague.train import checkpoint
 from prague.workload.budget import EqualShares, SharedBatches, StopAgreement, parse_budget
 from prague.train.closing import Closing, closing_ranks
@@ -53,15 +52,6 @@ from prague.workload.models import build_model, parameter_count
 
 #: Where each rank records the injected faults it fired (:class:`~prague.train.harness.Harness`).
 FAULTS_DIR = "faults"
-
-
-def elastic_restarts() -> int:
-    """How many times torchrun (``--max-restarts``) has restarted this job's workers; 0 otherwise."""
-    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a count; it is torchrun's to set") from None
 
 
 def total_steps(cfg: RunConfig, per_epoch: int) -> int:
@@ -366,7 +356,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
     model, optimizer, n_params = build(cfg, shape, classes, ctx)
     resumed = None
-    restarts = elastic_restarts()
+    restarts = jobenv.current().attempt  # torchrun's restarts of the job (--max-restarts)
     # torchrun --max-restarts started this attempt again: it continues from the last complete checkpoint
     restarted = restarts > 0 and checkpoint.latest_complete(Path(cfg.out), ctx.world_size) is not None
     if cfg.resume or restarted:  # before the method's setup, which may publish rank 0's model (DDP, servers)
@@ -376,7 +366,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             optimizer.load_state_dict(resumed.optimizer)
     files = None
     if cfg.stop_at_target:
-        if LAUNCHER_PID_ENV not in os.environ:
+        if not jobenv.current().under_launcher:
             raise ConfigError("--stop-at-target needs the evaluator `prague run` starts beside the workers, which "
                               "reads their states from this machine's disk; under torchrun drop it")
         files = StateFiles(Path(cfg.out), ctx.rank)
@@ -444,7 +434,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         completed[rank] = steps
     steps = work.expected if cfg.budget is None else max(completed)
     diverged = work.divergence.read() if work.divergence is not None else None
-    if diverged is not None and LAUNCHER_PID_ENV not in os.environ:  # torchrun: nobody else will say it
+    if diverged is not None and not jobenv.current().under_launcher:  # torchrun: nobody else will say it
         name = trainer.method.name + (f":{trainer.variant}" if trainer.variant else "")
         print(f"prague worker: {divergence_line(name, diverged.as_dict())}", file=sys.stderr, flush=True)
     record = RunRecord.from_timings(
@@ -460,7 +450,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
         diverged=diverged.as_dict() if diverged is not None else None,
-        restarts=elastic_restarts() if "TORCHELASTIC_RESTART_COUNT" in os.environ else None,
+        restarts=jobenv.current().restart_count,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     if cfg.timeline:  # every rank's step records are complete: all closed their runs

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 
+from prague import jobenv
 from prague.errors import ConfigError
 
 #: How long the processes train together, s.
@@ -62,7 +62,7 @@ def probe_pace(model: str, data: str, batch_size: int, workers: int, seed: int =
     docstring). Raises ConfigError when a process fails (its message quoted)."""
     argv = [sys.executable, "-m", "prague.train.probe", "--model", model, "--data", data,
             "--batch-size", str(batch_size), "--seed", str(seed), "--seconds", str(PROBE_S)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = jobenv.child({"OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(workers)]
     deadline = time.monotonic() + PROBE_TIMEOUT_S

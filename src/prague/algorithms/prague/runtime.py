@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prague import jobenv
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.prague import PragueOptions, overlap_report
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
@@ -43,7 +44,6 @@ from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
 from prague.groups import Group
-from prague.groups.api import TOKEN_ENV
 from prague.metrics.decisions import Decision, gg_trace_path
 
 
@@ -86,7 +86,7 @@ class Prague(Algorithm):
         if not options.uses_service:
             return JobResources()
         spec = gg_service(options, nproc, out_dir / "gg.address", host)
-        return JobResources(services=(spec,), env={TOKEN_ENV: secrets.token_hex(16)})
+        return JobResources(services=(spec,), env={jobenv.GG_TOKEN: secrets.token_hex(16)})
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import secrets
 import shutil
 import sys
@@ -31,9 +30,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from prague import jobenv
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
-from prague.groups.api import TOKEN_ENV
 from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
@@ -81,6 +80,15 @@ def restore_args(store: dist.Store, nproc: int, folder: Path) -> list[str]:
     atomic_write_json(path, restore_state(held, excluded))
     return ["--restore", str(path)]
 
+
+
+def _launcher_token() -> str:
+    """The token of the Group Generator a job owner (launcher, rank 0's guard) started for this job."""
+    token = jobenv.current().gg_token
+    if token is None:
+        raise CommError(f"${jobenv.GG_TOKEN} is not set, yet the job's owner started its Group Generator; start "
+                        "the workers with `prague launch`, `prague run` or `prague guard`")
+    return token
 
 class GroupSource(Protocol):
     """Gives one worker its groups, in the global order."""
@@ -156,9 +164,9 @@ class ServiceSource:
         self._left_key = f"prague/gg/left/{instance}/"  # + rank: done with the service (leave)
         token_key = GG_TOKEN_KEY if instance is None else f"{GG_TOKEN_KEY}/{instance}"
         if options.gg_address:
-            token, address = os.environ.get(TOKEN_ENV, ""), options.gg_address
+            token, address = jobenv.current().gg_token or "", options.gg_address
         elif not self._shared:  # started by our launcher
-            token, address = os.environ[TOKEN_ENV], store.get(self._address_key).decode()
+            token, address = _launcher_token(), store.get(self._address_key).decode()
         elif ctx.is_main:
             token = secrets.token_hex(16)
             store.set(token_key, token)
@@ -187,7 +195,7 @@ class ServiceSource:
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
         spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
-                                   env={TOKEN_ENV: token}, publish_key=self._address_key)
+                                   env={jobenv.GG_TOKEN: token}, publish_key=self._address_key)
         self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec],
                                      services_file=services_file_from_env())
         self._keeper.start()

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prague import jobenv
 from prague.algorithms.ps.protocol import (
     DECISIONS_KEY, HEADER_LEN, LAYOUT_KEY, MODES, MOMENTUM_MODES, OP_BYE, OP_CLOSED, OP_INIT, OP_PULL, OP_PUSH,
     SHARD_SIDE, STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply,
@@ -373,8 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     timeout = timedelta(seconds=args.timeout_s)
-    store = attempt_store(dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                                        is_master=False, timeout=timeout))
+    job = jobenv.current()
+    store = attempt_store(dist.TCPStore(job.master_addr, job.need("master_port"), is_master=False, timeout=timeout))
     atomic_write_text(args.ready_file, f"ps-shard {args.shard} pid {os.getpid()}\n")
 
     layout = Layout.decode(store.get(LAYOUT_KEY))  # published by worker rank 0 in setup()
