@@ -3,7 +3,8 @@
 A character-level GPT-style model (about 3.3 million parameters with the defaults) learns the text of
 Python's own standard library (its source files ship with every Python). Everything a real training
 script has is here: AdamW, linear warm-up then cosine decay, mixed precision (float16 with a GradScaler on
-CUDA, bfloat16 autocast on the CPU), gradient clipping, and gradient accumulation over micro-batches
+CUDA; bfloat16 autocast on a CPU that computes bfloat16 natively, float32 on one that would only emulate it,
+many times slower), gradient clipping, and gradient accumulation over micro-batches
 (``model.no_sync()``, as with DDP). The synchronisation method is one argument.
 
     prague launch --nproc 4 examples/transformer_lm.py --algorithm prague --steps 300
@@ -34,7 +35,18 @@ parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--width", type=int, default=256)
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--warmup", type=int, default=30, help="warm-up steps, then cosine decay to 10%")
+parser.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="on the CPU: auto takes bfloat16 where the CPU has it natively, else float32")
 args = parser.parse_args()
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 natively: AVX512-BF16 or AMX on x86, BF16 on Arm (Linux's flags)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def corpus(limit: int = 2_000_000) -> torch.Tensor:
@@ -99,14 +111,21 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, 
 model, optimizer = prague.prepare(model, optimizer, algorithm=args.algorithm)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 cuda = device.type == "cuda"
-dtype = torch.float16 if cuda else torch.bfloat16
+if cuda:
+    dtype = torch.float16
+elif args.precision == "bfloat16" or (args.precision == "auto" and cpu_has_bfloat16()):
+    dtype = torch.bfloat16
+else:
+    dtype = torch.float32  # autocast off: float32 throughout
+if ctx.rank == 0:
+    print(f"precision {str(dtype).removeprefix('torch.')} on {device.type}")
 scaler = torch.amp.GradScaler("cuda", enabled=cuda)  # float16 needs a scaler; bfloat16 does not
 gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own windows
 
 for step in range(args.steps):
     for micro in range(args.accumulate):
         x, y = (t.to(device) for t in windows(train_text, args.batch_size, args.context, gen))
-        with torch.autocast(device.type, dtype=dtype):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / args.accumulate
         if micro < args.accumulate - 1:
             with model.no_sync():  # the last micro-batch's backward is the one that synchronises
@@ -124,7 +143,7 @@ for step in range(args.steps):
 
 final = model.averaged_model()  # collective: the mean of the replicas
 final.eval()
-with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
     x, y = (t.to(device) for t in windows(held_out, 32, args.context, torch.Generator().manual_seed(7)))
     held_loss = F.cross_entropy(final(x).flatten(0, 1).float(), y.flatten()).item()
 print(f"rank {ctx.rank}: held-out loss of the averaged model {held_loss:.3f} ({held_loss / math.log(2):.2f} bits/char)")

@@ -139,8 +139,9 @@ def test_the_minimal_loop_example_runs_unchanged_under_both_launchers(tmp_path: 
 
 @pytest.mark.parametrize("algorithm,launcher", [("allreduce", "launch"), ("prague", "torchrun")])
 def test_the_transformer_example_trains_under_both_launchers(algorithm: str, launcher: str) -> None:
-    """A few steps of the small language model (AdamW, warm-up and cosine, bf16 autocast on the CPU,
-    clipping, two micro-batches accumulated) with each method, each launcher."""
+    """A few steps of the small language model (AdamW, warm-up and cosine, bf16 autocast on a CPU that has
+    bfloat16 and float32 on one that does not, clipping, two micro-batches accumulated) with each method,
+    each launcher."""
     example = str(REPO / "examples" / "transformer_lm.py")
     args = [example, "--algorithm", algorithm, "--steps", "4", "--batch-size", "2", "--context", "32",
             "--layers", "2", "--width", "64", "--warmup", "2"]
@@ -149,6 +150,9 @@ def test_the_transformer_example_trains_under_both_launchers(algorithm: str, lau
     losses = [float(m) for m in re.findall(r"held-out loss of the averaged model ([0-9.]+)", res.stdout)]
     assert losses and all(0 < x < 6.0 for x in losses), res.stdout  # ln 256 = 5.55 at the start
     assert f"method {algorithm}" in res.stdout
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    assert f"precision {'bfloat16' if native else 'float32'} on cpu" in res.stdout, res.stdout
 
 
 def _run_example(launcher: str, args: list[str]) -> subprocess.CompletedProcess[str]:

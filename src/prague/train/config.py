@@ -352,6 +352,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str,
                 exclusive[f.metadata["exclusive"]] = group.add_mutually_exclusive_group()
             where = exclusive[f.metadata["exclusive"]]
         helptext = f.metadata["help"] + ("" if default is None or types[f.name] is bool else f" (default {default})")
+        if helptext.startswith("gone:"):  # still parsed, to say what replaced it; not offered in --help
+            helptext = argparse.SUPPRESS
         if types[f.name] is bool:
             where.add_argument(_flag(f.name), dest=f.name, action="store_true", default=None, help=helptext)
             continue
