@@ -182,3 +182,21 @@ def test_only_the_job_environment_module_touches_the_environment() -> None:
                     and any(a.name in ("environ", "getenv", "putenv") for a in node.names):
                 touched.append(f"{path.relative_to(SRC)}:{node.lineno} from os import")
     assert not touched, f"read or write the environment through prague.jobenv instead: {touched}"
+
+
+@pytest.mark.parametrize(("method", "options", "message"), [
+    ("prague", {"group_size": "abc"}, r"option group_size of method 'prague' takes an int \(the CLI's --group-size\), "
+                                      r"got 'abc' \(str\)"),
+    ("prague", {"group_size": 2.0}, "takes an int"),
+    ("prague", {"group_size": True}, "takes an int"),
+    ("prague", {"gg_address": 3}, r"takes a str \(the CLI's --gg-address\), got 3 \(int\)"),
+    ("diloco", {"outer_lr": "0.7"}, "option outer_lr of method 'diloco' takes a float"),
+])
+def test_options_given_through_python_are_checked_by_type_with_the_flag(method: str, options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        METHODS[method].make_options(options)
+
+
+def test_an_int_given_for_a_float_option_is_taken_as_a_float() -> None:
+    options = METHODS["diloco"].make_options({"outer_lr": 1})
+    assert options.outer_lr == 1.0 and isinstance(options.outer_lr, float)

@@ -119,9 +119,9 @@ SCRIPT = textwrap.dedent('''
         # the mean over its samples
         c = torch.tensor([[float((7 * step + 3 * ctx.rank + i) % 11 - 5) for _ in range(4)] for i in range(count)])
         c[:, 1] *= 2
-        if ctx.rank == 2:
-            time.sleep(0.02 * count)  # slower per sample: 120 ms a step of 6, well above any noise
         loss = (model(c) ).mean()  # d/dw of mean_i (w . c_i) = mean_i c_i
+        if ctx.rank == 2:  # slower per sample in its compute (forward to backward: what the variant times)
+            time.sleep(0.02 * count)  # 120 ms a step of 6, well above any noise
         loss.backward()
         opt.step()
         opt.zero_grad()

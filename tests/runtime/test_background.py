@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from prague.errors import CommError, ConfigError
-from prague.runtime.background import COMMUNICATING, DONE, WAITING, BackgroundWork
+from prague.runtime.background import COMMUNICATING, DONE, WAITING, BackgroundWork, PeriodicWork, live_works, owner_of
 from prague.runtime.stall import Phase, StallWatch
 
 pytestmark = pytest.mark.timeout(30)
@@ -125,3 +125,42 @@ def test_a_stall_warning_names_the_background_work_stuck_communicating() -> None
     report = watch.warnings[0]
     assert report["what"] == "echo work " and report["step"] == 12 and report["ranks"] == [1]
     assert "rank 0's echo work has waited" in out.getvalue()
+
+
+class Ticker(PeriodicWork):
+    """Counts its ticks; ends itself after ``last`` ticks, or raises at tick ``fail_at``."""
+
+    def __init__(self, last: int | None = None, fail_at: int | None = None) -> None:
+        super().__init__("ticker", "prague-ticker", 0.01)
+        self.ticks, self.last, self.fail_at = 0, last, fail_at
+        self.start()
+
+    def tick(self) -> bool:
+        self.ticks += 1
+        if self.ticks == self.fail_at:
+            raise OSError("the store went away")
+        return self.last is None or self.ticks < self.last
+
+
+def test_a_periodic_work_ticks_until_stopped_and_is_listed_while_it_runs() -> None:
+    work = Ticker()
+    try:
+        assert work.wait_until(lambda: work.ticks >= 5, timeout_s=5.0)
+        assert work in live_works() and owner_of(work._threads[0]) is work
+        assert work._threads[0].name == "prague-ticker"
+    finally:
+        assert work.shutdown(failed=False, timeout_s=5.0)
+    count = work.ticks
+    time.sleep(0.05)
+    assert work.ticks == count and work not in live_works() and work.error is None
+
+
+def test_a_periodic_work_ends_quietly_on_false_and_hands_an_exception_to_the_training_thread() -> None:
+    quiet = Ticker(last=3)
+    assert quiet.join(5.0) and quiet.ticks == 3 and quiet.error is None
+    failing = Ticker(fail_at=2)
+    assert failing.join(5.0)
+    with pytest.raises(CommError, match="the ticker failed: OSError"):
+        failing.raise_if_failed()
+    with pytest.raises(ValueError, match="period_s must be > 0"):
+        PeriodicWork("bad", "bad", 0.0)

@@ -49,14 +49,14 @@ def test_a_worker_that_left_has_no_lease_and_counts_on_if_it_joins_again() -> No
     beat = Heartbeat(store.clone(), 1, interval_s=0.01)
     time.sleep(0.1)
     assert read_counters(store, [0, 1]).get(1, 0) > 0 and 0 not in read_counters(store, [0, 1])
-    beat.stop()
+    beat.leave()
     assert read_counters(store, [1]) == {}
     again = Heartbeat(store.clone(), 1, interval_s=0.01)
     try:
         time.sleep(0.1)
         assert read_counters(store, [1])[1] >= 0
     finally:
-        again.stop()
+        again.leave()
 
 
 def test_first_declaration_wins_and_moves_the_epoch() -> None:

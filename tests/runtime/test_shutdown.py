@@ -20,10 +20,15 @@ from prague_testing import run_cli
 pytestmark = pytest.mark.timeout(240)
 
 SCRIPT = textwrap.dedent("""
-    import gc, json, sys, time, warnings
+    import gc, json, sys, threading, time, warnings
     import torch, torch.distributed as dist, torch.nn.functional as F
     import prague
+    from prague.runtime.background import owner_of
     from prague.runtime.context import communication_threads
+
+    def python_threads():  # every Python thread but the main one, as NAME:OWNER (its background work, or -)
+        return sorted(f"{t.name}:{o.what if (o := owner_of(t)) else '-'}" for t in threading.enumerate()
+                      if t is not threading.main_thread())
 
     methods, result = sys.argv[1].split(","), sys.argv[2]
     ctx = prague.init()
@@ -41,6 +46,8 @@ SCRIPT = textwrap.dedent("""
             x = torch.randn(16, 8, generator=gen)
             y = (x[:, 0] > 0).long()
             trainer.step(lambda m: F.cross_entropy(m(x), y))
+            if step == 3:
+                seen[f"{method}/mid-run"] = python_threads()
         trainer.averaged_model()
         trainer.close()
         gc.collect()
@@ -55,6 +62,7 @@ SCRIPT = textwrap.dedent("""
     del held
     gc.collect()
     seen["end"] = communication_threads()
+    seen["python"] = python_threads()
     with open(f"{result}.{ctx.rank}", "w") as f:
         json.dump(seen, f)
 """)
@@ -85,3 +93,16 @@ def test_close_and_shutdown_leave_no_gloo_threads(tmp_path: Path, methods: list[
         assert seen["held"] and len(seen["warnings"]) == 1, seen
         assert "still referenced" in seen["warnings"][0]
         assert seen["end"] == [], seen
+        # Mid-run, every thread of the package is a background work's (the heartbeat at least), but the
+        # process's one asyncio loop for gRPC (prague.groups.aio: never closed, by design) and gRPC's own
+        # poller of its completion queue; after shutdown only those two are left.
+        for method in methods:
+            threads = seen[f"{method}/mid-run"]
+            assert "prague-heartbeat:heartbeat" in threads, (method, threads)
+            assert all(t.endswith(":-") == _grpcs(t) for t in threads), (method, threads)
+        assert all(_grpcs(t) for t in seen["python"]), seen["python"]
+
+
+def _grpcs(thread: str) -> bool:
+    """Whether ``thread`` (NAME:OWNER) is gRPC's: the asyncio loop prague runs it on, or its poller."""
+    return thread == "gg-aio:-" or (thread.endswith(":-") and "(_poll_wrapper)" in thread)

@@ -129,6 +129,19 @@ class OptionInfo:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def check_value(self, method: str, value: Any) -> Any:
+        """``value`` as this option takes it through the Python API (an int for a float option becomes a
+        float); raises ConfigError naming the option, its type and its flag, as the CLI would."""
+        kind = self.type
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+              isinstance(value, kind) and not isinstance(value, bool))
+        if not ok:
+            article = "an" if kind is int else "a"
+            raise ConfigError(f"option {self.name} of method {method!r} takes {article} {kind.__name__} (the CLI's "
+                              f"{self.flag}), got {value!r} ({type(value).__name__})")
+        return float(value) if kind is float else value
+
 
 def _scalar_type(hint: Any) -> type:
     """``int``, ``float``, ``str`` or ``bool`` from a field's resolved annotation."""
@@ -217,7 +230,8 @@ class Method:
         With the run's ``seed``, every seed option declared ``run_seed`` that is 0 (or not given) takes
         it, so the launcher, every worker (under torchrun too) and the simulator draw from the same seed."""
         declared = {o.name: o for o in self.option_infos}
-        kwargs = {k: v for k, v in (values or {}).items() if k in declared and v is not None}
+        kwargs = {k: declared[k].check_value(self.name, v) for k, v in (values or {}).items()
+                  if k in declared and v is not None}
         if variant is not None:
             if self.variant_option is None:
                 raise ConfigError(f"method {self.name!r} has no variants, got {self.name}:{variant}; "

@@ -49,8 +49,8 @@ Two transports (``transport``, :func:`pick_transport`):
 from __future__ import annotations
 
 import itertools
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,6 +61,7 @@ from prague.comm.cache import CommunicatorCache
 from prague.comm.owned import shutdown_group
 from prague.comm.transports import pick_transport
 from prague.errors import CommError, ConfigError
+from prague.runtime.background import COMMUNICATING, BackgroundWork
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import Membership, PeerFailed
 
@@ -95,6 +96,25 @@ def backend_group(ctx: DistContext, store: dist.Store, rank: int, size: int, tim
         return dist.ProcessGroupNCCL(store, rank, size, opts)  # type: ignore[return-value]
     return dist.ProcessGroupGloo(store, rank, size, timeout=timeout)  # type: ignore[return-value]
 
+
+
+class Rendezvous(BackgroundWork):
+    """One communicator's rendezvous (``create``) on a thread of its own, the background work
+    :meth:`GroupCommunicators._create` watches the failed set beside; :attr:`group` once it is made, or
+    :attr:`~prague.runtime.background.BackgroundWork.error`. An abandoned one ends at its timeout."""
+
+    def __init__(self, members: tuple[int, ...], create: Callable[[], dist.ProcessGroup]) -> None:
+        super().__init__(f"rendezvous of ranks {list(members)}", "prague-rendezvous")
+        self._make = create
+        self.group: dist.ProcessGroup | None = None
+        self.start()
+
+    def run(self, index: int) -> None:
+        with self.operation(-1, COMMUNICATING):
+            group = self._make()
+        with self.cond:
+            self.group = group
+            self.cond.notify_all()
 
 class GroupCommunicators:
     """Members-only communicators, cached by member set (LRU of ``capacity`` entries).
@@ -259,28 +279,23 @@ class GroupCommunicators:
         index, size = members.index(self.ctx.rank), len(members)
         if self.membership is None:
             return backend_group(self.ctx, dist.PrefixStore(name, self.store), index, size, self.timeout)
-        result: list[dist.ProcessGroup | BaseException] = []
-        done = threading.Event()
         store = self._rendezvous_stores.pop() if self._rendezvous_stores else self.ctx.private_store()
-
-        def rendezvous() -> None:
-            try:
-                result.append(backend_group(self.ctx, dist.PrefixStore(name, store), index, size, self.timeout))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                result.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=rendezvous, name="prague-rendezvous", daemon=True).start()
-        while not done.wait(0.2):
+        work = Rendezvous(members, lambda: backend_group(self.ctx, dist.PrefixStore(name, store), index, size,
+                                                         self.timeout))
+        while True:
+            with work.cond:
+                work.cond.wait_for(lambda: work.group is not None or work.error is not None, 0.2)
+                group, error = work.group, work.error
+            if group is not None or error is not None:
+                break
             lost = self.membership.failed_among(members)
             if lost:
                 raise PeerFailed(lost, f"communicator creation for ranks {list(members)}: rank(s) {lost} failed")
         self._rendezvous_stores.append(store)  # the rendezvous ended: its connection is free again
-        outcome = result[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        if error is not None:
+            raise error
+        assert group is not None
+        return group
 
     def discard(self, members: tuple[int, ...]) -> None:
         """Throw away the communicator of ``members`` after a failure; the next use rebuilds it on every member."""

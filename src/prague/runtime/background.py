@@ -21,6 +21,11 @@ on a :class:`BackgroundWork`: one or more daemon threads with
   :data:`FAILED_JOIN_S`: a thread blocked in a collective with a dead peer ends only at that
   collective's timeout, and as a daemon it never keeps the process alive.
 
+The worker's own watches run on it too, in its periodic form (:class:`PeriodicWork`: the heartbeat, the
+stall watch, the Group Generator watch), and so does a new communicator's rendezvous (a
+:class:`QueuedWork`); :func:`live_works` lists every work whose threads still run in this process, so
+that a thread of the package is always one work's (a test lists a live worker's threads by owner).
+
 The same handle-with-stages shape as hivemind's ``StepControl`` (Ryabinin et al., "Moshpit SGD",
 NeurIPS 2021), reduced to what a method here needs.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +53,20 @@ FAILED_JOIN_S = 1.0
 #: Finished stages kept per work for the timeline (the oldest go first).
 MAX_SPANS = 200_000
 J = TypeVar("J")
+_works: weakref.WeakSet[BackgroundWork] = weakref.WeakSet()  # every work this process started
+_works_lock = threading.Lock()
+
+
+def live_works() -> list[BackgroundWork]:
+    """Every work of this process whose threads still run."""
+    with _works_lock:
+        works = list(_works)
+    return [w for w in works if w.alive]
+
+
+def owner_of(thread: threading.Thread) -> BackgroundWork | None:
+    """The live work ``thread`` runs for, if any."""
+    return next((w for w in live_works() if thread in w._threads), None)
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,8 @@ class BackgroundWork:
                                           daemon=True) for i in range(threads)]
 
     def start(self) -> None:
+        with _works_lock:
+            _works.add(self)
         for thread in self._threads:
             thread.start()
 
@@ -245,3 +267,26 @@ class QueuedWork(BackgroundWork, Generic[J]):
                 return
             self.handle(job)
             del job  # dropped now (a round's gloo works, a snapshot), not when the next job arrives
+
+
+class PeriodicWork(BackgroundWork):
+    """A work with one thread that calls :meth:`tick` every ``period_s`` seconds until :meth:`stop`
+    (the first call at once); :meth:`tick` returns False to end the work quietly (its store is gone: the
+    job is ending), or raises to fail it."""
+
+    def __init__(self, what: str, name: str, period_s: float) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period_s must be > 0, got {period_s!r}")
+        super().__init__(what, name)
+        self.period_s = period_s
+
+    def tick(self) -> bool:
+        """One period's work; False ends the work."""
+        raise NotImplementedError
+
+    def run(self, index: int) -> None:
+        while not self.stopping:
+            if self.tick() is False:
+                return
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping, self.period_s)

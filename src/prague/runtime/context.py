@@ -231,7 +231,7 @@ def report_failure(exc: BaseException) -> None:
 def context() -> DistContext:
     """The context made by :func:`init`; raises if :func:`init` has not been called."""
     if _CONTEXT is None:
-        raise ConfigError("prague.init() has not been called in this process; call it before prague.wrap()")
+        raise ConfigError("prague.init() has not been called in this process; call it first, on every rank, before prague.prepare() or prague.wrap()")
     return _CONTEXT
 
 
@@ -276,7 +276,7 @@ def shutdown() -> None:
     while _ON_SHUTDOWN:
         _ON_SHUTDOWN.pop()()
     if _HEARTBEAT is not None:
-        _HEARTBEAT.stop()
+        _HEARTBEAT.leave()
         _HEARTBEAT = None
     if dist.is_initialized():
         dist.destroy_process_group()

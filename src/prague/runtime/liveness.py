@@ -30,10 +30,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from prague.errors import CommError
+from prague.runtime.background import PeriodicWork
 
 HEARTBEAT_S = 0.5
 HB_KEY = "prague/live/hb/"
-#: A heartbeat counter's value once its worker has left the job (:meth:`Heartbeat.stop`); a number, so a
+#: A heartbeat counter's value once its worker has left the job (:meth:`Heartbeat.leave`); a number, so a
 #: worker that joins again counts on from it.
 LEFT = "-1"
 FAILED_KEY = "prague/live/failed/"
@@ -268,38 +269,36 @@ class Inactivity:
         return time.monotonic() >= self.deadline
 
 
-class Heartbeat:
-    """A daemon thread that adds 1 to this worker's counter every :data:`HEARTBEAT_S` seconds and, for a
-    loop that reports its steps through it (:attr:`steps`: a script's prepared optimizer), publishes
-    them as the worker's progress when they changed, so that a guard names the step a worker failed
-    at and the waits on peers see it move. The built-in loop publishes its own progress."""
+class Heartbeat(PeriodicWork):
+    """The work (a :class:`~prague.runtime.background.PeriodicWork`) that adds 1 to this worker's counter
+    every :data:`HEARTBEAT_S` seconds and, for a loop that reports its steps through it (:attr:`steps`: a
+    script's prepared optimizer), publishes them as the worker's progress when they changed, so that a
+    guard names the step a worker failed at and the waits on peers see it move. The built-in loop
+    publishes its own progress."""
 
     def __init__(self, store: dist.Store, rank: int, interval_s: float = HEARTBEAT_S) -> None:
+        super().__init__("heartbeat", "prague-heartbeat", interval_s)
         self.store, self.key, self.interval_s = store, f"{HB_KEY}{rank}", interval_s
         self.progress_key = f"{PROGRESS_KEY}{rank}"
         self.steps: int | None = None  # set by the training thread; None: not reported this way
         self._published: int | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="prague-heartbeat", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.store.add(self.key, 1)
-                steps = self.steps
-                if steps is not None and steps != self._published:
-                    self.store.set(self.progress_key, progress_text(steps))
-                    self._published = steps
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                return
-            self._stop.wait(self.interval_s)
+    def tick(self) -> bool:
+        try:
+            self.store.add(self.key, 1)
+            steps = self.steps
+            if steps is not None and steps != self._published:
+                self.store.set(self.progress_key, progress_text(steps))
+                self._published = steps
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+            return False
+        return True
 
-    def stop(self) -> None:
+    def leave(self) -> None:
         """Stop beating and say this worker left (``prague.shutdown``): its lease ends, so the seconds its
         interpreter takes to exit (gloo's and gRPC's teardown) are never taken for a hang."""
-        self._stop.set()
-        self._thread.join(2 * self.interval_s + 1.0)
+        self.shutdown(failed=False, timeout_s=2 * self.interval_s + 1.0)
         try:
             self.store.set(self.key, LEFT)
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from prague.runtime.background import COMMUNICATING, BackgroundWork
+from prague.runtime.background import COMMUNICATING, BackgroundWork, PeriodicWork
 from prague.runtime.liveness import read_keys
 
 PHASE_KEY = "prague/phase/"
@@ -81,24 +80,25 @@ def _decode(raw: bytes) -> tuple[int, str]:
     return int(step), kind
 
 
-class StallWatch:
-    """The per-worker thread described in the module docstring; :meth:`stop` ends it."""
+class StallWatch(PeriodicWork):
+    """The per-worker watch described in the module docstring, a :class:`PeriodicWork` (every
+    :data:`POLL_S`); :meth:`stop` ends it."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, phase: Phase,
                  peers: Callable[[], Sequence[int] | None], warn_s: float | None = None,
                  out: IO[str] | None = None, background: Sequence[BackgroundWork] = ()) -> None:
         if warn_s is not None and not warn_s > 0:
             raise ValueError(f"stall warning threshold must be > 0 s, got {warn_s!r}")
+        super().__init__("stall watch", "prague-stall-watch", POLL_S)
         self.store, self.rank, self.world_size = store, rank, world_size
         self.phase, self.peers, self.warn_s = phase, peers, warn_s
         self.background = list(background)
         self.out = out if out is not None else sys.stderr
         self.durations: deque[float] = deque(maxlen=50)
         self.warnings: list[dict[str, object]] = []
-        self._stop = threading.Event()
         self._published = ""
-        self._thread = threading.Thread(target=self._loop, name="stall-watch", daemon=True)
-        self._thread.start()
+        self._due: dict[str, tuple[float, float]] = {}  # per watched phase: (the wait's start, the next warning's wait)
+        self.start()
 
     def threshold_s(self) -> float | None:
         """The wait after which a warning is due; None while the default has too few steps to go by."""
@@ -112,29 +112,28 @@ class StallWatch:
         """Called by the training thread after each step with its duration."""
         self.durations.append(duration_s)
 
-    def _loop(self) -> None:
-        due: dict[str, tuple[float, float]] = {}  # per watched phase: (the wait's start, the next warning's wait)
-        while not self._stop.wait(POLL_S):
-            try:
-                step, kind, _ = self.phase.state
-                encoded = f"{step},{kind}"
-                if encoded != self._published:
-                    self.store.set(f"{PHASE_KEY}{self.rank}", encoded)
-                    self._published = encoded
-                limit = self.threshold_s()
-                for key, what, step, waiting, since in self._watched():
-                    if limit is None or not waiting:  # computing: this worker is the one being waited for
-                        continue
-                    start, next_warn = due.get(key, (-1.0, 0.0))
-                    if start != since:
-                        start, next_warn = since, limit
-                    waited = time.monotonic() - since
-                    if waited >= next_warn:
-                        self._warn(what, step, waited)
-                        next_warn = 2 * waited
-                    due[key] = (start, next_warn)
-            except (RuntimeError, ValueError):  # the store is gone: the job is ending
-                return
+    def tick(self) -> bool:
+        try:
+            step, kind, _ = self.phase.state
+            encoded = f"{step},{kind}"
+            if encoded != self._published:
+                self.store.set(f"{PHASE_KEY}{self.rank}", encoded)
+                self._published = encoded
+            limit = self.threshold_s()
+            for key, what, step, waiting, since in self._watched():
+                if limit is None or not waiting:  # computing: this worker is the one being waited for
+                    continue
+                start, next_warn = self._due.get(key, (-1.0, 0.0))
+                if start != since:
+                    start, next_warn = since, limit
+                waited = time.monotonic() - since
+                if waited >= next_warn:
+                    self._warn(what, step, waited)
+                    next_warn = 2 * waited
+                self._due[key] = (start, next_warn)
+        except (RuntimeError, ValueError):  # the store is gone: the job is ending
+            return False
+        return True
 
     def _watched(self) -> list[tuple[str, str, int, bool, float]]:
         """What may wait on peers: (key, name in the warning, step, whether it waits now, since): the
@@ -159,8 +158,9 @@ class StallWatch:
         self.out.flush()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
+        """End the watch and wait for its thread (at most 5 s)."""
+        super().stop()
+        self.join(5.0)
 
 
 def stall_message(report: dict) -> str:

@@ -36,6 +36,7 @@ from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
+from prague.runtime.background import PeriodicWork
 from prague.runtime.liveness import Membership, mark_done, read_keys, wait_settled
 from prague.runtime.services import (
     ServiceKeeper, ServiceSpec, restarted, services_file_from_env, services_managed,
@@ -89,6 +90,24 @@ def _launcher_token() -> str:
         raise CommError(f"${jobenv.GG_TOKEN} is not set, yet the job's owner started its Group Generator; start "
                         "the workers with `prague launch`, `prague run` or `prague guard`")
     return token
+
+
+class ServiceWatch(PeriodicWork):
+    """The rank that hosts the Group Generator (rank 0 under torchrun, or the rank that took over): every
+    0.5 s its keeper starts the service again if it died before every rank left (and publishes the new
+    address); ends once ``leaving`` is set."""
+
+    def __init__(self, keeper: ServiceKeeper, leaving: threading.Event) -> None:
+        super().__init__("Group Generator watch", "prague-gg-watch", 0.5)
+        self.keeper, self.leaving = keeper, leaving
+        self.start()
+
+    def tick(self) -> bool:
+        if self.leaving.is_set():
+            return False
+        for name, code, _ in self.keeper.watch():
+            sys.stderr.write(f"prague: warning: the {name} exited (code {code}) and cannot be started again\n")
+        return True
 
 class GroupSource(Protocol):
     """Gives one worker its groups, in the global order."""
@@ -149,7 +168,7 @@ class ServiceSource:
         self.ctx = ctx
         self._keeper: ServiceKeeper | None = None  # the service this rank started (under torchrun, rank 0)
         self._leaving = threading.Event()  # set once this rank is closing: its service is not restarted then
-        self._watch: threading.Thread | None = None
+        self._watch: ServiceWatch | None = None
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
         self._shared = options.uses_service and not services_managed()
         store = ctx.store
@@ -200,8 +219,7 @@ class ServiceSource:
                                      services_file=services_file_from_env())
         self._keeper.start()
         resources.callback(lambda: self._keeper.stop(0.0) if self._keeper else None)  # unless leave() stopped it
-        self._watch = threading.Thread(target=self._watch_service, daemon=True, name="gg-watch")
-        self._watch.start()
+        self._watch = ServiceWatch(self._keeper, self._leaving)
         return str(self._keeper.records[0]["address"])
 
     def _take_over_if_host_failed(self) -> None:
@@ -225,14 +243,6 @@ class ServiceSource:
                              f"rank {old}, failed\n")
             sys.stderr.flush()
             self._start_service(self._options, self._token, self._resources, restore=True)
-
-    def _watch_service(self) -> None:
-        """Rank 0 under torchrun: start the service again if it dies before everyone left (the keeper
-        publishes its new address)."""
-        assert self._keeper is not None
-        while not self._leaving.wait(0.5):
-            for name, code, _ in self._keeper.watch():
-                sys.stderr.write(f"prague: warning: the {name} exited (code {code}) and cannot be started again\n")
 
     def _retrying(self, call: Any) -> Any:
         """``call(client)``; if the service does not answer, retry with backoff for up to
@@ -308,7 +318,7 @@ class ServiceSource:
         if self._keeper is not None:
             self._leaving.set()
             if self._watch is not None:
-                self._watch.join()
+                self._watch.shutdown(failed=False, timeout_s=5.0)
             with contextlib.suppress(CommError):  # it may go before its reply does: stop makes sure
                 self.client.shutdown()
             self._keeper.stop(grace_s=30.0)
