@@ -49,6 +49,8 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     base = net()
     model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
     ctx = prague.context()
+    assert model.module is base, type(model.module)  # DDP's contract, under every method
+    assert [id(p) for p in model.parameters()] == [id(p) for p in base.parameters()]  # each once
     expect("no loss.backward()", opt.step)
     x, y = data(ctx.rank, 0)
     F.cross_entropy(model(x), y).backward()
@@ -198,10 +200,51 @@ def check_rounds(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
+class Branchy(nn.Module):
+    """A model with a branch no forward pass uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(10, 3), nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def check_unused(algorithm: str, opts: dict[str, object]) -> None:
+    """DDP's find_unused_parameters: a model with an unused branch trains (allreduce hands it to DDP; the
+    other methods need nothing of it); broadcast_buffers is refused with the reason where there is no DDP;
+    a DDP option of the wrong type is named."""
+    if not algorithm.startswith("allreduce"):
+        other = Branchy()
+        expect("broadcast_buffers is DDP's option", lambda: prague.prepare(
+            other, torch.optim.SGD(other.parameters(), lr=0.1), algorithm, broadcast_buffers=False, **opts))
+    other = Branchy()
+    expect("option find_unused_parameters of method 'allreduce' takes a bool", lambda: prague.prepare(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), algorithm, find_unused_parameters="yes", **opts))
+    base = Branchy()
+    unused = base.unused.weight.detach().clone()
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm,
+                                find_unused_parameters=True, **opts)
+    ctx = prague.context()
+    losses = []
+    for step in range(12):
+        x, y = data(ctx.rank, step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    assert torch.equal(base.unused.weight.detach(), unused)  # no gradient, no step, the same on every rank
+    model.close()
+
+
 LAST: list[torch.optim.Optimizer] = []  # an optimizer whose method has ended, for the check after shutdown
 
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
-          "scaler_refused": check_scaler_refused, "rounds": check_rounds}
+          "scaler_refused": check_scaler_refused, "rounds": check_rounds, "unused": check_unused}
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,checks", [
-    ("allreduce", "order,accumulation,features"),  # a gradient method: DDP inside backward
-    ("prague", "order,features"),  # an averaging method: a Group Generator and background averages
+    ("allreduce", "order,accumulation,features,unused"),  # a gradient method: DDP inside backward
+    ("prague", "order,features,unused"),  # an averaging method: a Group Generator and background averages
     ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
     ("ps-eager", "order"),  # a parameter server: rank 0 starts the shards, the model installs their values
     ("allreduce:backup", "order"),  # rounds of the first n - b gradients; a worker may be counted out of them

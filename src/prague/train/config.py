@@ -371,8 +371,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str,
         shown = {str(i.default) for _, i in declared}
         default = shown.pop() if len(shown) == 1 else "per method"
         choices = f"; one of {', '.join(info.choices)}" if info.choices else ""
+        if info.type is bool:
+            options.add_argument(info.flag, dest=name, type=parse_on_off, default=None, metavar="{on,off}",
+                                 help=f"[{methods}] {info.help} (default {'on' if info.default else 'off'})")
+            continue
         options.add_argument(info.flag, dest=name, type=info.type, default=None,
                              help=f"[{methods}] {info.help}{choices} (default {default})")
+
+
+def parse_on_off(text: str) -> bool:
+    """A yes/no method option's value on the command line: on/off (true/false, yes/no, 1/0 too)."""
+    value = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False,
+             "0": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
 
 
 def option_values(args: argparse.Namespace) -> dict[str, Any]:

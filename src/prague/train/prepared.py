@@ -108,21 +108,27 @@ class _Session:
 
 
 class PreparedModel(nn.Module):
-    """The user's model, run through the method (see the module docstring). ``state_dict`` and
-    ``load_state_dict`` are the wrapped model's own (the same keys as without ``prepare``)."""
+    """The user's model, run through the method (see the module docstring). As with DDP, :attr:`module`
+    is the user's model, under every method; ``state_dict`` and ``load_state_dict`` are its own (the same
+    keys as without ``prepare``)."""
 
+    module: nn.Module
     model: nn.Module
+    _runner: nn.Module
     _session: _Session
 
     def __init__(self, model: nn.Module, module: nn.Module, session: _Session) -> None:
         super().__init__()
-        self.module = module  # the method's module: registered, so .train(), .to() and the like reach it
-        object.__setattr__(self, "model", model)  # the user's model (inside module, or module itself)
+        self.module = model  # the user's model (DDP's contract), registered
+        if module is not model:  # the method's wrapper (DDP, a server's installer): registered too, so
+            self._method_module = module  # .train(), .to() and the like reach it; parameters are counted once
+        object.__setattr__(self, "model", model)  # an alias of module
+        object.__setattr__(self, "_runner", module)  # what the forward pass runs: the method's module
         object.__setattr__(self, "_session", session)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._session.before_forward()
-        return self.module(*args, **kwargs)
+        return self._runner(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -130,7 +136,7 @@ class PreparedModel(nn.Module):
         and then ``optimizer.step()`` (``allreduce``: DDP skips its all-reduce inside the block)."""
         session = self._session
         session.check_open("model.no_sync()")
-        ddp_no_sync = getattr(self.module, "no_sync", None)
+        ddp_no_sync = getattr(self._runner, "no_sync", None)
         session.no_sync += 1
         try:
             with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
@@ -162,7 +168,9 @@ class PreparedModel(nn.Module):
         The model then runs as the plain model (the method's module, DDP's hold on the process group
         with it, is let go)."""
         self._session.close()
-        self.module = self.model
+        if "_method_module" in self._modules:
+            del self._modules["_method_module"]
+        object.__setattr__(self, "_runner", self.model)
 
     def consensus_distance(self) -> float:
         """Mean distance of the replicas from their average (0 for all-reduce). Collective."""

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from prague.algorithms.api import Algorithm, StepTimes
-from prague.algorithms.registry import method_of, parse_method
+from prague.algorithms.registry import get_method, method_of, parse_method
 from prague.algorithms.spec import Method
 from prague.comm.flat import average_into, consensus_distance
 from prague.comm.streams import Streams, streams_for
@@ -107,6 +107,29 @@ class StepHooks:
         """After the method's gradient communication, before the optimizer's update."""
 
 
+#: DDP's own options, which a script moving from DDP passes to ``prepare``: ``allreduce`` hands them to DDP.
+DDP_OPTIONS = ("find_unused_parameters", "static_graph", "broadcast_buffers", "gradient_as_bucket_view")
+
+
+def _ddp_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without DDP's options where ``method`` has no DDP: checked by type, then honoured by what
+    the method does anyway (a parameter no forward pass used has a zero gradient or none, and keeps its
+    value; a static graph and bucket views are DDP's own plans), or refused with the reason
+    (``broadcast_buffers``: such a method keeps the buffers its own way)."""
+    declared = {o.name for o in method.option_infos}
+    given = [k for k in options if k in DDP_OPTIONS and k not in declared]
+    if not given:
+        return options
+    ddp = {o.name: o for o in get_method("allreduce").option_infos}
+    for name in given:
+        ddp[name].check_value("allreduce", options[name])
+    if "broadcast_buffers" in given:
+        raise ConfigError(f"broadcast_buffers is DDP's option (method 'allreduce'); method {method.name!r} keeps "
+                          "every rank's buffers (BatchNorm statistics) its own way (parameter averages average the "
+                          "floating buffers with the parameters): drop the option")
+    return {k: v for k, v in options.items() if k not in given}
+
+
 def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
                    options: dict[str, Any]) -> tuple[Method, str | None, Algorithm]:
     """The method ``algorithm`` names (``NAME`` or ``NAME:VARIANT``, with ``options``: keyword names of its
@@ -116,6 +139,7 @@ def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
     runtime object, not yet set up)."""
     if isinstance(algorithm, str):
         method, variant = parse_method(algorithm)
+        options = _ddp_options(method, options)
         unknown = sorted(set(options) - {o.name for o in method.option_infos})
         if unknown:
             valid = ", ".join(o.name for o in method.option_infos) or "none"

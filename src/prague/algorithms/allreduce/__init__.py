@@ -54,6 +54,14 @@ class AllReduceOptions(Options):
                                       "ranks' measured compute time per sample")
     drop_window: int = option(20, "allreduce:drop: steps per window over which the ranks' compute times are "
                                   "compared (the first window is the probe)")
+    find_unused_parameters: bool = option(False, "allreduce (DDP's option): find the parameters a forward pass did "
+                                                 "not use, so that a model with an unused branch trains")
+    static_graph: bool = option(False, "allreduce (DDP's option): the model's graph and its used parameters are "
+                                       "the same in every step, which lets DDP plan once")
+    broadcast_buffers: bool = option(True, "allreduce (DDP's option): rank 0's buffers (BatchNorm statistics) "
+                                           "are broadcast at the start of every forward pass")
+    gradient_as_bucket_view: bool = option(True, "allreduce (DDP's option): gradients are views into DDP's "
+                                                 "buckets, one copy less (DDP's own default is off)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

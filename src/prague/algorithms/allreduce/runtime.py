@@ -74,9 +74,11 @@ class AllReduce(Algorithm):
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         if getattr(self, "_ddp", None) is not None:
             self._unwrap()
+        o = self.options
         self._ddp = DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
-            gradient_as_bucket_view=True, process_group=group,
+            model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb, process_group=group,
+            find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
+            broadcast_buffers=o.broadcast_buffers, gradient_as_bucket_view=o.gradient_as_bucket_view,
         )
         self._hook = _HookState(group, self)
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
