@@ -106,3 +106,35 @@ def test_close_and_shutdown_leave_no_gloo_threads(tmp_path: Path, methods: list[
 def _grpcs(thread: str) -> bool:
     """Whether ``thread`` (NAME:OWNER) is gRPC's: the asyncio loop prague runs it on, or its poller."""
     return thread == "gg-aio:-" or (thread.endswith(":-") and "(_poll_wrapper)" in thread)
+
+
+OWN_GROUP = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    import prague
+
+    dist.init_process_group("gloo")  # the script's own default group, made before prague's
+    ctx = prague.init()
+    base = torch.nn.Linear(4, 2)
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "allreduce")
+    for step in range(3):
+        F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    prague.shutdown()
+    assert dist.is_initialized(), "prague.shutdown() destroyed the script's own group"
+    total = torch.ones(1)
+    dist.all_reduce(total)  # still usable
+    assert total.item() == dist.get_world_size(), total
+    dist.destroy_process_group()
+    print(f"rank {ctx.rank}: own group kept")
+""")
+
+
+def test_shutdown_leaves_a_default_group_the_script_made_alone(tmp_path: Path) -> None:
+    script = tmp_path / "own.py"
+    script.write_text(OWN_GROUP)
+    res = run_cli("launch", "--nproc", "2", "--echo-all", str(script), timeout_s=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 0: own group kept" in res.stdout and "rank 1: own group kept" in res.stdout, res.stdout
+    assert "gloo worker thread" not in res.stderr, res.stderr

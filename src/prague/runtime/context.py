@@ -110,6 +110,7 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+_OWNS_WORLD = False  # whether init() created the default process group (shutdown destroys only that one)
 _HEARTBEAT: Heartbeat | None = None  # this worker's, from init() to shutdown()
 
 
@@ -158,7 +159,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     Raises :class:`ConfigError` for a malformed environment; a rendezvous that does not complete within
     ``timeout_s`` raises torch's timeout error.
     """
-    global _CONTEXT
+    global _CONTEXT, _OWNS_WORLD
     if _CONTEXT is not None:
         return _CONTEXT
     if backend not in BACKENDS:
@@ -192,7 +193,8 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     device = device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a script that made its own default group keeps it: prague uses it
+        _OWNS_WORLD = True
         dist.init_process_group(
             backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
             timeout=timeout,
@@ -266,24 +268,26 @@ def on_shutdown(fn: Callable[[], None]) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process group and release its threads. Safe to call twice; call it
+    """Leave the job: destroy the process group :func:`init` created (a default group the script made
+    before :func:`init` is the script's, and stays) and release its threads. Safe to call twice; call it
     after closing every trainer (:meth:`prague.DistributedTrainer.close`).
 
     A process group lives as long as something references it, and its gloo worker threads with it; one
     still running when the interpreter finalises can abort the process at exit. So this collects
     garbage after destroying the group, and warns when worker threads survive."""
-    global _CONTEXT, _HEARTBEAT
+    global _CONTEXT, _HEARTBEAT, _OWNS_WORLD
     while _ON_SHUTDOWN:
         _ON_SHUTDOWN.pop()()
     if _HEARTBEAT is not None:
         _HEARTBEAT.leave()
         _HEARTBEAT = None
-    if dist.is_initialized():
+    owned, _OWNS_WORLD = _OWNS_WORLD, False
+    if owned and dist.is_initialized():
         dist.destroy_process_group()
     _CONTEXT = None
     gc.collect()
     left = communication_threads()
-    if left:
+    if left and owned:  # with the script's own default group, its threads are the script's
         warnings.warn(
             f"{len(left)} gloo worker thread(s) still run after prague.shutdown(): a process group is still "
             "referenced (close every trainer before shutdown, and drop your own process groups); the "
