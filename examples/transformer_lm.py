@@ -15,6 +15,7 @@ the replicas on held-out text (the last tenth), and rank 0 prints a few generate
 """
 
 import argparse
+import contextlib
 import math
 import sysconfig
 from pathlib import Path
@@ -125,12 +126,10 @@ gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own window
 for step in range(args.steps):
     for micro in range(args.accumulate):
         x, y = (t.to(device) for t in windows(train_text, args.batch_size, args.context, gen))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / args.accumulate
-        if micro < args.accumulate - 1:
-            with model.no_sync():  # the last micro-batch's backward is the one that synchronises
-                scaler.scale(loss).backward()
-        else:
+        last = micro == args.accumulate - 1  # its forward runs outside no_sync: its backward synchronises
+        with contextlib.nullcontext() if last else model.no_sync():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / args.accumulate
             scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

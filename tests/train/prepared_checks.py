@@ -4,6 +4,7 @@ Each check asserts what it needs and prints ``ok CHECK`` on rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -53,14 +54,15 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     assert [id(p) for p in model.parameters()] == [id(p) for p in base.parameters()]  # each once
     expect("no loss.backward()", opt.step)
     x, y = data(ctx.rank, 0)
-    F.cross_entropy(model(x), y).backward()
-    F.cross_entropy(model(x), y).backward()
-    expect("ran twice", opt.step)
-    opt.zero_grad()
     with model.no_sync():
         F.cross_entropy(model(x), y).backward()
         expect("inside model.no_sync()", opt.step)
-    expect("all inside model.no_sync()", opt.step)
+    expect("all of forward passes inside model.no_sync()", opt.step)
+    with model.no_sync():
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()  # DDP's rule: its forward ran inside the block, so it accumulates wherever it runs
+    expect("all of forward passes inside model.no_sync()", opt.step)
+    opt.zero_grad()
     losses = []
     for step in range(30):
         x, y = data(ctx.rank, step)
@@ -77,32 +79,41 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
+#: DDP's accumulation patterns, each over four micro-batches: where each of the first three runs its
+#: forward and its backward (inside no_sync or not); the last runs both outside.
+PATTERNS = {
+    "both inside": (True, True),  # DDP's documented one
+    "forward inside, backward outside": (True, False),  # DDP's rule: the forward decides, no sync
+    "forward outside, backward inside": (False, True),  # DDP all-reduces each: the same mean, more traffic
+    "no no_sync at all": (False, False),  # every backward synchronised, gradients accumulate
+}
+
+
 def check_accumulation(algorithm: str, opts: dict[str, object]) -> None:
-    """Four micro-batches under no_sync give the update of one batch four times their size (allreduce:
-    the mean gradient over every rank's samples, as DDP)."""
+    """Every accumulation pattern DDP accepts gives the update of one batch four times the micro-batch
+    (allreduce: the mean gradient over every rank's samples, as DDP)."""
     ctx = prague.context()
-    base = net()
-    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
-    x, y = data(ctx.rank, 0, 32)
-    for i in range(4):
-        part = slice(8 * i, 8 * (i + 1))
-        loss = F.cross_entropy(model(x[part]), y[part]) / 4
-        if i < 3:
-            with model.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
-    opt.step()
-    # the reference: one batch of all ranks' 32 samples each, on a plain copy
-    ref = net()
+    ref = net()  # the reference: one batch of all ranks' 32 samples each, on a plain copy
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     xs = [data(r, 0, 32) for r in range(ctx.world_size)]
     loss = sum(F.cross_entropy(ref(a), b) for a, b in xs) / ctx.world_size
     loss.backward()  # type: ignore[union-attr]
     ref_opt.step()
-    for mine, theirs in zip(model.parameters(), ref.parameters()):
-        assert torch.allclose(mine, theirs, atol=1e-6), (mine - theirs).abs().max()
-    model.close()
+    for name, (forward_inside, backward_inside) in PATTERNS.items():
+        base = net()
+        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+        x, y = data(ctx.rank, 0, 32)
+        for i in range(4):
+            part = slice(8 * i, 8 * (i + 1))
+            last = i == 3
+            with contextlib.nullcontext() if last or not forward_inside else model.no_sync():
+                loss = F.cross_entropy(model(x[part]), y[part]) / 4
+            with contextlib.nullcontext() if last or not backward_inside else model.no_sync():
+                loss.backward()
+        opt.step()
+        for mine, theirs in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(mine, theirs, atol=1e-6), (name, (mine - theirs).abs().max())
+        model.close()
 
 
 def check_features(algorithm: str, opts: dict[str, object]) -> None:

@@ -25,8 +25,10 @@ with a partner), ``apply_update`` (the wrapped optimizer's own step, unless a se
 backward (``allreduce``) give the loop averaged gradients, so clipping between backward and step clips
 the average, as with DDP; the others clip each worker's own gradients before they travel.
 
-Gradient accumulation: ``with model.no_sync(): loss.backward()`` for every micro-batch but the last (DDP's
-rule: ``allreduce`` skips its all-reduce there), then ``loss.backward(); optimizer.step()``.
+Gradient accumulation: ``with model.no_sync():`` around the forward (and backward) pass of every
+micro-batch but the last, then the last one's outside it and ``optimizer.step()``. DDP's rule decides: a
+backward pass accumulates when its forward pass ran inside the block, wherever the backward runs
+(``allreduce`` skips its all-reduce for it), so every accumulation pattern DDP accepts is accepted.
 
 Mixed precision: ``torch.autocast`` works as it does anywhere. With ``torch.amp.GradScaler`` the prepared
 optimizer takes the scaler's verdict (``_step_supports_amp_scaling``: the scaler hands it ``grad_scale``
@@ -37,8 +39,8 @@ gradients in every step and send them in the step (``eager-sgd``, ``lossy``, ``p
 receive one rank's skip as a missing push or round, so the scaler is refused for them with the reason.
 
 Calling things in the wrong order raises :class:`~prague.errors.ConfigError` naming the fix: a step with
-no backward since the last one, two backward passes between steps outside ``no_sync()``, a step inside
-``no_sync()``, a model or optimizer used after ``prague.shutdown()``. ``optimizer.zero_grad()`` forgets the
+no backward since the last one, a step after only accumulating backward passes (no gradient would
+travel), a model or optimizer used after ``prague.shutdown()``. ``optimizer.zero_grad()`` forgets the
 backward passes counted so far (the gradients are gone with them).
 """
 
@@ -70,9 +72,9 @@ class _Session:
         self.step = 0
         self.closed = False
         self.no_sync = 0  # depth of model.no_sync() blocks
+        self.forward_no_sync = False  # the last forward pass ran inside no_sync(): its backward accumulates
         self.synced: set[int] = set()  # parameters whose gradient arrived outside no_sync since the last step
         self.accumulated: set[int] = set()  # ... inside no_sync
-        self.twice = False  # a parameter got two gradients outside no_sync since the last step
         self.forward_ready = False  # before_compute ran for the coming step
         self.handles: list[Any] = []
 
@@ -82,12 +84,12 @@ class _Session:
                               "prepare the model again after prague.init()")
 
     def on_gradient(self, param: torch.Tensor) -> None:
+        """A gradient arrived: it accumulates when the forward pass it comes from ran inside no_sync()
+        (DDP's rule: the forward decides, wherever the backward runs), else it is the step's."""
         key = id(param)
-        if self.no_sync:
+        if self.forward_no_sync:
             self.accumulated.add(key)
             return
-        if key in self.synced:
-            self.twice = True
         self.synced.add(key)
 
     def before_forward(self) -> None:
@@ -127,13 +129,17 @@ class PreparedModel(nn.Module):
         object.__setattr__(self, "_session", session)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._session.before_forward()
+        session = self._session
+        session.before_forward()
+        if torch.is_grad_enabled():  # an evaluation under no_grad decides nothing
+            session.forward_no_sync = session.no_sync > 0
         return self._runner(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: backward passes inside the block are followed by one outside it
-        and then ``optimizer.step()`` (``allreduce``: DDP skips its all-reduce inside the block)."""
+        """Accumulate gradients locally, by DDP's rule: the backward pass of a forward pass run inside the
+        block (wherever that backward runs) accumulates; the step takes the gradients once a backward of a
+        forward outside it has run (``allreduce``: DDP skips its all-reduce for the others)."""
         session = self._session
         session.check_open("model.no_sync()")
         ddp_no_sync = getattr(self._runner, "no_sync", None)
@@ -208,7 +214,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         session = self._session
         session.synced.clear()
         session.accumulated.clear()
-        session.twice = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -253,23 +258,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
         session.forward_ready = False
         session.synced.clear()
         session.accumulated.clear()
-        session.twice = False
         return loss
 
     def _check_order(self) -> None:
         session = self._session
-        if session.no_sync:
-            raise ConfigError("optimizer.step() inside model.no_sync(): run the last micro-batch's backward outside "
-                              "the block, then step")
         if not session.synced and not session.accumulated:
             raise ConfigError("optimizer.step() with no loss.backward() since the last step: call loss.backward() "
                               "first")
         if session.accumulated and not session.synced:
-            raise ConfigError("optimizer.step() after backward passes all inside model.no_sync(): run the last "
-                              "micro-batch's backward outside the block, then step")
-        if session.twice:
-            raise ConfigError("loss.backward() ran twice since the last optimizer.step() outside model.no_sync(): "
-                              "to accumulate gradients, run all but the last backward inside `with model.no_sync():`")
+            raise ConfigError("optimizer.step() after backward passes all of forward passes inside model.no_sync(): "
+                              "run the last micro-batch's forward outside the block, then its backward, then step")
 
     def _unscale(self, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> bool:
         """Unscale the gradients in place if the scaler left them scaled (``scale``); whether it found a
