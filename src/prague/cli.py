@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from prague import jobenv
-from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed
+from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed, usage_message
 from prague.net.hosts import EmulatedHosts, check_privileges
 
 
@@ -198,10 +198,7 @@ def _cross_traffic_service(cfg: Any, network: Any) -> Any:
 def usage_error(exc: WorkerFailed) -> str | None:
     """The message of a worker that exited because its settings cannot work (a ConfigError, exit code
     2), or None for any other failure."""
-    if exc.exitcode != EXIT_USAGE:
-        return None
-    lines = [line for line in exc.detail.splitlines() if "ConfigError: " in line]
-    return lines[-1].split("ConfigError: ", 1)[1] if lines else None
+    return usage_message(exc.detail) if exc.exitcode == EXIT_USAGE else None
 
 
 def with_nominal_compute(cfg: Any, scenarios: list[str]) -> Any:

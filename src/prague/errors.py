@@ -6,6 +6,7 @@ Every error says what went wrong, shows the offending value and says how to fix 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -26,6 +27,18 @@ class DataError(ConfigError):
 EXIT_USAGE = 2
 #: The exit code of ``prague run`` when the run diverged (its loss blew up; :mod:`prague.train.divergence`).
 EXIT_DIVERGED = 3
+
+
+_ERROR_LINE = re.compile(r"^(?:prague\.errors\.)?(?:ConfigError|DataError): ", re.M)
+
+
+def usage_message(traceback_text: str) -> str | None:
+    """The message of the last :class:`ConfigError` (or :class:`DataError`) in a published traceback, on
+    one line; None when it holds none (the failure was of another kind)."""
+    found = list(_ERROR_LINE.finditer(traceback_text))
+    if not found:
+        return None
+    return " ".join(traceback_text[found[-1].end():].split())
 
 
 class WorkerFailed(PragueError):

@@ -151,3 +151,41 @@ def test_only_a_worker_torchrun_started_guards() -> None:
     assert not under_torchrun(JobEnv.read({**torchrun, LAUNCHER_PID: "1"}))  # prague run's launcher sets them too
     assert not under_torchrun(JobEnv.read({"RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}))
     assert not under_torchrun(JobEnv.read({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"}))  # no agent store
+
+
+USAGE_SCRIPT = """
+import torch, prague
+ctx = prague.init()
+base = torch.nn.Linear(4, 2)
+prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "prague", group_size="abc")
+"""
+USAGE_MESSAGE = "option group_size of method 'prague' takes an int (the CLI's --group-size), got 'abc' (str)"
+
+
+@pytest.mark.parametrize("how", ["alone", "launch", "guard"])
+def test_a_usage_error_in_a_script_is_one_line_and_exit_2(tmp_path: Path, how: str) -> None:
+    """A prague.errors ConfigError raised in a script's ranks reaches the console once, as one line,
+    with exit code 2: run alone, under `prague launch`, and under torchrun's `prague guard`."""
+    script, case = tmp_path / "usage.py", uuid.uuid4().hex
+    script.write_text(USAGE_SCRIPT)
+    cmd = {"alone": [sys.executable, str(script)],
+           "launch": [sys.executable, "-m", "prague", "launch", "--nproc", "2", "--echo-all", "--log-dir",
+                      str(tmp_path / "logs"), str(script)],
+           "guard": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     "-m", "prague", "guard", "--out", str(tmp_path / "out"), str(script)]}[how]
+    res = run_command(cmd, timeout_s=120, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    assert res.returncode != 0
+    ours = [line for line in (res.stdout + res.stderr).splitlines() if USAGE_MESSAGE in line]
+    assert len(ours) == 1, res.stdout + res.stderr
+    before_torchrun = res.stderr.split("Traceback (most recent call last):\n  File \"<frozen runpy>\"")[0]
+    assert "Traceback" not in res.stdout and "Traceback" not in before_torchrun  # torchrun's own report follows
+    if how == "alone":
+        assert res.returncode == 2 and ours[0] == f"prague: error: {USAGE_MESSAGE}"
+    elif how == "launch":
+        assert res.returncode == 2 and ours[0].startswith("prague launch: error: worker rank ")
+        assert "failed after it" not in ours[0] and "go on without" not in res.stdout + res.stderr
+        logs = [(tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2)]
+        assert any("Traceback" in log and USAGE_MESSAGE in log for log in logs), logs  # kept whole in the log
+    else:
+        assert "exitcode  : 2" in res.stderr and ours[0].startswith("prague guard: error: rank "), res.stderr[-3000:]
+    assert processes_of_session(case, within_s=10.0, kill=True) == []

@@ -12,6 +12,7 @@ The backend and the device are chosen by two pure functions, :func:`pick_backend
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import signal
@@ -38,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from prague import jobenv
-from prague.errors import ConfigError
+from prague.errors import EXIT_USAGE, ConfigError
 from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, progress_text
 from prague.runtime.parent import set_parent_death_signal
 
@@ -204,13 +205,40 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         global _HEARTBEAT
         _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)
     previous_hook = sys.excepthook
+    under_launcher = job.under_launcher
 
     def _report_then_print(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         report_failure(exc)
-        previous_hook(kind, exc, tb)
+        if not isinstance(exc, ConfigError):
+            previous_hook(kind, exc, tb)
+            return
+        # A usage error in a script: one line, as the CLI gives it, and exit code 2 once the script's own
+        # exit handlers have run. Under a launcher or guard the line is theirs to print (once for the
+        # job, from the traceback published above), so the rank prints nothing.
+        global _USAGE_FAILED
+        _USAGE_FAILED = True
+        if not under_launcher:
+            sys.stderr.write(f"prague: error: {exc}\n")
 
     sys.excepthook = _report_then_print
+    atexit.register(_exit_usage)  # registered now: it runs after the handlers the script registers later
     return _CONTEXT
+
+
+_USAGE_FAILED = False  # a script's uncaught ConfigError ended it (init's exception hook)
+
+
+def _exit_usage() -> None:
+    """At exit, after a script's uncaught usage error: flush the standard streams and end with exit code
+    2 (Python's own would be 1). Nothing otherwise."""
+    if not _USAGE_FAILED:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_USAGE)
 
 
 def report_failure(exc: BaseException) -> None:
@@ -233,7 +261,8 @@ def report_failure(exc: BaseException) -> None:
 def context() -> DistContext:
     """The context made by :func:`init`; raises if :func:`init` has not been called."""
     if _CONTEXT is None:
-        raise ConfigError("prague.init() has not been called in this process; call it first, on every rank, before prague.prepare() or prague.wrap()")
+        raise ConfigError("prague.init() has not been called in this process; call it first, on every rank, "
+                          "before prague.prepare() or prague.wrap()")
     return _CONTEXT
 
 

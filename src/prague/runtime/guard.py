@@ -56,7 +56,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from prague import jobenv
-from prague.errors import EXIT_USAGE, CommError
+from prague.errors import EXIT_USAGE, CommError, usage_message
 from prague.runtime.context import ERROR_KEY, attempt_store
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, progress_steps, read_counters,
@@ -66,6 +66,7 @@ from prague.runtime.services import ServiceKeeper, ServiceSpec
 
 ENV_KEY = "prague/guard/env"  # the environment rank 0's guard publishes for every rank's child
 ENDED_KEY = "prague/guard/ended/"  # + rank: that rank's child has ended (finished, crashed or killed)
+USAGE_SAID_KEY = "prague/guard/usage-said"  # the rank whose guard printed the job's usage error
 SURVIVES_KEY = "prague/guard/survives/"  # + rank: "1" if the method of that rank's child survives failures
 TICK_S = 0.2
 #: For a method that needs every rank: how long a guard whose child reported its error after another
@@ -126,6 +127,7 @@ class Guard:
             code = self._watch_child()
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded
+                self._say_usage_error()
                 return code
             if code != 0 and not self._survives():  # torchrun stops the job, or restarts it
                 if self.failure is None:  # another rank's failure ended this child: it is torchrun's cause
@@ -140,6 +142,17 @@ class Guard:
         finally:
             self._stop_child()
             self.keeper.stop()
+
+    def _say_usage_error(self) -> None:
+        """The child's usage error (a ConfigError it published), as one line on the console, said by the
+        first guard whose child had one: once for the job (every rank usually fails alike)."""
+        report = read_keys(self.store, ERROR_KEY, [self.rank]).get(self.rank)
+        message = usage_message(json.loads(report.decode()).get("traceback", "")) if report else None
+        if message is None:
+            return
+        if self.store.compare_set(USAGE_SAID_KEY, "", str(self.rank)).decode() == str(self.rank):
+            sys.stderr.write(f"prague guard: error: rank {self.rank}: {message}\n")
+            sys.stderr.flush()
 
     def _job_env(self) -> dict[str, str]:
         """Rank 0: start the services and publish the children's environment; the others read it."""

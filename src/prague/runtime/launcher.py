@@ -137,6 +137,13 @@ class _Proc:
         self._reader.join(timeout=2.0)
         if self._log:
             self._log.close()
+            self._log = None
+
+    def log_only(self, text: str) -> None:
+        """Write ``text`` to this process's log, not to the console (once its own output has ended)."""
+        self._reader.join(timeout=2.0)
+        if self._log:
+            self._log.write(text if text.endswith("\n") else text + "\n")
 
 
 class Job:
@@ -220,6 +227,9 @@ class Job:
         if errors:
             rank = min(errors, key=lambda r: errors[r][0])
             detail = errors[rank][1]
+            for r, (_, text) in errors.items():  # a script's usage error: its rank printed nothing (the
+                if self.workers[r].poll() == EXIT_USAGE:  # console gets one line), its log keeps it whole
+                    self.workers[r].log_only(text)
         else:  # nothing published (a script not using run_worker): blame the first to exit
             failed = [r for r, w in enumerate(self.workers) if w.poll() not in (None, 0)]
             for r in failed:
@@ -227,6 +237,8 @@ class Job:
             rank = min(failed, key=lambda r: self.workers[r].exit_time or float("inf"))
             detail = "".join(self.workers[rank].tail) or "(no output)"
         others = sorted(r for r, w in enumerate(self.workers) if w.poll() not in (None, 0) and r != rank)
+        if self.workers[rank].poll() == EXIT_USAGE:  # settings that cannot work fail every rank alike
+            others = [r for r in others if self.workers[r].poll() != EXIT_USAGE]
         if others:
             detail += f"\n(ranks {others} failed after it)"
         return WorkerFailed(rank, self.workers[rank].poll(), detail)
