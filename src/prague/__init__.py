@@ -6,6 +6,8 @@ Public API::
     model, optimizer = prague.prepare(model, optimizer, algorithm="prague")   # your own loop:
     loss.backward(); optimizer.step(); optimizer.zero_grad()                 # the method runs in step()
     model.averaged_model()             # mean of all replicas (collective)
+    if prague.is_leader(): ...         # the lowest living rank: print, evaluate, save
+    prague.barrier(); prague.all_reduce(t); prague.broadcast(t)   # over the living ranks
     prague.shutdown()
     # or the closure form:
     trainer = prague.wrap(model, optimizer, algorithm="allreduce")
@@ -34,6 +36,12 @@ _EXPORTS = {
     "StepHooks": "prague.train.trainer",
     "wrap": "prague.train.trainer",
     "prepare": "prague.train.prepared",
+    "live_ranks": "prague.runtime.collectives",
+    "leader": "prague.runtime.collectives",
+    "is_leader": "prague.runtime.collectives",
+    "barrier": "prague.runtime.collectives",
+    "all_reduce": "prague.runtime.collectives",
+    "broadcast": "prague.runtime.collectives",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -189,3 +189,37 @@ def test_a_usage_error_in_a_script_is_one_line_and_exit_2(tmp_path: Path, how: s
     else:
         assert "exitcode  : 2" in res.stderr and ours[0].startswith("prague guard: error: rank "), res.stderr[-3000:]
     assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+SURVIVOR_SCRIPT = Path(__file__).with_name("survivor_script.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,algorithm,victim,where", [
+    ("launch", "prague", 2, "averaged"), ("launch", "adpsgd", 1, "barrier"), ("launch", "prague", 0, "checkpoint"),
+    ("guard", "adpsgd", 2, "averaged"), ("guard", "prague", 0, "checkpoint"),
+])
+def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, launcher: str, algorithm: str,
+                                                              victim: int, where: str) -> None:
+    """A worker killed while the others are in model.averaged_model(), prague.barrier() or before the
+    leader's checkpoint: the job ends with exit 0, the survivors' epochs are all done and saved, and a
+    killed leader is followed by the next rank, which says so."""
+    case = uuid.uuid4().hex
+    args = [str(SURVIVOR_SCRIPT), algorithm, str(victim), where, str(tmp_path)]
+    if launcher == "launch":
+        cmd = [sys.executable, "-m", "prague", "launch", "--nproc", "3", *args]  # echoes the leader's output
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
+               "prague", "guard", "--lease-s", "3", "--out", str(tmp_path / "guard"), *args]
+    res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    survivors = [r for r in range(3) if r != victim]
+    shown = survivors if launcher == "guard" else [survivors[0]]  # prague launch shows the leader's output
+    assert all(f"rank {r} done" in res.stdout for r in shown), res.stdout
+    assert [p.name for p in sorted(tmp_path.glob("epoch*.pt"))] == ["epoch0.pt", "epoch1.pt", "epoch2.pt"]
+    assert f"live {survivors}" in res.stdout, res.stdout  # the leader's last epoch: the survivors
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    if victim == 0:
+        assert "rank 1 leads the job now (rank 0 failed)" in res.stderr, res.stderr[-3000:]
+        assert "leader 1 epoch 1" in res.stdout and "leader 1 epoch 2" in res.stdout, res.stdout
+    assert processes_of_session(case, within_s=10.0, kill=True) == []

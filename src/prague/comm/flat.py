@@ -7,7 +7,7 @@ buffer over a backend that cannot reach its memory (gloo and a CUDA buffer) go t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,14 +100,19 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
-def average_into(source: nn.Module, target: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Set ``target``'s state to the mean of ``source``'s state over ``group`` (default: all ranks).
+def average_into(source: nn.Module, target: nn.Module, group: dist.ProcessGroup | None = None,
+                 average: Callable[[torch.Tensor], object] | None = None) -> None:
+    """Set ``target``'s state to the mean of ``source``'s state over ``group`` (default: all ranks), or by
+    ``average`` (averages a flat tensor in place: over the living ranks, :mod:`prague.runtime.collectives`).
 
     Collective: every rank of the group must call it with models of the same architecture. Integer
     buffers (e.g. ``num_batches_tracked``) are taken from ``source`` unchanged.
     """
     flat = flatten(state_tensors(source))
-    flat /= _all_sum(flat, group)
+    if average is not None:
+        average(flat)
+    else:
+        flat /= _all_sum(flat, group)
     target.load_state_dict(source.state_dict())
     unflatten_into(flat, state_tensors(target))
 

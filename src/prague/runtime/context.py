@@ -40,7 +40,7 @@ import torch.distributed.nn.functional  # noqa: F401
 
 from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError
-from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, progress_text
+from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, Membership, progress_text
 from prague.runtime.parent import set_parent_death_signal
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -208,7 +208,13 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
     under_launcher = job.under_launcher
 
     def _report_then_print(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        report_failure(exc)
+        after = _failed_before() if isinstance(exc, RuntimeError) else []
+        report_failure(exc, after)
+        if after:  # a torch.distributed call of the script's broke under another rank's failure: one line
+            sys.stderr.write(f"prague: error: rank {_CONTEXT.rank if _CONTEXT else '?'}'s torch.distributed call "
+                             f"broke: rank {after[0]} failed; {SURVIVABLE}\n")
+            sys.stderr.flush()
+            return
         if not isinstance(exc, ConfigError):
             previous_hook(kind, exc, tb)
             return
@@ -241,8 +247,26 @@ def _exit_usage() -> None:
     os._exit(EXIT_USAGE)
 
 
-def report_failure(exc: BaseException) -> None:
-    """Publish ``exc``'s traceback in the job store so the launcher can name the rank that failed first.
+#: What a script whose own collective broke under a failure is told to use instead.
+SURVIVABLE = ("use prague.barrier(), prague.all_reduce(), prague.broadcast() and model.averaged_model(), which go "
+              "on over the living ranks, and prague.is_leader() for rank 0's work")
+
+
+def _failed_before() -> list[int]:
+    """The other ranks declared failed in this job (best effort: the store may be gone)."""
+    if _CONTEXT is None or _CONTEXT.world_size < 2:
+        return []
+    try:
+        failed = Membership(_CONTEXT.store, _CONTEXT.world_size).failed()
+    except Exception:  # noqa: BLE001 - the store is gone: no failure to name
+        return []
+    return sorted(r for r in failed if r != _CONTEXT.rank)
+
+
+def report_failure(exc: BaseException, after: list[int] | None = None) -> None:
+    """Publish ``exc``'s traceback in the job store so the launcher can name the rank that failed first;
+    ``after``: the ranks whose failure broke this one (its collective's peers), so that the launcher
+    counts it as their consequence, not a failure of its own.
 
     Best effort: the store may be what failed. Installed as ``sys.excepthook`` by :func:`init`, so an
     uncaught exception in a user's script is reported too."""
@@ -250,7 +274,8 @@ def report_failure(exc: BaseException) -> None:
         return
     text = "".join(traceback.format_exception(exc))
     try:
-        _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps({"time": time.time(), "traceback": text}))
+        report = {"time": time.time(), "traceback": text, **({"after": after} if after else {})}
+        _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps(report))
         steps = _HEARTBEAT.steps if _HEARTBEAT is not None else None
         if steps is not None:  # a script's steps, which its heartbeat may not have published yet
             _CONTEXT.store.set(f"{PROGRESS_KEY}{_CONTEXT.rank}", progress_text(steps))

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
-from prague.runtime.context import ERROR_KEY
+from prague.runtime.context import ERROR_KEY, SURVIVABLE
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
     PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
@@ -107,7 +107,7 @@ class _Proc:
                 start_new_session=True, text=True, errors="replace", bufsize=1,
             )
         self._log: IO[str] | None = open(log_path, "w", buffering=1) if log_path else None
-        self._echo = echo
+        self.echo = echo  # its output goes to the console too (it may start to: a new leader's)
         self.exit_time: float | None = None
         self._reader = threading.Thread(target=self._drain, name=f"drain-{label}", daemon=True)
         self._reader.start()
@@ -118,7 +118,7 @@ class _Proc:
             self.tail.append(line)
             if self._log:
                 self._log.write(line)
-            if self._echo:
+            if self.echo:
                 sys.stdout.write(f"[{self.label}] {line}")
                 sys.stdout.flush()
         self.popen.wait()
@@ -264,12 +264,40 @@ class Job:
             return False
 
     def _lose(self, rank: int, kind: str, detail: str) -> None:
-        """A survivable failure: declare it, fence a hung worker, warn."""
+        """A survivable failure: declare it, fence a hung worker, warn (or, for a rank whose own
+        torch.distributed call broke under an earlier failure, say it failed for that reason); say when
+        the job's leader, its lowest living rank, moves."""
+        leader = self.leader()
+        after = self.reported_after(rank) if kind == "crash" and self.failures else []
+        if after:
+            detail = f"failed for the same reason as rank {after[0]}: its torch.distributed call broke when that rank failed"
         failure = Failure(rank, self.steps_done(rank), kind, detail)
         self.failures[rank] = failure
+        now = self.leader()
+        if now != leader and now >= 0 and self.workers[leader].echo:  # before the failure is declared: what
+            self.workers[now].echo = True  # the new leader prints once it learns of it reaches the console
         if kind == "hang":
             self.workers[rank].signal_group(signal.SIGKILL)  # fencing: its peers' connections fail now
-        announce_failure(self.store, failure)
+        if after:
+            announce_failure(self.store, failure, f"the others go on where they use prague's collectives; {SURVIVABLE}")
+        else:
+            announce_failure(self.store, failure)
+        if now != leader and now >= 0:
+            sys.stderr.write(f"prague: rank {now} leads the job now (rank {leader} failed)\n")
+            sys.stderr.flush()
+
+    def leader(self) -> int:
+        """The lowest rank not lost, -1 if none is left."""
+        return next((r for r in range(len(self.workers)) if r not in self.failures), -1)
+
+    def reported_after(self, rank: int) -> list[int]:
+        """The ranks whose failure ``rank`` reported as the cause of its own (its collective's peers)."""
+        try:
+            raw = read_keys(self.store, ERROR_KEY, [rank]).get(rank)
+            after = json.loads(raw.decode()).get("after", []) if raw else []
+        except (RuntimeError, ValueError):
+            return []
+        return [int(r) for r in after if int(r) in self.failures]
 
     def report_stalls(self, every_s: float = 1.0) -> None:
         """Print each stall warning a worker published since the last look (:mod:`prague.runtime.stall`);
@@ -329,9 +357,12 @@ class Job:
             for rank in crashed:
                 self._lose(rank, "crash", f"crashed (exit code {codes[rank]})")
             if len(self.failures) == len(self.workers):
-                failure = self.first_failure(settle_s=0.0)
+                first = next(iter(self.failures.values()))  # the cause; the others failed after it
+                reported = self.first_failure(settle_s=0.0).detail
                 self.stop()
-                raise failure
+                raise WorkerFailed(first.rank, self.workers[first.rank].poll(),
+                                   f"rank {first.rank} {first.detail} after {first.step} steps; every other rank "
+                                   f"failed after it:\n{reported}")
             lost = self.services.watch() if any(c is None for c in codes) else []
             if lost:
                 name, code, output = lost[0]

@@ -57,6 +57,7 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
+from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.train.trainer import make_algorithm, setup_algorithm
 
@@ -64,9 +65,13 @@ from prague.train.trainer import make_algorithm, setup_algorithm
 class _Session:
     """What the prepared model and optimizer share: the method, the step count and the order checks."""
 
-    def __init__(self, ctx: DistContext, algorithm: Algorithm, lockstep: bool, label: str) -> None:
+    def __init__(self, ctx: DistContext, algorithm: Algorithm, lockstep: bool, label: str,
+                 survives: bool = False) -> None:
         self.ctx = ctx
         self.algorithm = algorithm
+        self.survives = survives and ctx.world_size > 1  # averaged_model() goes over the living ranks
+        # while this rank waits in one of the script's own collectives, the method's rounds go on
+        self._unpause = pause_while_waiting(algorithm.outside_steps) if ctx.world_size > 1 else None
         self.lockstep = lockstep  # the method needs every rank in every step
         self.label = label
         self.step = 0
@@ -104,6 +109,8 @@ class _Session:
         if self.closed:
             return
         self.closed = True
+        if self._unpause is not None:
+            self._unpause()
         for handle in self.handles:
             handle.remove()
         self.algorithm.close(failed=failed)
@@ -158,6 +165,9 @@ class PreparedModel(nn.Module):
         algorithm = self._session.algorithm
         ranks, group = algorithm.replica_group()
         if algorithm.ctx.rank not in ranks:  # this rank left the job (allreduce:drop): its own replica
+            return target
+        if self._session.survives and group is None:  # a method that survives failures: the living ranks
+            average_into(self.model, target, average=average_live)  # (its rounds pause inside)
             return target
         with algorithm.outside_steps():
             average_into(self.model, target, group)
@@ -307,7 +317,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str =
     label = method.name + (f":{variant}" if variant else "")
     model = model.to(ctx.device)
     module = setup_algorithm(runtime, model, optimizer)
-    session = _Session(ctx, runtime, method_lockstep(runtime), label)
+    session = _Session(ctx, runtime, method_lockstep(runtime), label, method.survives_failures)
     for param in model.parameters():
         if param.requires_grad:
             session.handles.append(param.register_post_accumulate_grad_hook(session.on_gradient))
