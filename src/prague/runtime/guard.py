@@ -59,8 +59,8 @@ from prague import jobenv
 from prague.errors import EXIT_USAGE, CommError, usage_message
 from prague.runtime.context import ERROR_KEY, attempt_store
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, progress_steps, read_counters,
-    read_keys,
+    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, await_keys, progress_steps,
+    read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceSpec
 
@@ -162,13 +162,11 @@ class Guard:
             return self.env
         deadline = time.monotonic() + self.timeout_s
         while True:  # in slices: torchrun's SIGTERM (rank 0 failed) is handled between them
-            try:
-                self.store.wait([ENV_KEY], timedelta(seconds=1))
+            if await_keys(self.store, [ENV_KEY], 1.0):
                 return dict(json.loads(self.store.get(ENV_KEY)))
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise CommError(f"rank {self.rank}'s guard: rank 0 did not publish the job's services "
-                                    f"within {self.timeout_s:g} s") from None
+            if time.monotonic() > deadline:
+                raise CommError(f"rank {self.rank}'s guard: rank 0 did not publish the job's services "
+                                f"within {self.timeout_s:g} s")
 
     def _watch_child(self) -> int:
         assert self.child is not None

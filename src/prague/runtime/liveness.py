@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -164,17 +163,15 @@ class Membership:
         members = tuple(members)
         idle = Inactivity(store, timeout_s, slice_s)
         while True:
-            try:
-                store.wait(keys, idle.next_slice())
+            if await_keys(store, keys, idle.next_slice()):
                 return
-            except RuntimeError as exc:  # a slice ran out
-                lost = self.failed_among(members)
-                if lost:
-                    if store.check(keys):  # written before the declaration: every waiter sees them all
-                        return
-                    raise PeerFailed(lost, f"{what}: rank(s) {lost} failed") from None
-                if idle.expired(members):
-                    raise CommError(f"{what}: not every member arrived within {timeout_s:g} s ({exc})") from exc
+            lost = self.failed_among(members)  # a slice ran out
+            if lost:
+                if store.check(keys):  # written before the declaration: every waiter sees them all
+                    return
+                raise PeerFailed(lost, f"{what}: rank(s) {lost} failed") from None
+            if idle.expired(members):
+                raise CommError(f"{what}: not every member arrived within {timeout_s:g} s")
 
     def wait_reports(self, store: dist.Store, keys: Mapping[int, str], timeout_s: float, what: str,
                      slice_s: float = 1.0) -> dict[int, bytes]:
@@ -186,16 +183,13 @@ class Membership:
         waiting = dict(keys)
         idle = Inactivity(store, timeout_s, slice_s)
         while waiting:
-            try:
-                store.wait(list(waiting.values()), idle.next_slice())
+            if await_keys(store, list(waiting.values()), idle.next_slice()):
                 break
-            except RuntimeError as exc:  # a slice ran out
-                failed = self.failed_among(waiting)
-                waiting = {r: k for r, k in waiting.items() if r not in failed}
-                if waiting and idle.expired(waiting):
-                    silent = sorted(r for r, k in waiting.items() if not store.check([k]))
-                    raise CommError(f"{what}: ranks {silent} did not report within {timeout_s:g} s "
-                                    f"({exc})") from exc
+            failed = self.failed_among(waiting)  # a slice ran out
+            waiting = {r: k for r, k in waiting.items() if r not in failed}
+            if waiting and idle.expired(waiting):
+                silent = sorted(r for r, k in waiting.items() if not store.check([k]))
+                raise CommError(f"{what}: ranks {silent} did not report within {timeout_s:g} s")
         present = {r: k for r, k in keys.items() if r in waiting or store.check([k])}
         return dict(zip(present, store.multi_get(list(present.values()))))
 
@@ -248,6 +242,27 @@ class Progress:
         return moved
 
 
+#: How often :func:`await_keys` looks, at most (it starts at :data:`FIRST_LOOK_S` and doubles).
+LOOK_EVERY_S = 0.005
+FIRST_LOOK_S = 0.0005
+
+
+def await_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
+    """Whether every one of ``keys`` is set in ``store`` within ``timeout_s``. Looks with ``check`` at
+    intervals growing from :data:`FIRST_LOOK_S` to :data:`LOOK_EVERY_S`, never with a timed ``wait``:
+    each ``wait`` that runs out prints two c10d warnings ("waitForInput ... timed out") and costs the
+    client a reconnection, and a healthy job waits past a slice often (a peer that evaluates)."""
+    deadline = time.monotonic() + timeout_s
+    pause = FIRST_LOOK_S
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, LOOK_EVERY_S)
+    return True
+
+
 class Inactivity:
     """The deadline of a store wait that counts inactivity: ``timeout_s`` after the last step some awaited
     member reported (:class:`Progress`), looked at between slices of at most ``slice_s``. Without a store
@@ -258,9 +273,9 @@ class Inactivity:
         self.deadline = time.monotonic() + timeout_s
         self._progress = Progress(store) if store is not None else None
 
-    def next_slice(self) -> timedelta:
-        """How long the next store wait may take: a slice, or what is left before the deadline."""
-        return timedelta(seconds=max(0.001, min(self.slice_s, self.deadline - time.monotonic())))
+    def next_slice(self) -> float:
+        """How long the next wait may take, s: a slice, or what is left before the deadline."""
+        return max(0.001, min(self.slice_s, self.deadline - time.monotonic()))
 
     def expired(self, members: Iterable[int]) -> bool:
         """After a slice ran out: whether the deadline passed; it moves on when ``members`` stepped."""
