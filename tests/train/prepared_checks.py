@@ -51,6 +51,11 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
     ctx = prague.context()
     assert model.module is base, type(model.module)  # DDP's contract, under every method
+    import setproctitle  # what ps shows: the worker's rank and method, then its command
+
+    title = setproctitle.getproctitle()
+    assert title.startswith(f"prague rank {ctx.rank}/{ctx.world_size} {algorithm.split(':')[0]}"), title
+    assert title.endswith("prepared_checks.py " + " ".join(sys.argv[1:])), title
     assert [id(p) for p in model.parameters()] == [id(p) for p in base.parameters()]  # each once
     expect("no loss.backward()", opt.step)
     x, y = data(ctx.rank, 0)

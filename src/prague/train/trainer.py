@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import setproctitle
 import torch
 from torch import nn
 
@@ -155,7 +156,16 @@ def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
     if ctx.world_size > 1:
         publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard or prague launch
     variant = method.variant_of(method_options)
+    name_process(ctx, method.label(method_options))
     return method, variant, method.runtime_class(variant)(ctx, method_options)
+
+
+def name_process(ctx: DistContext, label: str) -> None:
+    """What ``ps`` and ``top`` show for this worker: ``prague rank R/N METHOD: its command``."""
+    command = setproctitle.getproctitle()
+    if command.startswith("prague rank "):  # named before (a second method in one script)
+        command = command.split(": ", 1)[-1]
+    setproctitle.setproctitle(f"prague rank {ctx.rank}/{ctx.world_size} {label}: {command}")
 
 
 def setup_algorithm(algorithm: Algorithm, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:

@@ -75,10 +75,12 @@ class AllReduce(Algorithm):
         if getattr(self, "_ddp", None) is not None:
             self._unwrap()
         o = self.options
+        # broadcast_buffers only when turned off: DDP's default is on, and newer torch warns on the name
+        extra: dict[str, Any] = {} if o.broadcast_buffers else {"broadcast_buffers": False}
         self._ddp = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb, process_group=group,
             find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
-            broadcast_buffers=o.broadcast_buffers, gradient_as_bucket_view=o.gradient_as_bucket_view,
+            gradient_as_bucket_view=o.gradient_as_bucket_view, **extra,
         )
         self._hook = _HookState(group, self)
         self._ddp.register_comm_hook(self._hook, _timed_allreduce)
