@@ -50,7 +50,7 @@ def test_prague_variables_say_who_started_the_process(tmp_path: Path) -> None:
     assert (job.netns, job.gg_token, job.host_label, job.worker_start) == ("h0", "secret", "a", "exec")
     assert set(jobenv.PRAGUE_VARIABLES) == {jobenv.LAUNCHER_PID, jobenv.WORKER_START, jobenv.MANAGED_SERVICES,
                                             jobenv.SERVICES_FILE, jobenv.GUARDED, jobenv.NETNS, jobenv.GG_TOKEN,
-                                            jobenv.HOST_LABEL}
+                                            jobenv.HOST_LABEL, jobenv.OUT}
     assert all(v.startswith("PRAGUE_") for v in jobenv.PRAGUE_VARIABLES)
 
 

@@ -7,6 +7,7 @@ Public API::
     loss.backward(); optimizer.step(); optimizer.zero_grad()                 # the method runs in step()
     model.averaged_model()             # mean of all replicas (collective)
     if prague.is_leader(): ...         # the lowest living rank: print, evaluate, save
+    prague.log_metrics({"loss": x})    # beside the steps in prague launch --log-dir's metrics/
     prague.barrier(); prague.all_reduce(t); prague.broadcast(t)   # over the living ranks
     prague.shutdown()
     # or the closure form:
@@ -36,6 +37,7 @@ _EXPORTS = {
     "StepHooks": "prague.train.trainer",
     "wrap": "prague.train.trainer",
     "prepare": "prague.train.prepared",
+    "log_metrics": "prague.train.prepared",
     "live_ranks": "prague.runtime.collectives",
     "leader": "prague.runtime.collectives",
     "is_leader": "prague.runtime.collectives",

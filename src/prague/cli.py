@@ -430,7 +430,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, echo_ranks=frozenset(range(args.nproc)) if args.echo_all else frozenset({0}),
         survivable=None,  # the script's method says, when it is set up
         # the services the script's method starts on its rank 0 are listed beside the logs
-        env={jobenv.SERVICES_FILE: str((args.log_dir / "services.json").resolve())} if args.log_dir else {},
+        env={jobenv.SERVICES_FILE: str((args.log_dir / "services.json").resolve()),
+             jobenv.OUT: str(args.log_dir.resolve())} if args.log_dir else {},
     )
     launch(spec)
     return 0
@@ -669,8 +670,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
-    la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log and list the services "
-                                                 "the script's method starts in DIR/services.json")
+    la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log, list the services "
+                                                 "the script's method starts in DIR/services.json, and its steps "
+                                                 "and prague.log_metrics() in DIR/metrics/")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
@@ -681,7 +683,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                          "(default 10)")
     gu.add_argument("--timeout-s", type=float, default=300.0,
                     help="how long the guards wait for the others at the start and the end (default 300)")
-    gu.add_argument("--out", type=Path, default=Path("."), help="where services.json and logs/ go (default .)")
+    gu.add_argument("--out", type=Path, default=Path("."), help="where services.json, the script's steps and its "
+                                                                "prague.log_metrics() (metrics/) go (default .)")
     gu.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
     from prague.simulate.cli import add_simulate_parser

@@ -35,8 +35,11 @@ NETNS = "PRAGUE_NETNS"
 GG_TOKEN = "PRAGUE_GG_TOKEN"
 #: The host a process says it runs on (overrides machine name and network namespace).
 HOST_LABEL = "PRAGUE_HOST_LABEL"
+#: Where a script's records go (its steps, its own metrics): ``prague launch --log-dir``, ``prague guard --out``.
+OUT = "PRAGUE_OUT"
 #: Every variable of prague's own.
-PRAGUE_VARIABLES = (LAUNCHER_PID, WORKER_START, MANAGED_SERVICES, SERVICES_FILE, GUARDED, NETNS, GG_TOKEN, HOST_LABEL)
+PRAGUE_VARIABLES = (LAUNCHER_PID, WORKER_START, MANAGED_SERVICES, SERVICES_FILE, GUARDED, NETNS, GG_TOKEN, HOST_LABEL,
+                    OUT)
 
 _LAUNCH_HINT = "start the job with `prague launch`, `prague run` or torchrun"
 
@@ -75,6 +78,8 @@ class JobEnv:
     gg_token: str | None = None
     host_label: str | None = None
     netns: str | None = None
+    #: The folder of a script's records (:data:`OUT`).
+    out: Path | None = None
     #: ``OMP_NUM_THREADS``, when set to a positive count.
     threads: int | None = None
 
@@ -104,6 +109,7 @@ class JobEnv:
             services_file=Path(environ[SERVICES_FILE]) if environ.get(SERVICES_FILE) else None,
             guarded=environ.get(GUARDED) == "1", gg_token=environ.get(GG_TOKEN),
             host_label=environ.get(HOST_LABEL) or None, netns=environ.get(NETNS) or None,
+            out=Path(environ[OUT]) if environ.get(OUT) else None,
             threads=int(threads) if threads.isdigit() and int(threads) > 0 else None,
         )
 

@@ -174,23 +174,34 @@ for step in range(30):
     if ctx.rank == 0 and step == 10:
         time.sleep(3.0)  # rank 0 evaluates: the others wait for it in their groups, past every 1 s slice
     x = torch.randn(16, 8)
-    F.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+    loss.backward()
     opt.step()
     opt.zero_grad()
+    prague.log_metrics({"loss": loss.item(), "lr": 0.1})
 final = model.averaged_model()
 print(f"rank {ctx.rank} finished", flush=True)
 prague.shutdown()
 """
 
 
-def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts(tmp_path: Path) -> None:
+def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts_and_records_its_steps(tmp_path: Path) -> None:
     """No c10d "waitForInput ... timed out" lines (waits on the store look, they never time out) and no
-    traceback at exit, in a prague:smart job whose rank 0 pauses three seconds mid-run."""
-    script = tmp_path / "quiet.py"
+    traceback at exit, in a prague:smart job whose rank 0 pauses three seconds mid-run; the script's steps
+    and its prague.log_metrics() are recorded in --log-dir's metrics/, as prague run's workers record
+    theirs."""
+    script, logs = tmp_path / "quiet.py", tmp_path / "logs"
     script.write_text(QUIET_SCRIPT)
-    res = run_cli("launch", "--nproc", "3", "--echo-all", str(script), timeout_s=150)
+    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(logs), str(script), timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(f"rank {r} finished" in res.stdout for r in range(3)), res.stdout
     console = res.stdout + res.stderr
     assert "waitForInput" not in console and "timed out" not in console, console[-3000:]
     assert "Traceback" not in console, console[-3000:]
+    for rank in range(3):
+        steps = [json.loads(line) for line in (logs / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == list(range(30)) and {s["rank"] for s in steps} == {rank}
+        assert all(s["compute_s"] >= 0 and s["comm_s"] >= 0 for s in steps)
+        assert max(s["t_end_s"] for s in steps) > 3.0 or rank != 0  # rank 0's pause is in its clock
+        user = [json.loads(line) for line in (logs / "metrics" / f"user-rank{rank}.jsonl").read_text().splitlines()]
+        assert [u["step"] for u in user] == list(range(1, 31)) and all(u["lr"] == 0.1 and u["loss"] > 0 for u in user)

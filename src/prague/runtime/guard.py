@@ -109,6 +109,7 @@ class Guard:
                                                  is_master=False, timeout=timedelta(seconds=timeout_s)))
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
+        self.out = out  # a script's records go there too (its steps, its metrics)
         self.services_file = out / "services.json"  # a script's own services are listed there too
         self.keeper = ServiceKeeper(self.store, specs, services_file=self.services_file, log_dir=out / "logs")
         self.membership = Membership(self.store, self.world_size)
@@ -123,7 +124,7 @@ class Guard:
             env = self._job_env()
             self.child = subprocess.Popen(self.argv, env=jobenv.child({
                 **env, jobenv.GUARDED: "1", jobenv.LAUNCHER_PID: str(os.getpid()),
-                jobenv.SERVICES_FILE: str(self.services_file.resolve())}))
+                jobenv.SERVICES_FILE: str(self.services_file.resolve()), jobenv.OUT: str(self.out.resolve())}))
             code = self._watch_child()
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))
             if code == EXIT_USAGE:  # settings that cannot work: the job fails, as unguarded

@@ -48,18 +48,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from prague import jobenv
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
+from prague.io import JsonLines
 from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
-from prague.train.trainer import make_algorithm, setup_algorithm
+from prague.train.trainer import StepRecord, make_algorithm, setup_algorithm
 
 
 class _Session:
@@ -82,6 +86,9 @@ class _Session:
         self.accumulated: set[int] = set()  # ... inside no_sync
         self.forward_ready = False  # before_compute ran for the coming step
         self.handles: list[Any] = []
+        self.t0 = self.step_start = time.perf_counter()
+        out = jobenv.current().out  # under prague launch --log-dir / prague guard --out: the steps' records
+        self.records = JsonLines(out / "metrics" / f"rank{ctx.rank}.jsonl") if out is not None else None
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -102,6 +109,7 @@ class _Session:
         pass that will be trained on (not an evaluation under ``torch.no_grad``)."""
         self.check_open("the prepared model was called")
         if not self.forward_ready and torch.is_grad_enabled():
+            self.step_start = time.perf_counter()
             self.algorithm.before_compute(self.step)
             self.forward_ready = True
 
@@ -109,6 +117,8 @@ class _Session:
         if self.closed:
             return
         self.closed = True
+        if self.records is not None:
+            self.records.close()
         if self._unpause is not None:
             self._unpause()
         for handle in self.handles:
@@ -257,12 +267,20 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if scale is not None or found_inf is not None:
             skip = self._unscale(scale, found_inf)
         algorithm, step, times = session.algorithm, session.step, StepTimes()
+        t_hooks = time.perf_counter()
         sends = algorithm.sends_gradients_in_step
         if not (skip and sends):
             algorithm.after_backward(step, times)
         if not skip:
             algorithm.apply_update(self.optimizer, step)
         algorithm.after_step(step, times)
+        if session.records is not None:  # what prague run's workers write, for a script
+            t_end = time.perf_counter()
+            session.records.write(StepRecord(
+                step=step, rank=session.ctx.rank, t_end_s=t_end - session.t0,
+                compute_s=max(0.0, t_hooks - session.step_start - times.inner_comm_s),
+                comm_s=(t_end - t_hooks) + times.inner_comm_s, wait_s=times.wait_s, slowdown=1.0, loss=None,
+                dropped=times.dropped).as_dict())
         session.step += 1
         report_steps(session.step)
         session.forward_ready = False
@@ -322,6 +340,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str =
         if param.requires_grad:
             session.handles.append(param.register_post_accumulate_grad_hook(session.on_gradient))
     prepared = PreparedModel(model, module, session)
+    _SESSION_STEPS.append(lambda: session.step)  # log_metrics' default step
     on_shutdown(prepared.close)
     return prepared, PreparedOptimizer(optimizer, session)
 
@@ -330,3 +349,40 @@ def method_lockstep(algorithm: Algorithm) -> bool:
     """Whether ``algorithm`` needs every rank in every step (its options' ``equal_shares``)."""
     equal = getattr(algorithm.options, "equal_shares", None)
     return bool(equal()) if callable(equal) else True
+
+
+_METRICS: dict[tuple[Path, int], JsonLines] = {}  # the open user-metrics file of each (folder, rank)
+
+
+def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path | None = None) -> None:
+    """Record ``values`` (name -> number: a loss, an accuracy, a learning rate) for this rank, beside the
+    steps prague records: one JSON line ``{"step", "rank", "time_s", **values}`` in
+    ``OUT/metrics/user-rankR.jsonl``, where OUT is ``out``, or ``prague launch --log-dir``'s or ``prague
+    guard --out``'s folder. ``step``: the step they belong to (default: the steps this rank's prepared
+    optimizer has taken). Not collective."""
+    ctx = context()
+    folder = Path(out) if out is not None else jobenv.current().out
+    if folder is None:
+        raise ConfigError("prague.log_metrics has no folder to write to: start the job with prague launch "
+                          "--log-dir DIR or torchrun ... prague guard --out DIR, or pass out=DIR")
+    if not isinstance(values, dict) or not values:
+        raise ConfigError(f"prague.log_metrics takes a dict of name -> number, got {values!r}")
+    line: dict[str, Any] = {"step": step, "rank": ctx.rank, "time_s": round(time.time(), 3)}
+    for name, value in values.items():
+        if name in line or not isinstance(name, str):
+            raise ConfigError(f"prague.log_metrics: {name!r} is not a metric name (step, rank and time_s are "
+                              "taken); name each metric with a string of your own")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"prague.log_metrics: metric {name!r} must be a number, got {value!r}")
+        line[name] = value
+    if step is None:
+        line["step"] = _SESSION_STEPS[-1]() if _SESSION_STEPS else None
+    key = (folder.resolve(), ctx.rank)
+    if key not in _METRICS:
+        _METRICS[key] = JsonLines(folder / "metrics" / f"user-rank{ctx.rank}.jsonl", append=True)
+    _METRICS[key].write(line)
+
+
+_SESSION_STEPS: list[Callable[[], int]] = []  # the steps of the latest prepared optimizer
