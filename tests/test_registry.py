@@ -200,3 +200,11 @@ def test_options_given_through_python_are_checked_by_type_with_the_flag(method: 
 def test_an_int_given_for_a_float_option_is_taken_as_a_float() -> None:
     options = METHODS["diloco"].make_options({"outer_lr": 1})
     assert options.outer_lr == 1.0 and isinstance(options.outer_lr, float)
+
+
+def test_no_module_counts_its_instances_to_name_store_keys() -> None:
+    """Store keys are named from the namespace a component is given (DistContext.namespace), never from a
+    module-wide counter of instances (itertools.count()), which names them right only if every rank
+    builds every object of the process in the same order."""
+    counters = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py") if "itertools.count(" in p.read_text()]
+    assert not counters, counters

@@ -48,7 +48,6 @@ Two transports (``transport``, :func:`pick_transport`):
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +67,6 @@ from prague.runtime.liveness import Membership, PeerFailed
 GROUP_STORE_PREFIX = "prague/preduce"
 WORLD = "world"  # the handshake value of every member under the world transport
 NONE_HELD = "-"  # handshake value of a member that holds no communicator for the set
-_instances = itertools.count()  # numbers each process's GroupCommunicators, so their store keys never meet
 
 
 @dataclass
@@ -119,8 +117,8 @@ class Rendezvous(BackgroundWork):
 class GroupCommunicators:
     """Members-only communicators, cached by member set (LRU of ``capacity`` entries).
 
-    Every rank creates its instances in the same order (usually one per process): an instance's store
-    keys are numbered by that order. Only the members of a group call :meth:`get` for it, all at the same
+    An instance's store keys are under ``namespace`` (default: the job's next, :meth:`DistContext.namespace`:
+    every rank creates its instances in the same order). Only the members of a group call :meth:`get` for it, all at the same
     point of their global order, and each member calls it once for every occurrence of the group (the
     handshake counts uses). The call blocks until every member has arrived; a member missing for
     ``timeout_s`` (default: the job's timeout) or a failed rendezvous raises :class:`CommError` and
@@ -130,7 +128,7 @@ class GroupCommunicators:
     """
 
     def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None,
-                 membership: Membership | None = None, transport: str = "auto") -> None:
+                 membership: Membership | None = None, transport: str = "auto", namespace: str | None = None) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"communicator timeout_s must be > 0, got {timeout_s!r}")
         self.ctx = ctx
@@ -140,7 +138,8 @@ class GroupCommunicators:
         self.timeout = timedelta(seconds=timeout_s if timeout_s is not None else ctx.timeout_s)
         self._cache: CommunicatorCache[tuple[str, dist.ProcessGroup]] = CommunicatorCache(capacity)
         self._uses: dict[tuple[int, ...], int] = {}
-        self._prefix = f"{GROUP_STORE_PREFIX}/{next(_instances)}"
+        # store keys under the namespace given (default: the job's next for communicators)
+        self._prefix = f"{GROUP_STORE_PREFIX}/{namespace or ctx.namespace('groups')}"
         # Connections for the rendezvous thread of :meth:`_create`, reused: opening a store connection
         # while the job runs can stall the store for every client for seconds (seen as 5 s pauses of
         # all workers when each new communicator opened its own), so one is opened per concurrent

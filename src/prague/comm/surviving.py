@@ -35,12 +35,14 @@ from prague.runtime.liveness import DECLARE_WAIT_S, Membership, PeerFailed
 class LiveGroups:
     """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
 
-    def __init__(self, ctx: DistContext, capacity: int = 16, transport: str = "auto") -> None:
+    def __init__(self, ctx: DistContext, capacity: int = 16, transport: str = "auto",
+                 namespace: str | None = None) -> None:
         """Collective (every rank of the job constructs it at the same point): see
         :meth:`GroupCommunicators.start`."""
         # Alone, nobody can fail; otherwise the failed set, read through a store connection of its own.
         self.membership = Membership(ctx.private_store(), ctx.world_size) if ctx.world_size > 1 else None
-        self.comms = GroupCommunicators(ctx, capacity=capacity, membership=self.membership, transport=transport)
+        self.comms = GroupCommunicators(ctx, capacity=capacity, membership=self.membership, transport=transport,
+                                        namespace=namespace)
         self.comms.start()
         self.shrunk = 0  # groups that averaged without some of their members (they had failed)
         self._before: torch.Tensor | None = None  # the buffer's values before an attempt, to restore a broken one

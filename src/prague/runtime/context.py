@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +89,17 @@ class DistContext:
     device: torch.device
     store: dist.Store
     timeout_s: float
+    _named: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def namespace(self, kind: str) -> str:
+        """A store-key namespace of this job for a new ``kind`` of component (``lossy``, ``preduce``...):
+        ``KIND/K``, K counting this job's earlier ones of that kind. Passed to each component that keys
+        the store, so that two instances never share keys (a script may prepare one method after another
+        in one job); every rank names alike as long as it makes them in the same order, as every rank
+        must call DDP's collectives in the same order."""
+        count = self._named.get(kind, 0)
+        self._named[kind] = count + 1
+        return f"{kind}/{count}"
 
     @property
     def timeout(self) -> timedelta:

@@ -33,7 +33,6 @@ worker (as ``allreduce``): a broken round fails the job.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,7 +57,6 @@ MAX_PENDING = 16
 #: Extra elements after the state in a round buffer: gradients in it, finished workers.
 EXTRAS = 2
 _COUNT, _FINISHED = -2, -1
-_instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 
 
 class BackupRounds(RoundResults):
@@ -256,7 +254,7 @@ class BackupAllReduce(RoundsAlgorithm):
         self.bind(model, optimizer)
         if ctx.world_size == 1:
             return model
-        prefix = f"allreduce-backup/{next(_instances)}"
+        prefix = ctx.namespace("allreduce-backup")
         group = backend_group(ctx, dist.PrefixStore(f"{prefix}/pg", ctx.store), ctx.rank, ctx.world_size, ctx.timeout)
         self.rounds = self.in_background(BackupRounds(
             group=group, store=ctx.private_store(), main_store=ctx.private_store(), prefix=prefix, rank=ctx.rank,

@@ -50,7 +50,6 @@ fatal.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -75,7 +74,6 @@ from prague.runtime.liveness import DECLARE_WAIT_S, Membership, read_keys
 EXTRAS = 4
 _WEIGHT, _COUNT, _FRESH, _FINISHED = -4, -3, -2, -1
 _FINAL = b"final"
-_instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 
 
 class RoundThread(RoundResults):
@@ -356,14 +354,14 @@ class EagerSGD(RoundsAlgorithm):
         self._shifted = False
         if ctx.world_size == 1:
             return model
-        instance = next(_instances)
+        prefix = ctx.namespace("eager-sgd")
 
         def make_group(name: str, index: int, size: int) -> dist.ProcessGroup:
             return backend_group(ctx, dist.PrefixStore(name, ctx.store), index, size, ctx.timeout)
 
         self.rounds = self.in_background(RoundThread(
             make_group=make_group, store=ctx.private_store(), main_store=ctx.private_store(),
-            prefix=f"eager-sgd/{instance}", rank=ctx.rank, nproc=ctx.world_size, n_grads=self.n_grads,
+            prefix=prefix, rank=ctx.rank, nproc=ctx.world_size, n_grads=self.n_grads,
             buffers=self.flat[self.n_grads:], options=self.options, timeout_s=ctx.timeout_s,
             membership=Membership(ctx.private_store(), ctx.world_size)))
         return model

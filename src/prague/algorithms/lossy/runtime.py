@@ -33,7 +33,6 @@ gradient is applied as it is.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 import threading
 import time
@@ -58,7 +57,6 @@ from prague.errors import CommError
 from prague.metrics.decisions import Decision
 from prague.runtime.background import COMMUNICATING, BackgroundWork, Operation
 
-_instances = itertools.count()  # store namespaces: every rank builds its instances in the same order
 #: A chunk's magnitude is the mean |g| of every _SAMPLE-th element: the order needs a ranking, not the exact value.
 _SAMPLE = 16
 #: The longest a stream thread sleeps between looks at its phases (a completed phase wakes it at once).
@@ -327,7 +325,7 @@ class Lossy(Algorithm):
         n, count = ctx.world_size, opts.streams
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.control = torch.zeros(self.plan.count + self.n_buffers, dtype=dtype, device=ctx.device)
-        prefix = self.prefix = f"lossy/{next(_instances)}"
+        prefix = self.prefix = ctx.namespace("lossy")
         self.store = ctx.private_store()  # the main thread's proposals and their waits
         self._published: deque[str] = deque()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import secrets
 import shutil
@@ -46,7 +45,6 @@ GG_ADDRESS_KEY = "prague/gg/address"
 GG_TOKEN_KEY = "prague/gg/token"
 HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restarted service starts from these)
 RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
-_instances = itertools.count()  # numbers the service sources of this process (see ServiceSource)
 
 
 def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1") -> list[str]:
@@ -174,9 +172,9 @@ class ServiceSource:
         store = ctx.store
         self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service rank 0 starts is one of possibly several in the job (a script may prepare the method
-        # more than once): its keys carry the source's number, the same on every rank (sources are made
-        # in the same order everywhere). The launcher's service is the job's only one.
-        instance = next(_instances) if self._shared else None
+        # more than once): its keys are under the source's namespace in the job (DistContext.namespace).
+        # The launcher's service is the job's only one.
+        instance = ctx.namespace("gg") if self._shared else None
         self._address_key = GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}"
         self._host_key = f"{self._address_key}/host"  # the rank whose process runs the service
         self._host = 0

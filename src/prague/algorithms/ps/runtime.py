@@ -50,7 +50,6 @@ shard), applied and rejected counts, and the final server version.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import shutil
 import subprocess
 import tempfile
@@ -115,9 +114,6 @@ def shard_services(options: Any, mode: str, nproc: int, folder: Path, exit_when_
     )
 
 
-_own_servers = itertools.count()  # parameter servers this process set up with shards of its job's own
-
-
 def start_own_shards(options: Any, mode: str, nproc: int, resources: contextlib.ExitStack,
                      grace_s: Callable[[], float]) -> None:
     """No launcher manages the job (torchrun, ``prague launch``): rank 0 runs the shards itself, as its
@@ -170,7 +166,7 @@ class ParameterServerBase(Algorithm):
         if not services_managed():
             # The shards rank 0 starts find the job through store keys that are the job's, not this
             # object's: a second parameter server in the same job would meet the first one's keys.
-            if next(_own_servers):
+            if ctx.namespace("ps-own-shards") != "ps-own-shards/0":
                 raise ConfigError("a parameter-server method was already set up in this job without a launcher "
                                   "that manages its shards; a job (a prague launch or torchrun script) runs one: "
                                   "prepare it once, or start each run with prague run")
