@@ -10,8 +10,10 @@ however many servers and clients a process holds (a test, a benchmark). A forked
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
+from typing import Any
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -23,9 +25,21 @@ def shared_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
+            loop.set_exception_handler(_quiet_after_close)
             threading.Thread(target=loop.run_forever, name="gg-aio", daemon=True).start()
             _loop = loop
         return _loop
+
+
+def _quiet_after_close(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: gRPC's poller reading its completion queue once the process has
+    closed it (a channel or server shut down while an event was due: ``OSError: [Errno 9] Bad file
+    descriptor`` in ``PollerCompletionQueue._handle_events``, at exit) is nothing to report; anything
+    else goes to asyncio's own handler."""
+    exc = context.get("exception")
+    if isinstance(exc, OSError) and exc.errno == errno.EBADF:
+        return
+    loop.default_exception_handler(context)
 
 
 def _forget_after_fork() -> None:
