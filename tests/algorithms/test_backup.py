@@ -73,8 +73,10 @@ def test_options_defaults_and_bad_values() -> None:
     method.check_job(options, 2)
     with pytest.raises(ConfigError, match="--backup 4 leaves no worker to wait for in a job of --nproc 4; use at most 3"):
         method.check_job(method.make_options({"backup": 4}, "backup"), 4)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ConfigError, match="--backup must be a whole number of workers >= 0"):
+    with pytest.raises(ConfigError, match="--backup must be a whole number of workers >= 0"):
+        method.make_options({"backup": -1}, "backup")
+    for bad in (1.5, True):  # through the Python API: the type, named with the flag
+        with pytest.raises(ConfigError, match=r"option backup of method 'allreduce' takes an int \(the CLI's --backup\)"):
             method.make_options({"backup": bad}, "backup")
 
 

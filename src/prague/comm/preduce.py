@@ -284,7 +284,10 @@ class GroupCommunicators:
         while True:
             with work.cond:
                 work.cond.wait_for(lambda: work.group is not None or work.error is not None, 0.2)
-                group, error = work.group, work.error
+                # taken out of the work: only the cache may hold a communicator, since only dropping its
+                # last reference closes a gloo group's connections (what a peer of a failed collective
+                # waits for), and the finished work lingers until the garbage collector runs
+                group, error, work.group, work.error = work.group, work.error, None, None
             if group is not None or error is not None:
                 break
             lost = self.membership.failed_among(members)
