@@ -380,3 +380,15 @@ def test_run_returns_only_after_every_process_it_started_has_exited(tmp_path: Pa
     res = subprocess.run([sys.executable, "-c", _SUBREAPER, *cmd], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0 []", res.stdout
+
+
+def test_a_run_of_the_default_length_says_it_is_a_quick_check(tmp_path: Path) -> None:
+    """One pass over each worker's shard (the default) is no trained model: the run says so and how to
+    train longer; with a length given it does not."""
+    res = run_cli("run", "--nproc", "2", "--compute", "emulated", "--compute-ms", "1", "--out", str(tmp_path / "a"),
+                  "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr
+    assert "note: the run's length was the default" in res.stdout and "--epochs E" in res.stdout
+    res = run_cli("run", "--nproc", "2", "--steps", "3", "--compute", "emulated", "--compute-ms", "1", "--out",
+                  str(tmp_path / "b"), "--quiet", timeout_s=120)
+    assert res.returncode == 0 and "note:" not in res.stdout, res.stdout

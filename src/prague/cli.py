@@ -335,6 +335,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary["pace_probe"] = probe.as_dict()
         atomic_write_json(Path(cfg.out) / "summary.json", summary)
     print(_summary_line(summary))
+    if args.resume is None and args.epochs is None and args.steps is None and args.budget is None:
+        print("note: the run's length was the default, one pass over each worker's shard: a quick check, not a "
+              "trained model; give --epochs E or --budget epochs:E to train to a result")
     if summary.get("worker_samples_per_s"):
         from prague.metrics.summary import speed_report
 
