@@ -435,6 +435,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # the services the script's method starts on its rank 0 are listed beside the logs
         env={jobenv.SERVICES_FILE: str((args.log_dir / "services.json").resolve()),
              jobenv.OUT: str(args.log_dir.resolve())} if args.log_dir else {},
+        summary_file=args.log_dir / "summary.json" if args.log_dir else None,
     )
     launch(spec)
     return 0

@@ -207,7 +207,8 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
     case = uuid.uuid4().hex
     args = [str(SURVIVOR_SCRIPT), algorithm, str(victim), where, str(tmp_path)]
     if launcher == "launch":
-        cmd = [sys.executable, "-m", "prague", "launch", "--nproc", "3", *args]  # echoes the leader's output
+        cmd = [sys.executable, "-m", "prague", "launch", "--nproc", "3", "--log-dir", str(tmp_path / "logs"),
+               *args]  # echoes the leader's output
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
                "prague", "guard", "--lease-s", "3", "--out", str(tmp_path / "guard"), *args]
@@ -222,4 +223,10 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
     if victim == 0:
         assert "rank 1 leads the job now (rank 0 failed)" in res.stderr, res.stderr[-3000:]
         assert "leader 1 epoch 1" in res.stdout and "leader 1 epoch 2" in res.stdout, res.stdout
+    if launcher == "launch":  # how the job ended, in --log-dir
+        summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+        assert summary["ok"] and summary["ranks"] == survivors, summary
+        assert [f["rank"] for f in summary["failures"]] == [victim] and summary["failures"][0]["kind"] == "crash"
+        assert summary["leaders"] == ([0, 1] if victim == 0 else [0]), summary
+        assert len(list((tmp_path / "logs" / "metrics").glob("rank*.jsonl"))) == 3  # each rank's steps
     assert processes_of_session(case, within_s=10.0, kill=True) == []

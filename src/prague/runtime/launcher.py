@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
+from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY, SURVIVABLE
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
@@ -77,6 +78,7 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"  # where workers reach the store (the bridge's address with emulated hosts)
     rank_env: Sequence[dict[str, str]] = ()  # per rank, on top of ``env`` (an emulated host's namespace)
     service_env: dict[str, str] = field(default_factory=dict)  # for services, on top of ``env``
+    summary_file: Path | None = None  # where to write how the job ended (a script's: prague launch --log-dir)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -159,6 +161,7 @@ class Job:
                                       new_session=True)
         self.leases = LeaseWatch(spec.lease_s)
         self.failures: dict[int, Failure] = {}  # workers lost by a method that survives them
+        self.leaders: list[int] = [0]  # the job's leader (lowest living rank), each time it moved
         self._stalls_seen: dict[int, bytes] = {}
         self._stalls_read = 0.0
 
@@ -283,8 +286,25 @@ class Job:
         else:
             announce_failure(self.store, failure)
         if now != leader and now >= 0:
+            self.leaders.append(now)
             sys.stderr.write(f"prague: rank {now} leads the job now (rank {leader} failed)\n")
             sys.stderr.flush()
+
+    def write_summary(self, error: BaseException | None) -> None:
+        """``spec.summary_file``, if set: how the job ended (its exit, each rank's last step, the failures
+        survived, and who led), written atomically."""
+        if self.spec.summary_file is None:
+            return
+        codes = [w.poll() for w in self.workers]
+        progress = self.progress()
+        atomic_write_json(self.spec.summary_file, {
+            "nproc": self.spec.nproc, "ok": error is None,
+            "error": None if error is None else str(error).splitlines()[0],
+            "exit_codes": codes, "steps": [progress_steps(progress.get(r)) for r in range(len(self.workers))],
+            "failures": [f.summary() for _, f in sorted(self.failures.items())],
+            "ranks": [r for r in range(len(self.workers)) if r not in self.failures],
+            "leaders": self.leaders,
+        })
 
     def leader(self) -> int:
         """The lowest rank not lost, -1 if none is left."""
@@ -394,8 +414,10 @@ def launch(spec: LaunchSpec, on_tick: Callable[[Job], None] | None = None) -> Jo
     try:
         job.start()
         job.wait(on_tick)
-    except BaseException:
+        job.write_summary(None)
+    except BaseException as exc:
         job.stop()
+        job.write_summary(exc)
         raise
     finally:
         if in_main:
