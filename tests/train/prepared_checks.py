@@ -28,6 +28,19 @@ def data(rank: int, step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> list[float]:
+    """``steps`` plain steps of the prepared ``model`` and ``opt`` on this rank's batches; their losses."""
+    losses = []
+    for step in range(steps):
+        x, y = data(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def options(args: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in args:
@@ -68,14 +81,7 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     loss.backward()  # DDP's rule: its forward ran inside the block, so it accumulates wherever it runs
     expect("all of forward passes inside model.no_sync()", opt.step)
     opt.zero_grad()
-    losses = []
-    for step in range(30):
-        x, y = data(ctx.rank, step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, opt, ctx.rank, 30)
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     final = model.averaged_model()  # collective: a plain copy holding the mean of the replicas
     assert isinstance(final, nn.Sequential) and not any(p.requires_grad and p.grad is not None
@@ -244,14 +250,7 @@ def check_unused(algorithm: str, opts: dict[str, object]) -> None:
     model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm,
                                 find_unused_parameters=True, **opts)
     ctx = prague.context()
-    losses = []
-    for step in range(12):
-        x, y = data(ctx.rank, step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, opt, ctx.rank, 12)
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     assert torch.equal(base.unused.weight.detach(), unused)  # no gradient, no step, the same on every rank
     model.close()

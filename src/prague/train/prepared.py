@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -340,7 +341,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str =
         if param.requires_grad:
             session.handles.append(param.register_post_accumulate_grad_hook(session.on_gradient))
     prepared = PreparedModel(model, module, session)
-    _SESSION_STEPS.append(lambda: session.step)  # log_metrics' default step
+    _LATEST[:] = [weakref.ref(session)]  # log_metrics' default step; never keeps a closed method alive
     on_shutdown(prepared.close)
     return prepared, PreparedOptimizer(optimizer, session)
 
@@ -378,11 +379,12 @@ def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path
             raise ConfigError(f"prague.log_metrics: metric {name!r} must be a number, got {value!r}")
         line[name] = value
     if step is None:
-        line["step"] = _SESSION_STEPS[-1]() if _SESSION_STEPS else None
+        latest = _LATEST[0]() if _LATEST else None
+        line["step"] = latest.step if latest is not None else None
     key = (folder.resolve(), ctx.rank)
     if key not in _METRICS:
         _METRICS[key] = JsonLines(folder / "metrics" / f"user-rank{ctx.rank}.jsonl", append=True)
     _METRICS[key].write(line)
 
 
-_SESSION_STEPS: list[Callable[[], int]] = []  # the steps of the latest prepared optimizer
+_LATEST: list[weakref.ref[_Session]] = []  # the latest prepared session (whose steps log_metrics counts)
