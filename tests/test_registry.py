@@ -184,6 +184,24 @@ def test_only_the_job_environment_module_touches_the_environment() -> None:
     assert not touched, f"read or write the environment through prague.jobenv instead: {touched}"
 
 
+def test_every_thread_of_the_package_is_started_by_the_background_work_primitive() -> None:
+    """No module but ``prague/runtime/background.py`` makes a thread (``threading.Thread``, a ``Timer``,
+    a thread pool, ``_thread``), so every thread has one stop and one error path and shows in
+    ``live_works()``."""
+    made = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).as_posix() == "runtime/background.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("Thread", "Timer", "ThreadPoolExecutor",
+                                                                 "start_new_thread"):
+                made.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("threading", "concurrent.futures", "_thread") \
+                    and any(a.name in ("Thread", "Timer", "ThreadPoolExecutor", "start_new_thread") for a in node.names):
+                made.append(f"{path.relative_to(SRC)}:{node.lineno} from {node.module} import")
+    assert not made, f"run the thread on prague.runtime.background (FunctionWork, PeriodicWork...): {made}"
+
+
 @pytest.mark.parametrize(("method", "options", "message"), [
     ("prague", {"group_size": "abc"}, r"option group_size of method 'prague' takes an int \(the CLI's --group-size\), "
                                       r"got 'abc' \(str\)"),

@@ -13,7 +13,16 @@ import pytest
 import torch.distributed as dist
 
 from prague.errors import CommError, ConfigError
-from prague.runtime.background import COMMUNICATING, DONE, WAITING, BackgroundWork, PeriodicWork, live_works, owner_of
+from prague.runtime.background import (
+    COMMUNICATING,
+    DONE,
+    WAITING,
+    BackgroundWork,
+    FunctionWork,
+    PeriodicWork,
+    live_works,
+    owner_of,
+)
 from prague.runtime.stall import Phase, StallWatch
 
 pytestmark = pytest.mark.timeout(30)
@@ -164,3 +173,32 @@ def test_a_periodic_work_ends_quietly_on_false_and_hands_an_exception_to_the_tra
         failing.raise_if_failed()
     with pytest.raises(ValueError, match="period_s must be > 0"):
         PeriodicWork("bad", "bad", 0.0)
+
+
+def test_a_function_work_runs_its_body_on_each_thread_and_wait_ended_raises_the_first_failure_at_once() -> None:
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def body(index: int) -> None:
+        with lock:
+            seen.append(index)
+
+    work = FunctionWork("three bodies", "bodies", body, threads=3)
+    assert work.wait_ended(5.0) and sorted(seen) == [0, 1, 2] and work.join(5.0)
+    assert [t.name for t in work._threads] == ["bodies-0", "bodies-1", "bodies-2"]
+
+    hold = threading.Event()
+
+    def one_fails(index: int) -> None:
+        if index == 0:
+            raise OSError("stream broke")
+        hold.wait(10.0)  # the others still run when the failure is raised
+
+    failing = FunctionWork("streams", "streams", one_fails, threads=2, wake=hold.set)
+    try:
+        with pytest.raises(CommError, match="the streams failed: OSError"):
+            failing.wait_ended(5.0)
+        assert failing.alive and owner_of(failing._threads[1]) is failing
+    finally:
+        assert failing.shutdown(failed=True, timeout_s=5.0)  # wake() released the waiting body
+    assert not FunctionWork("late", "late", body, start=False).alive

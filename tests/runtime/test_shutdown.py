@@ -93,19 +93,22 @@ def test_close_and_shutdown_leave_no_gloo_threads(tmp_path: Path, methods: list[
         assert seen["held"] and len(seen["warnings"]) == 1, seen
         assert "still referenced" in seen["warnings"][0]
         assert seen["end"] == [], seen
-        # Mid-run, every thread of the package is a background work's (the heartbeat at least), but the
-        # process's one asyncio loop for gRPC (prague.groups.aio: never closed, by design) and gRPC's own
-        # poller of its completion queue; after shutdown only those two are left.
+        # Mid-run, every thread of the package is a background work's (the heartbeat at least); only
+        # gRPC's own poller of its completion queue has no owner. After shutdown only the process's one
+        # asyncio loop for gRPC (prague.groups.aio: never closed, by design) and that poller are left.
         for method in methods:
             threads = seen[f"{method}/mid-run"]
             assert "prague-heartbeat:heartbeat" in threads, (method, threads)
-            assert all(t.endswith(":-") == _grpcs(t) for t in threads), (method, threads)
-        assert all(_grpcs(t) for t in seen["python"]), seen["python"]
+            assert all(t.endswith(":-") == _grpc_poller(t) for t in threads), (method, threads)
+        assert all(t == GRPC_LOOP or _grpc_poller(t) for t in seen["python"]), seen["python"]
 
 
-def _grpcs(thread: str) -> bool:
-    """Whether ``thread`` (NAME:OWNER) is gRPC's: the asyncio loop prague runs it on, or its poller."""
-    return thread == "gg-aio:-" or (thread.endswith(":-") and "(_poll_wrapper)" in thread)
+GRPC_LOOP = "gg-aio:gRPC event loop"
+
+
+def _grpc_poller(thread: str) -> bool:
+    """Whether ``thread`` (NAME:OWNER) is gRPC's poller of its completion queue, started by gRPC itself."""
+    return thread.endswith(":-") and "(_poll_wrapper)" in thread
 
 
 OWN_GROUP = textwrap.dedent("""

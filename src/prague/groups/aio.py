@@ -1,5 +1,5 @@
 """The one asyncio event loop of this process that runs its ``grpc.aio`` objects (the Group Generator's
-server and the clients' streams), in a daemon thread.
+server and the clients' streams), on a :class:`~prague.runtime.background.FunctionWork` of one thread.
 
 gRPC's asyncio layer polls one completion queue per process and hands each event to the loop its call
 was made on, so a loop that closes while gRPC still knows about it breaks later events ("Event loop is
@@ -15,18 +15,22 @@ import os
 import threading
 from typing import Any
 
+from prague.runtime.background import FunctionWork
+
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 
 
 def shared_loop() -> asyncio.AbstractEventLoop:
-    """The process's event loop for gRPC, running in the daemon thread ``gg-aio`` (started on first call)."""
+    """The process's event loop for gRPC, running in the thread ``gg-aio`` (started on first call; it
+    runs as long as the process)."""
     global _loop
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
             loop.set_exception_handler(_quiet_after_close)
-            threading.Thread(target=loop.run_forever, name="gg-aio", daemon=True).start()
+            FunctionWork("gRPC event loop", "gg-aio", lambda _: loop.run_forever(),
+                         wake=lambda: loop.call_soon_threadsafe(loop.stop))
             _loop = loop
         return _loop
 

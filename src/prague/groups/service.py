@@ -61,6 +61,7 @@ from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.trace import PolicyCall, call_policy
+from prague.runtime.background import FunctionWork
 from prague.runtime.parent import set_parent_death_signal
 
 _WAKE_S = 0.25  # how often a blocked GetGroup checks that its client is still there
@@ -152,8 +153,7 @@ class GroupGeneratorCore:
         self._wakers: dict[int, list[Callable[[], None]]] = {}  # worker -> callbacks of waiting requests
         self._trace: JsonLines | None = None
         self._stopping = False
-        self._timer = threading.Thread(target=self._timer_loop, name="gg-timer", daemon=True)
-        self._timer.start()
+        self._timer = FunctionWork("group generator's timer", "gg-timer", self._timer_loop, wake=self._wake_timer)
 
     def now_s(self) -> float:
         return self._clock() - self._t0
@@ -256,6 +256,7 @@ class GroupGeneratorCore:
         if last is not None and last[0] == iteration:  # a concurrent retry picked it up
             return last[1]
         if self._stopping:
+            self._timer.raise_if_failed()  # the policy failed on the timer's thread
             raise _Stopping
         return None
 
@@ -342,20 +343,39 @@ class GroupGeneratorCore:
 
     def stop(self) -> None:
         with self._lock:
-            self._stopping = True
-            self._timer_cond.notify_all()
-            for cond in self._worker_cond:
-                cond.notify_all()
-            wakers, self._wakers = self._wakers, {}
-            for wake in (w for ws in wakers.values() for w in ws):
-                wake()
-        self._timer.join(timeout=5.0)
+            self._end_waits()
+        self._timer.join(5.0)
         with self._lock:
             if self._trace is not None:
                 self._trace.close()
                 self._trace = None
 
-    def _timer_loop(self) -> None:
+    def _wake_timer(self) -> None:
+        with self._lock:
+            self._timer_cond.notify_all()
+
+    def _timer_loop(self, _index: int = 0) -> None:
+        """The timer's thread: poll the policy at each of its deadlines. A policy that raises here ends
+        the service (every waiting request fails with the error, see :meth:`_pickup`)."""
+        try:
+            self._poll_at_deadlines()
+        except BaseException as exc:
+            self._timer.fail(exc)  # before the waiters wake, so that they see it
+            with self._lock:
+                self._end_waits()
+            raise
+
+    def _end_waits(self) -> None:
+        """Lock held: stop, and wake every waiting request and the timer."""
+        self._stopping = True
+        self._timer_cond.notify_all()
+        for cond in self._worker_cond:
+            cond.notify_all()
+        wakers, self._wakers = self._wakers, {}
+        for wake in (w for ws in wakers.values() for w in ws):
+            wake()
+
+    def _poll_at_deadlines(self) -> None:
         with self._lock:
             while not self._stopping:
                 deadline = self.policy.next_deadline()
@@ -462,6 +482,8 @@ class _Servicer(pb_grpc.GroupGeneratorServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except _Stopping:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the group generator is shutting down")
+            except CommError as error:  # its policy failed on the timer's thread
+                await context.abort(grpc.StatusCode.INTERNAL, str(error))
             if group is not None:
                 return pb.GroupReply(seq=group.seq, members=group.members)
             try:

@@ -9,7 +9,8 @@ tail latency of a transfer then comes from real queues, not from a formula.
 One service process (``python -m prague.net.traffic``), started by the launcher in its own namespace:
 per host, a thread joins the host's namespace to run a sink (inbound bursts) and a source (outbound
 bursts, to a sink behind the bridge); a thread in the launcher's namespace sends the inbound bursts.
-``setns(2)`` moves only the calling thread, so one process serves every host. It writes its ready
+``setns(2)`` moves only the calling thread, so one process serves every host. Every thread is a
+:class:`~prague.runtime.background.FunctionWork`'s; a stream that breaks ends the service with an error. It writes its ready
 file once every connection is up, and runs until it is stopped. Pure parts (:func:`parse_cross_traffic`,
 :func:`burst_plan`) are shared with the simulator.
 """
@@ -26,7 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prague.errors import ConfigError
+from prague.errors import CommError, ConfigError
+from prague.runtime.background import FunctionWork
 
 PERIOD_S = 0.1
 PORT = 47_000  # the sinks' port, inside each namespace and on the bridge
@@ -66,7 +68,7 @@ def burst_plan(seed: int, host: int, direction: str, periods: int, probability: 
 
 
 def _sink(listener: socket.socket) -> None:
-    """Read and drop whatever arrives on every accepted connection."""
+    """Read and drop whatever arrives on every accepted connection (one work per connection)."""
     def drain(conn: socket.socket) -> None:
         with conn:
             while conn.recv(_CHUNK):
@@ -74,7 +76,7 @@ def _sink(listener: socket.socket) -> None:
 
     while True:
         conn, _ = listener.accept()
-        threading.Thread(target=drain, args=(conn,), daemon=True).start()
+        FunctionWork("cross-traffic sink's connection", "traffic-drain", lambda _, c=conn: drain(c))
 
 
 def _listen(address: str) -> socket.socket:
@@ -82,7 +84,7 @@ def _listen(address: str) -> socket.socket:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((address, PORT))
     listener.listen(64)
-    threading.Thread(target=_sink, args=(listener,), daemon=True).start()
+    FunctionWork(f"cross-traffic sink on {address}", "traffic-sink", lambda _: _sink(listener))
     return listener
 
 
@@ -107,40 +109,41 @@ def _source(conn: socket.socket, traffic: CrossTraffic, seed: int, host: int, di
 
 def serve(namespaces: list[str], addresses: list[str], bridge_address: str, traffic: CrossTraffic, seed: int,
           ready_file: Path) -> None:
-    """Run the sinks and sources of every host (see the module docstring); never returns."""
+    """Run the sinks and sources of every host (see the module docstring); returns only when a stream
+    failed, raising its error."""
     from prague.io import atomic_write_text
     from prague.net.hosts import enter_namespace
 
     _listen(bridge_address)
     connected: list[tuple[socket.socket, int, str]] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def host_side(h: int) -> None:
-        try:
-            enter_namespace(namespaces[h])  # this thread only
-            _listen(addresses[h])
-            out = socket.create_connection((bridge_address, PORT), timeout=10)
-            with lock:
-                connected.append((out, h, "out"))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+        enter_namespace(namespaces[h])  # this thread only
+        _listen(addresses[h])
+        out = socket.create_connection((bridge_address, PORT), timeout=10)
+        with lock:
+            connected.append((out, h, "out"))
 
-    threads = [threading.Thread(target=host_side, args=(h,), daemon=True) for h in range(len(namespaces))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors or len(connected) != len(namespaces):
-        raise SystemExit(f"cross traffic: could not set up every host: {errors[:1] or 'timed out'}")
+    setup = FunctionWork("cross traffic's set-up", "traffic-setup", host_side, threads=len(namespaces))
+    try:
+        ended = setup.wait_ended(30)
+    except CommError as exc:
+        raise SystemExit(f"cross traffic: could not set up every host: {exc.__cause__ or exc}") from None
+    if not ended or len(connected) != len(namespaces):
+        raise SystemExit("cross traffic: could not set up every host: timed out after 30 s")
     for h, address in enumerate(addresses):
         connected.append((socket.create_connection((address, PORT), timeout=10), h, "in"))
-    for conn, h, direction in connected:
+    for conn, _, _ in connected:
         conn.settimeout(None)
-        threading.Thread(target=_source, args=(conn, traffic, seed, h, direction), daemon=True).start()
+
+    def send(i: int) -> None:
+        conn, host, direction = connected[i]
+        _source(conn, traffic, seed, host, direction)
+
+    sources = FunctionWork("cross-traffic sources", "traffic-source", send, threads=len(connected))
     atomic_write_text(ready_file, f"{len(connected)} streams\n")
-    while True:
-        time.sleep(3600)
+    sources.wait_ended()  # never, but for a stream that breaks: its error is raised here
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"prague.net.traffic: error: {exc}\n")
         return 2
+    except CommError as exc:
+        sys.stderr.write(f"prague.net.traffic: a stream failed: {exc.__cause__ or exc}\n")
+        return 1
     return 0
 
 

@@ -23,8 +23,11 @@ on a :class:`BackgroundWork`: one or more daemon threads with
 
 The worker's own watches run on it too, in its periodic form (:class:`PeriodicWork`: the heartbeat, the
 stall watch, the Group Generator watch), and so does a new communicator's rendezvous (a
-:class:`QueuedWork`); :func:`live_works` lists every work whose threads still run in this process, so
-that a thread of the package is always one work's (a test lists a live worker's threads by owner).
+:class:`QueuedWork`). The services' threads and the launcher's are :class:`FunctionWork`: the Group
+Generator's timer and the process's gRPC event loop, a parameter-server shard's thread per worker, the
+cross-traffic streams, and the launcher's reader of each child's output. :func:`live_works` lists every
+work whose threads still run in this process, so that a thread of the package is always one work's (a
+test lists a live worker's threads by owner).
 
 The same handle-with-stages shape as hivemind's ``StepControl`` (Ryabinin et al., "Moshpit SGD",
 NeurIPS 2021), reduced to what a method here needs.
@@ -121,6 +124,7 @@ class BackgroundWork:
         self.stopping = False
         self.spans: deque[Span] = deque(maxlen=MAX_SPANS)
         self._current: list[Operation | None] = [None] * threads
+        self._ended = 0  # threads whose body returned or raised (guarded by cond)
         self._threads = [threading.Thread(target=self._main, args=(i,), name=name if threads == 1 else f"{name}-{i}",
                                           daemon=True) for i in range(threads)]
 
@@ -186,6 +190,9 @@ class BackgroundWork:
             op = self._current[index]
             if op is not None and op.stage != DONE:  # an operation left open by a failure
                 self.end_operation(op)
+            with self.cond:
+                self._ended += 1
+                self.cond.notify_all()
 
     def fail(self, exc: BaseException) -> None:
         """Keep ``exc`` (the first failure stands) and wake every waiter."""
@@ -212,6 +219,11 @@ class BackgroundWork:
             ok = self.cond.wait_for(lambda: self.error is not None or ready(), timeout_s)
             self.raise_if_failed()
             return ok
+
+    def wait_ended(self, timeout_s: float | None = None) -> bool:
+        """Block until every thread's body has returned (or ``timeout_s`` passes); whether they all did.
+        Raises the first thread's failure as soon as it happens, without waiting for the others."""
+        return self.wait_until(lambda: self._ended == len(self._threads), timeout_s)
 
     # -- stop and join -----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -290,3 +302,24 @@ class PeriodicWork(BackgroundWork):
                 return
             with self.cond:
                 self.cond.wait_for(lambda: self.stopping, self.period_s)
+
+
+class FunctionWork(BackgroundWork):
+    """A work whose ``threads`` threads each run ``body(index)`` once: a service's serving loop, an event
+    loop, the reader of a pipe. ``wake`` (if given) makes a body blocked outside :attr:`cond` notice
+    :meth:`stop` (a body that runs until its input ends needs none). Started at once unless ``start`` is
+    False."""
+
+    def __init__(self, what: str, name: str, body: Callable[[int], None], threads: int = 1,
+                 wake: Callable[[], None] | None = None, start: bool = True) -> None:
+        super().__init__(what, name, threads)
+        self._body, self._wake = body, wake
+        if start:
+            self.start()
+
+    def run(self, index: int) -> None:
+        self._body(index)
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake()

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from prague import jobenv
 from prague.errors import EXIT_USAGE, ConfigError, WorkerFailed
 from prague.io import atomic_write_json
+from prague.runtime.background import FunctionWork
 from prague.runtime.context import ERROR_KEY, SURVIVABLE
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
@@ -111,10 +112,9 @@ class _Proc:
         self._log: IO[str] | None = open(log_path, "w", buffering=1) if log_path else None
         self.echo = echo  # its output goes to the console too (it may start to: a new leader's)
         self.exit_time: float | None = None
-        self._reader = threading.Thread(target=self._drain, name=f"drain-{label}", daemon=True)
-        self._reader.start()
+        self._reader = FunctionWork(f"reader of {label}'s output", f"drain-{label}", self._drain)
 
-    def _drain(self) -> None:
+    def _drain(self, _index: int = 0) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
             self.tail.append(line)
@@ -136,14 +136,14 @@ class _Proc:
             pass
 
     def finish(self) -> None:
-        self._reader.join(timeout=2.0)
+        self._reader.join(2.0)
         if self._log:
             self._log.close()
             self._log = None
 
     def log_only(self, text: str) -> None:
         """Write ``text`` to this process's log, not to the console (once its own output has ended)."""
-        self._reader.join(timeout=2.0)
+        self._reader.join(2.0)
         if self._log:
             self._log.write(text if text.endswith("\n") else text + "\n")
 

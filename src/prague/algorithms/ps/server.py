@@ -82,6 +82,7 @@ from prague.algorithms.ps.rules import accepts, sgd_rule, update_scale
 from prague.errors import CommError, ConfigError, unknown_choice
 from prague.io import JsonLines, atomic_write_text
 from prague.metrics.decisions import ShardPush, shard_trace_path
+from prague.runtime.background import FunctionWork
 from prague.runtime.context import attempt_store
 
 
@@ -332,24 +333,23 @@ def serve_worker(state: ShardState, store: dist.Store, shard: int, worker: int, 
 
 
 def serve(state: ShardState, store: dist.Store, shard: int, timeout: timedelta) -> None:
-    """Serve every worker from its own thread until all have said goodbye. On any thread's error: print
-    it and exit the process with code 1 (see the module docstring)."""
+    """Serve every worker from its own thread (one :class:`FunctionWork` of ``nproc`` threads) until all
+    have said goodbye. On any thread's error: print it and exit the process with code 1 (see the module
+    docstring)."""
 
     def run(worker: int) -> None:
         try:
             serve_worker(state, store, shard, worker, timeout)
-        except BaseException as exc:  # noqa: BLE001 - the whole shard must fail, loudly
-            sys.stderr.write(f"[ps-shard {shard}] failed while serving worker {worker}: "
-                             + "".join(traceback.format_exception(exc)))
-            sys.stderr.flush()
-            os._exit(1)
+        except BaseException as exc:
+            raise CommError(f"ps-shard {shard} failed while serving worker {worker}: {exc!r}") from exc
 
-    threads = [threading.Thread(target=run, args=(w,), name=f"ps-shard{shard}-w{w}", daemon=True)
-               for w in range(state.nproc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    work = FunctionWork(f"ps-shard {shard}", f"ps-shard{shard}-w", run, threads=state.nproc)
+    try:
+        work.wait_ended()
+    except CommError as exc:  # the whole shard must fail, loudly
+        sys.stderr.write(f"[ps-shard {shard}] " + "".join(traceback.format_exception(exc)))
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
