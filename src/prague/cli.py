@@ -43,18 +43,46 @@ class _Parser(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
-def _run_config(args: argparse.Namespace, algorithm: str, scenario: str, nproc: int, out: Path) -> Any:
-    """Build and validate the RunConfig of one run from parsed flags, and check what the launcher needs."""
-    from prague.runtime.forkserver import prestart
-    from prague.train.config import config_from_args
+def resolve_job(args: argparse.Namespace, *, nproc: int | None, algorithm: str = "", scenario: str = "",
+                out: Path | None = None, saved: Path | None = None, saved_flag: str = "--job",
+                here: bool = True) -> Any:
+    """The job a command runs, worked out in this one place whatever the entry point (``prague run``,
+    ``--resume``, each cell of ``prague bench``, ``prague worker`` under the launcher or under torchrun).
 
-    cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
-    cfg.check_data_source()
-    prestart(cfg.data, not cfg.emulated)  # the flags hold: the workers' fork server imports while the rest is checked
-    check_backend(cfg)
+    From the description at ``saved`` (``prague run --resume OUT``: OUT/run.json, ``saved_flag``
+    ``--resume``; ``prague worker --job FILE``), with no run flag beside it; else from the run flags,
+    for ``nproc`` workers running ``algorithm`` under ``scenario`` into ``out``. A saved job must
+    describe ``nproc`` workers (None: as many as it says). Checked before anything starts: the method's
+    services can be declared (:func:`method_resources`); with ``here`` (the workers start on this
+    machine) also the data files, the backend against this machine's GPUs and the privileges emulated
+    hosts need, while the workers' fork server starts importing. ConfigError names what does not hold."""
+    from prague.train.config import config_from_args, load_config, read_job
+
+    if saved is not None:
+        flags = _run_flags_given(args)
+        resumed = saved_flag == "--resume"
+        if flags:
+            raise ConfigError(f"--resume continues the run as it was started (its settings are in OUT/run.json); "
+                              f"drop {flags}" if resumed else f"{saved_flag} holds the whole job; drop {flags}")
+        cfg = load_config(saved) if resumed else read_job(saved, flag=saved_flag, resume=bool(args.resume))
+        if nproc is not None and cfg.nproc != nproc:
+            raise ConfigError(f"{saved_flag} {str(saved)!r} describes {cfg.nproc} workers, but this job has {nproc}; "
+                              "start it with as many (torchrun --nnodes x --nproc-per-node)")
+    else:
+        if nproc is None:
+            raise ValueError("a job from the flags needs its number of workers")
+        cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
+        if not here and args.resume:  # torchrun running `prague worker --resume` with the flags
+            cfg = dataclasses.replace(cfg, resume=True)
     method_resources(cfg)  # the method's services can be declared for this job, before anything starts
-    if cfg.hosts is not None:
-        check_privileges()
+    if here:
+        from prague.runtime.forkserver import prestart
+
+        cfg.check_data_source()
+        prestart(cfg.data, not cfg.emulated)  # the flags hold: the fork server imports while the rest is checked
+        check_backend(cfg)
+        if cfg.hosts is not None:
+            check_privileges()
     return cfg
 
 
@@ -303,32 +331,17 @@ def _run_flags_given(args: argparse.Namespace) -> str:
     return ", ".join("--" + k.replace("_", "-") for k in given)
 
 
-def _resumed_config(args: argparse.Namespace) -> Any:
-    """The configuration ``prague run --resume OUT`` continues (saved in OUT); ConfigError if other run
-    flags were given too (a resumed run is the run that was started)."""
-    from prague.train.config import load_config
-
-    flags = _run_flags_given(args)
-    if flags:
-        raise ConfigError(f"--resume continues the run as it was started (its settings are in OUT/run.json); "
-                          f"drop {flags}")
-    cfg = load_config(args.resume)
-    check_backend(cfg)
-    method_resources(cfg)
-    return cfg
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from prague.io import atomic_write_json
     from prague.train.config import check_options_apply
 
     probe = None
-    if args.resume is not None:
-        cfg = _resumed_config(args)
-    else:
+    if args.resume is None:
         check_options_apply(args, [args.algorithm])
         probe = resolve_pace(args, args.nproc)
-        cfg = _run_config(args, args.algorithm, args.slowdown, args.nproc, args.out or _default_out(args.algorithm))
+    cfg = resolve_job(args, nproc=None if args.resume is not None else args.nproc, algorithm=args.algorithm,
+                      scenario=args.slowdown, out=args.out or _default_out(args.algorithm), saved=args.resume,
+                      saved_flag="--resume")
     cfg = with_nominal_compute(cfg, [cfg.scenario])
     summary = run_config(cfg, quiet=args.quiet)
     if probe is not None:
@@ -361,43 +374,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if under_torchrun():
         return _guarded_worker(args)
-    job = _read_worker_job(args)
+    job = _worker_job(args)
 
     def body(ctx: Any) -> None:
-        train(_worker_job(args, ctx.world_size, job), ctx)
+        train(job, ctx)
 
-    backend, timeout_s = (job.backend, job.timeout_s) if job is not None else (args.backend or "auto",
-                                                                                 args.timeout_s or 300.0)
-    run_worker(body, backend=backend, timeout_s=timeout_s)
+    run_worker(body, backend=job.backend, timeout_s=job.timeout_s)
     return 0
 
 
-def _read_worker_job(args: argparse.Namespace) -> Any:
-    """The job description ``prague worker --job FILE`` names (what ``prague run`` and a guard give their
-    workers), or None when the flags describe the job; ConfigError if flags are given beside ``--job``."""
-    from prague.train.config import read_job
-
-    if args.job is None:
-        return None
-    flags = _run_flags_given(args)
-    if flags:
-        raise ConfigError(f"--job holds the whole job; drop {flags}")
-    return read_job(args.job, resume=args.resume)
-
-
-def _worker_job(args: argparse.Namespace, world_size: int, job: Any) -> Any:
-    """The job this worker runs in a job of ``world_size`` workers: ``job`` (read from ``--job``), or one
-    resolved from the flags (torchrun running ``prague worker`` directly)."""
-    from prague.train.config import config_from_args
-
-    if job is None:
-        cfg = config_from_args(args, algorithm=args.algorithm, scenario=args.slowdown, nproc=world_size,
-                               out=args.out or Path("runs") / "torchrun")
-        return dataclasses.replace(cfg, resume=args.resume)
-    if job.nproc != world_size:
-        raise ConfigError(f"--job {str(args.job)!r} describes {job.nproc} workers, but this job has {world_size}; "
-                          "start it with as many (torchrun --nnodes x --nproc-per-node)")
-    return job
+def _worker_job(args: argparse.Namespace) -> Any:
+    """The job ``prague worker`` runs, resolved before it joins: the description ``--job FILE`` names
+    (what ``prague run`` and a guard give their workers), or the flags (torchrun running ``prague
+    worker`` directly), for as many workers as the environment's ``WORLD_SIZE``."""
+    return resolve_job(args, nproc=jobenv.current().need("world_size"), algorithm=args.algorithm,
+                       scenario=args.slowdown, out=args.out or Path("runs") / "torchrun", saved=args.job,
+                       here=False)
 
 
 def _guarded_worker(args: argparse.Namespace) -> int:
@@ -408,9 +400,9 @@ def _guarded_worker(args: argparse.Namespace) -> int:
     from prague.runtime.guard import Guard
     from prague.train.config import worker_argv, write_job
 
-    place = jobenv.current()
-    cfg = _worker_job(args, place.need("world_size"), _read_worker_job(args))
-    resources, survives = method_resources(cfg, host=service_host() if place.need("rank") == 0 else "127.0.0.1")
+    cfg = _worker_job(args)
+    rank0 = jobenv.current().need("rank") == 0
+    resources, survives = method_resources(cfg, host=service_host() if rank0 else "127.0.0.1")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     job = args.job if args.job is not None else write_job(cfg)  # every local rank writes the same description
     guard = Guard(worker_argv(job, resume=cfg.resume), services=resources.services, env=resources.env,
@@ -474,7 +466,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if records:
             print(f"resuming {out}: {len(records)} runs done", flush=True)
     pace_probe = _bench_pace(args, records)
-    cells = [_run_config(args, a, s, args.nproc, run_folder(out, a, s)) for s in scenarios for a in algorithms]
+    cells = [resolve_job(args, nproc=args.nproc, algorithm=a, scenario=s, out=run_folder(out, a, s))
+             for s in scenarios for a in algorithms]
     # every pair validated before any runs; one nominal step time for all (the same injected seconds)
     nominal = with_nominal_compute(cells[0], scenarios).compute_ms
 

@@ -12,7 +12,7 @@ import pytest
 
 from prague.algorithms.prague import PragueOptions
 from prague.algorithms.registry import METHODS
-from prague.cli import _read_worker_job, _worker_job, build_parser
+from prague.cli import _worker_job, build_parser
 from prague.errors import ConfigError
 from prague.simulate.run import SimConfig
 from prague.train.config import RunConfig, read_job, worker_argv, write_job
@@ -89,20 +89,29 @@ def test_a_bad_job_file_is_one_error_naming_it(change: dict[str, Any], match: st
         read_job(tmp_path / "missing.json")
 
 
-def test_the_worker_reads_the_job_and_nothing_beside_it(tmp_path: Path) -> None:
+def test_the_worker_reads_the_job_and_nothing_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     job = write_job(RunConfig(algorithm="dssync", nproc=3, out=tmp_path, steps=4))
     argv = worker_argv(job, resume=True)
     assert argv[-4:] == ["worker", "--job", str(job), "--resume"]
     parser = build_parser(only="worker")
     args = parser.parse_args(argv[argv.index("worker"):])
-    cfg = _worker_job(args, 3, _read_worker_job(args))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="WORLD_SIZE is not set"):
+        _worker_job(args)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = _worker_job(args)
     assert cfg.label == "dssync" and cfg.steps == 4 and cfg.resume
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="describes 3 workers, but this job has 2"):
-        _worker_job(args, 2, _read_worker_job(args))
+        _worker_job(args)
     for extra in (["--steps", "5"], ["--algorithm", "prague"], ["--group-size", "2"]):
         bad = parser.parse_args(["worker", "--job", str(job), *extra])
         with pytest.raises(ConfigError, match=f"--job holds the whole job; drop {extra[0]}"):
-            _read_worker_job(bad)
+            _worker_job(bad)
+    # torchrun running `prague worker` with the flags: the job is theirs, for the environment's world size
+    flags = parser.parse_args(["worker", "--algorithm", "prague", "--steps", "7", "--resume", "--out", str(tmp_path / "t")])
+    cfg = _worker_job(flags)
+    assert (cfg.algorithm, cfg.nproc, cfg.steps, cfg.resume, cfg.out) == ("prague", 2, 7, True, tmp_path / "t")
 
 
 def test_a_simulation_is_the_job_description_plus_a_cluster(tmp_path: Path) -> None:
