@@ -681,7 +681,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     gu.add_argument("--timeout-s", type=float, default=300.0,
                     help="how long the guards wait for the others at the start and the end (default 300)")
     gu.add_argument("--out", type=Path, default=Path("."), help="where services.json, the script's steps and its "
-                                                                "prague.log_metrics() (metrics/) go (default .)")
+                                                                "prague.log_metrics() (metrics/) go, and rank 0's "
+                                                                "summary.json of how the job ended (default .)")
     gu.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
     from prague.simulate.cli import add_simulate_parser
@@ -733,7 +734,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
         raise ConfigError("prague guard runs under torchrun, one per rank (torchrun --nproc-per-node N -m prague "
                           "guard script.py); on one machine use prague launch, whose launcher guards every worker")
     guard = Guard([sys.executable, str(script), *args.script[1:]], services=(), env={}, survives=None,
-                  lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s)
+                  lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s, summary_file=args.out / "summary.json")
     return guard.run()
 
 

@@ -348,3 +348,15 @@ def test_prague_launch_keeps_a_scripts_own_loop_going_when_its_method_survives(t
     # the script's service is listed beside the logs (by rank 1, its new host, last)
     listed = json.loads((tmp_path / "services.json").read_text())["services"]
     assert [s["name"] for s in listed] == ["group-generator"], listed
+
+
+def test_the_leaders_in_turn_follow_the_order_in_which_failures_were_declared() -> None:
+    store = dist.HashStore()
+    assert liveness.leaders_in_turn(store, 5) == [0]
+    for rank in (2, 0, 1, 4):  # a follower, the leader, the next leader, a follower
+        assert liveness.declare_failure(store, liveness.Failure(rank, 3, "crash"))
+    assert not liveness.declare_failure(store, liveness.Failure(0, 4, "hang"))  # declared once
+    assert liveness.leaders_in_turn(store, 5) == [0, 1, 3]
+    summary = liveness.job_summary(5, None, [1, 1, 1, 0, 1], [3, 3, 3, 9, 3],
+                                   liveness.Membership(store, 5).failed(), [0, 1, 3])
+    assert summary["ok"] and summary["ranks"] == [3] and [f["rank"] for f in summary["failures"]] == [0, 1, 2, 4]

@@ -223,10 +223,12 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
     if victim == 0:
         assert "rank 1 leads the job now (rank 0 failed)" in res.stderr, res.stderr[-3000:]
         assert "leader 1 epoch 1" in res.stdout and "leader 1 epoch 2" in res.stdout, res.stdout
-    if launcher == "launch":  # how the job ended, in --log-dir
-        summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-        assert summary["ok"] and summary["ranks"] == survivors, summary
-        assert [f["rank"] for f in summary["failures"]] == [victim] and summary["failures"][0]["kind"] == "crash"
-        assert summary["leaders"] == ([0, 1] if victim == 0 else [0]), summary
-        assert len(list((tmp_path / "logs" / "metrics").glob("rank*.jsonl"))) == 3  # each rank's steps
+    # how the job ended, in --log-dir or the guards' --out (written by rank 0's launcher or guard)
+    folder = tmp_path / ("logs" if launcher == "launch" else "guard")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["ok"] and summary["ranks"] == survivors, summary
+    assert [f["rank"] for f in summary["failures"]] == [victim] and summary["failures"][0]["kind"] == "crash"
+    assert summary["leaders"] == ([0, 1] if victim == 0 else [0]), summary
+    assert [summary["exit_codes"][r] for r in survivors] == [0, 0] and summary["exit_codes"][victim] != 0, summary
+    assert len(list((folder / "metrics").glob("rank*.jsonl"))) == 3  # each rank's steps
     assert processes_of_session(case, within_s=10.0, kill=True) == []

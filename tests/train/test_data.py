@@ -13,7 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.errors import ConfigError, DataError
-from prague.workload.data import DATASETS, Dataset, ShardLoader, load_dataset, make_synthetic, shard_indices
+from prague.workload.catalog import DATASETS as CATALOG
+from prague.workload.catalog import check_pairing
+from prague.workload.data import (
+    DATASETS,
+    Dataset,
+    ShardLoader,
+    example_batch,
+    load_dataset,
+    load_text,
+    make_synthetic,
+    shard_indices,
+)
 from prague.workload.mnist import MNIST_FILES
 
 
@@ -63,9 +74,9 @@ def test_synthetic_defaults_and_learnability() -> None:
 
 
 def test_unknown_data_set_lists_choices() -> None:
-    with pytest.raises(ConfigError, match="unknown data set 'cifar'; valid choices: digits, mnist, synthetic"):
+    with pytest.raises(ConfigError, match="unknown data set 'cifar'; valid choices: digits, mnist, pytext, synthetic"):
         load_dataset("cifar")
-    assert DATASETS == ("digits", "mnist", "synthetic")
+    assert DATASETS == ("digits", "mnist", "synthetic", "pytext")
 
 
 def test_mnist_needs_data_dir() -> None:
@@ -197,3 +208,52 @@ def test_loader_rejects_bad_arguments() -> None:
         ShardLoader(x, y, 2, 2, 4, 0)
     with pytest.raises(ConfigError, match="step -1"):
         ShardLoader(x, y, 0, 1, 4, 0).batch(-1)
+
+
+def test_text_is_cut_into_windows_whose_labels_are_the_next_bytes() -> None:
+    text = bytes(range(256)) * 4 + b"tail"  # 1028 bytes: 64 windows of 16, the last byte only a label
+    data = load_text(text, context=16, test_windows=3, name="t")
+    assert data.text and data.input_shape == (16,) and data.num_classes == 256
+    assert data.train_x.shape == (58, 16) and data.test_x.shape == (3, 16)  # a tenth (6) held out, 3 of it kept
+    flat = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    for i in (0, 7, 57):
+        assert torch.equal(data.train_x[i], flat[16 * i:16 * i + 16])
+        assert torch.equal(data.train_y[i], flat[16 * i + 1:16 * i + 17])
+    assert torch.equal(data.test_x[0], flat[16 * 58:16 * 59])  # held out after every training window
+    assert data.test_targets == 3 * 16
+    with pytest.raises(ConfigError, match="needs at least 10"):
+        load_text(b"x" * 100, context=16)
+
+
+def test_pytext_is_the_standard_library_and_agrees_with_the_catalog() -> None:
+    data = load_dataset("pytext")
+    info = CATALOG["pytext"]
+    assert (len(data.train_y), data.input_shape, data.num_classes) == (info.train_samples, info.input_shape, info.num_classes)
+    assert data.test_targets == len(data.test_y) * info.input_shape[0]
+    assert b"import " in bytes(data.train_x[:200].flatten().tolist())
+    again = load_dataset("pytext", seed=5)  # a fixed split, like MNIST's
+    assert torch.equal(again.test_x, data.test_x)
+
+
+def test_a_text_data_set_checks_its_tokens_and_next_tokens() -> None:
+    x = torch.zeros(4, 8, dtype=torch.int64)
+    with pytest.raises(ConfigError, match=r"train_y has dtype torch.int64 and shape \(4,\), expected int64 of shape \(4, 8\)"):
+        Dataset("t", x, torch.zeros(4, dtype=torch.int64), x, x, (8,), 256)
+    with pytest.raises(ConfigError, match="expected int64 of shape"):
+        Dataset("t", x.float(), x, x, x, (8,), 256)
+
+
+@pytest.mark.parametrize(("model", "data", "words"), [("gpt", "mnist", "reads text, but data set 'mnist' holds images"),
+                                                      ("cnn", "pytext", "pass --model gpt")])
+def test_a_model_and_a_data_set_of_different_kinds_are_refused_naming_the_fix(model: str, data: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        check_pairing(model, data)
+    check_pairing("gpt", "pytext")
+    check_pairing("cnn", "mnist")
+
+
+def test_an_example_batch_has_the_shapes_a_step_trains_on() -> None:
+    x, y = example_batch((12,), 256, 3)
+    assert x.shape == y.shape == (3, 12) and x.dtype == torch.int64
+    x, y = example_batch((1, 8, 8), 10, 3)
+    assert x.shape == (3, 1, 8, 8) and y.shape == (3,) and int(y.max()) < 10

@@ -18,7 +18,7 @@ from prague.metrics.grid import (
     COARSE, CURVE_POINTS, coarse_positions, curve_indices, grid_points, kept, next_kept, scan, smoothed_crossing,
 )
 from prague.train.config import RunConfig
-from prague.train.evaluation import SnapshotLog, start_together
+from prague.train.evaluation import SnapshotLog, start_together, tally
 from prague_testing import join_all, start_thread
 
 
@@ -255,3 +255,19 @@ def test_the_evaluator_scores_the_newest_point_every_rank_can_give() -> None:
     assert newest_complete({0: {0, 1, 2, 3}, 1: {0, 1}}, {1}, 2) == 3
     assert newest_complete({0: {2, 3}, 1: {1, 3}}, {1}, 2) == 3
     assert newest_complete({0: {2}, 1: {1, 3}}, {1}, 2) is None  # point 2: rank 1 skipped it before its end
+
+
+class _Echo(nn.Module):
+    """Predicts each token itself, for the next one: logits (B, 256, T) peaked at the input token."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(tokens, 256).float().transpose(1, 2) * 10
+
+
+def test_a_text_model_is_scored_on_every_next_token_not_once_per_window() -> None:
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    y = torch.tensor([[1, 9, 3, 9], [9, 9, 9, 8]])  # 3 of the 8 next tokens equal the input
+    correct, loss = tally(_Echo(), x, y, torch.device("cpu"), batch_size=1)
+    assert correct == 3
+    per_token = torch.nn.functional.cross_entropy(_Echo()(x).double(), y, reduction="none")
+    assert per_token.shape == (2, 4) and math.isclose(loss, float(per_token.sum()))

@@ -9,7 +9,11 @@ import torch
 from torch import nn
 
 from prague.errors import ConfigError
+from prague.train.pacing import Pace
+from prague.workload.catalog import TEXT_MODELS
 from prague.workload.models import MODELS, build_model, parameter_count
+
+IMAGE_MODELS = tuple(m for m in MODELS if m not in TEXT_MODELS)
 
 # Input shapes of the built-in data sets: digits, mnist, synthetic.
 SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "synthetic": (3, 32, 32)}
@@ -35,7 +39,7 @@ def test_small_model_parameter_counts() -> None:
 
 
 @pytest.mark.parametrize("data", sorted(SHAPES))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_forward_gives_one_logit_per_class(name: str, data: str) -> None:
     model = cached_model(name, SHAPES[data])
     model.train()
@@ -44,7 +48,7 @@ def test_forward_gives_one_logit_per_class(name: str, data: str) -> None:
     assert out.shape == (2, 10) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_odd_and_tiny_shapes_and_backward(name: str) -> None:
     for shape in [(2, 7, 9), (1, 1, 1), (1, 1, 5)]:
         model = cached_model(name, shape)
@@ -69,7 +73,7 @@ def test_same_seed_builds_same_weights() -> None:
 
 
 def test_unknown_model_lists_choices() -> None:
-    with pytest.raises(ConfigError, match="unknown model 'vgg'; valid choices: cnn, mlp, resnet18"):
+    with pytest.raises(ConfigError, match="unknown model 'vgg'; valid choices: cnn, gpt, mlp, resnet18"):
         build_model("vgg", (1, 8, 8), 10)
 
 
@@ -78,3 +82,52 @@ def test_unknown_model_lists_choices() -> None:
 def test_bad_shapes_rejected(shape: tuple[int, ...], classes: int, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         build_model("mlp", shape, classes)  # type: ignore[arg-type]
+
+
+def test_gpt_predicts_each_next_token_causally_with_the_classes_second() -> None:
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256)
+    assert parameter_count(model) == 16 * 128 + 256 * 128 * 2 + 2 * (12 * 128 * 128 + 13 * 128) + 2 * 128
+    tokens = torch.randint(0, 256, (3, 16))
+    model.eval()
+    with torch.no_grad():
+        out = model(tokens)
+        assert out.shape == (3, 256, 16) and torch.isfinite(out).all()
+        changed = tokens.clone()
+        changed[:, 10] = (changed[:, 10] + 1) % 256  # a later token cannot change an earlier prediction
+        after = model(changed)
+        assert torch.allclose(out[:, :, :10], after[:, :, :10], atol=1e-5)
+        assert not torch.allclose(out[:, :, 10:], after[:, :, 10:], atol=1e-5)
+        assert model(tokens[:, :5]).shape == (3, 256, 5)  # shorter than the context
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(tokens), torch.randint(0, 256, (3, 16)))
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5  # small logits at first
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ConfigError, match="longer than the model's context of 16"):
+        model(torch.zeros(1, 17, dtype=torch.int64))
+
+
+def test_every_gpt_parameter_gets_its_own_time_on_the_paced_clock() -> None:
+    """The paced clock times a gradient by its module's place in the backward pass: every parameter of the
+    transformer must sit in a module whose forward runs (no fused attention holding weights it never calls),
+    and the blocks' gradients must be ready in the reverse of their order."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256)
+    pace = Pace(0.001, rank=0)
+    pace.attach(model)
+    pace.begin(1.0)
+    model(torch.randint(0, 256, (2, 16)))
+    pace.pad_rest()
+    shares = [pace._shares.get(p.data_ptr()) for p in model.parameters()]
+    assert all(s is not None and 0 < s <= 1 for s in shares), shares
+    first, last = model.blocks[0].qkv.weight, model.blocks[-1].qkv.weight
+    assert pace._shares[last.data_ptr()] < pace._shares[first.data_ptr()] < pace._shares[model.embed.weight.data_ptr()]
+    pace.detach()
+
+
+@pytest.mark.parametrize(("name", "shape", "words"), [("gpt", (1, 8, 8), "one positive size .T tokens.: it reads text"),
+                                                      ("cnn", (64,), "three positive sizes .C, H, W.: it reads images")])
+def test_a_model_given_the_other_kind_of_input_says_so(name: str, shape: tuple[int, ...], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        build_model(name, shape, 10)

@@ -57,10 +57,11 @@ import torch.distributed as dist
 
 from prague import jobenv
 from prague.errors import EXIT_USAGE, CommError, usage_message
+from prague.io import atomic_write_json
 from prague.runtime.context import ERROR_KEY, attempt_store
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, await_keys, progress_steps,
-    read_counters, read_keys,
+    PROGRESS_KEY, Failure, Inactivity, LeaseWatch, Membership, announce_failure, await_keys, job_summary,
+    leaders_in_turn, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceSpec
 
@@ -101,7 +102,8 @@ class Guard:
     worker (None: the child says, :func:`publish_survival`); ``out``: the run's folder (``services.json``)."""
 
     def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
-                 survives: bool | None, lease_s: float, out: Path, timeout_s: float) -> None:
+                 survives: bool | None, lease_s: float, out: Path, timeout_s: float,
+                 summary_file: Path | None = None) -> None:
         job = jobenv.current()
         self.rank, self.world_size = job.need("rank"), job.need("world_size")
         self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
@@ -110,6 +112,7 @@ class Guard:
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
         self.out = out  # a script's records go there too (its steps, its metrics)
+        self.summary_file = summary_file  # rank 0 writes how a script's job ended there
         self.services_file = out / "services.json"  # a script's own services are listed there too
         self.keeper = ServiceKeeper(self.store, specs, services_file=self.services_file, log_dir=out / "logs")
         self.membership = Membership(self.store, self.world_size)
@@ -118,7 +121,32 @@ class Guard:
         self.failure: Failure | None = None
 
     def run(self) -> int:
-        """Guard the child until the job has settled; the exit code for torchrun."""
+        """Guard the child until the job has settled; the exit code for torchrun. Rank 0's guard then
+        writes how the job ended in ``summary_file``, if given (a script's job: :func:`job_summary`)."""
+        code: int | None = None
+        try:
+            code = self._guard()
+            return code
+        finally:
+            if self.rank == 0 and self.summary_file is not None:
+                self._write_summary(code, self.summary_file)
+
+    def _write_summary(self, code: int | None, path: Path) -> None:
+        """``path``: what every guard knows through the store at this point (ranks that have
+        not ended have no exit code yet); best effort: the store may be gone with the job."""
+        try:
+            ranks = range(self.world_size)
+            ended = read_keys(self.store, ENDED_KEY, ranks)
+            progress = read_keys(self.store, PROGRESS_KEY, ranks)
+            summary = job_summary(
+                self.world_size, None if code == 0 else f"rank 0's guard exited with code {code}",
+                [int(ended[r]) if r in ended else None for r in ranks], [progress_steps(progress.get(r)) for r in ranks],
+                self.membership.failed(), leaders_in_turn(self.store, self.world_size))
+            atomic_write_json(path, summary)
+        except (RuntimeError, OSError, ValueError) as exc:  # a store that went away, an unwritable folder
+            sys.stderr.write(f"prague guard: warning: cannot write {path}: {exc}\n")
+
+    def _guard(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)  # torchrun stops its workers with SIGTERM
         try:
             env = self._job_env()

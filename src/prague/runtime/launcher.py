@@ -54,7 +54,7 @@ from prague.runtime.background import FunctionWork
 from prague.runtime.context import ERROR_KEY, SURVIVABLE
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, LeaseWatch, announce_failure, progress_steps, read_counters, read_keys,
+    PROGRESS_KEY, Failure, LeaseWatch, announce_failure, job_summary, progress_steps, read_counters, read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
 from prague.runtime.guard import published_survival
@@ -297,14 +297,9 @@ class Job:
             return
         codes = [w.poll() for w in self.workers]
         progress = self.progress()
-        atomic_write_json(self.spec.summary_file, {
-            "nproc": self.spec.nproc, "ok": error is None,
-            "error": None if error is None else str(error).splitlines()[0],
-            "exit_codes": codes, "steps": [progress_steps(progress.get(r)) for r in range(len(self.workers))],
-            "failures": [f.summary() for _, f in sorted(self.failures.items())],
-            "ranks": [r for r in range(len(self.workers)) if r not in self.failures],
-            "leaders": self.leaders,
-        })
+        atomic_write_json(self.spec.summary_file, job_summary(
+            self.spec.nproc, None if error is None else str(error).splitlines()[0], codes,
+            [progress_steps(progress.get(r)) for r in range(len(self.workers))], self.failures, self.leaders))
 
     def leader(self) -> int:
         """The lowest rank not lost, -1 if none is left."""

@@ -39,6 +39,8 @@ LEFT = "-1"
 FAILED_KEY = "prague/live/failed/"
 DONE_KEY = "prague/live/done/"
 EPOCH_KEY = "prague/live/epoch"
+#: ``ORDER_KEY + N``: the rank of the N-th failure declared (N from 1), for who led the job in turn.
+ORDER_KEY = "prague/live/order/"
 #: After an exchange breaks with no peer declared failed, how long to wait for the launcher to declare
 #: one (:meth:`Membership.wait_declared`) before the break is fatal.
 DECLARE_WAIT_S = 15.0
@@ -72,8 +74,36 @@ def declare_failure(store: dist.Store, failure: Failure) -> bool:
     text = failure.to_json()
     if store.compare_set(key, "", text).decode() != text:
         return False  # someone declared this rank first
-    store.add(EPOCH_KEY, 1)
+    store.set(f"{ORDER_KEY}{store.add(EPOCH_KEY, 1)}", str(failure.rank))
     return True
+
+
+def leaders_in_turn(store: dist.Store, world_size: int) -> list[int]:
+    """The ranks that led the job in turn (the lowest living rank, as :func:`prague.leader` says): rank 0,
+    then after each failure of the leader, in the order the failures were declared, the lowest rank not
+    declared failed by then."""
+    declared = int(store.add(EPOCH_KEY, 0))
+    order = [int(v) for _, v in sorted(read_keys(store, ORDER_KEY, range(1, declared + 1)).items())]
+    leaders, failed = [0], set()
+    for rank in order:
+        failed.add(rank)
+        if rank == leaders[-1]:
+            following = next((r for r in range(world_size) if r not in failed), None)
+            if following is None:
+                break
+            leaders.append(following)
+    return leaders
+
+
+def job_summary(nproc: int, error: str | None, exit_codes: list[int | None], steps: list[int],
+                failures: Mapping[int, Failure], leaders: list[int]) -> dict[str, object]:
+    """What ``summary.json`` says of how a script's job ended, under ``prague launch --log-dir`` and
+    ``prague guard --out`` alike: whether it ended well (and the first line of the error if not), each
+    rank's exit code (None: not known) and completed steps, the failures survived, the ranks that
+    finished, and the ranks that led in turn."""
+    return {"nproc": nproc, "ok": error is None, "error": error, "exit_codes": exit_codes, "steps": steps,
+            "failures": [f.summary() for _, f in sorted(failures.items())],
+            "ranks": [r for r in range(nproc) if r not in failures], "leaders": leaders}
 
 
 #: What a declared failure means for the job, when the others go on without the failed worker.

@@ -31,7 +31,7 @@ from prague.hetero.spec import parse_scenario
 from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
 from prague.train.divergence import DEFAULT_FACTOR, DEFAULT_WINDOW, REFERENCE_STEPS, check_rule
-from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_seed
+from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_pairing, check_seed
 
 #: The nominal step time of paced and emulated compute when --compute-ms is not given.
 DEFAULT_COMPUTE_MS = 100.0
@@ -190,6 +190,7 @@ class RunConfig:
             choices = f.metadata["choices"]
             if choices is not None and getattr(self, f.name) not in choices:
                 raise unknown_choice(_what(f.name), getattr(self, f.name), choices)
+        check_pairing(self.model, self.data)
         if self.compute_ms == AUTO:
             raise ConfigError("--compute-ms auto is probed by prague run and prague bench before the workers start; "
                               "here give a number of ms")

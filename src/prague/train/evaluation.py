@@ -167,8 +167,9 @@ class SnapshotLog:
 @torch.no_grad()
 def tally(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
           batch_size: int = 1000) -> tuple[int, float]:
-    """(how many of the samples ``x`` the model classifies as ``y``, the sum of their cross-entropy
-    losses), in evaluation mode; the model's mode is restored after."""
+    """(how many of the targets ``y`` the model predicts from the samples ``x``, the sum of their
+    cross-entropy losses), in evaluation mode; the model's mode is restored after. A target is a sample's
+    class, or for text each token's next one (``y`` of shape ``(N, T)``: N x T targets)."""
     training = model.training
     model.eval()
     correct, loss = 0, 0.0
@@ -188,7 +189,7 @@ def score(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.devi
 
 def evaluate(model: nn.Module, data: Dataset, closing: Closing) -> Score:
     """(test accuracy, mean test cross-entropy loss) of ``model`` (the same on every closing rank); each
-    scores a slice, the counts and sums are summed. Collective."""
+    scores a slice of the samples, the counts and sums are summed. Collective."""
     ctx = closing.ctx
     n = len(data.test_y)
     index, size = closing.ranks.index(ctx.rank), closing.size
@@ -196,7 +197,7 @@ def evaluate(model: nn.Module, data: Dataset, closing: Closing) -> Score:
     correct, loss = tally(model, data.test_x[lo:hi], data.test_y[lo:hi], ctx.device)
     sums = torch.tensor([correct, loss], dtype=torch.float64, device=ctx.device)
     closing.all_reduce(sums)
-    return float(sums[0].item()) / n, float(sums[1].item()) / n
+    return float(sums[0].item()) / data.test_targets, float(sums[1].item()) / data.test_targets
 
 
 def finite_or_none(value: float) -> float | None:
@@ -261,5 +262,5 @@ def replica_scores(model: nn.Module, data: Dataset, closing: Closing) -> tuple[l
     the closing ranks' order: each rank scores its ``model`` (one pass each, in parallel), then the results
     are gathered. Collective."""
     correct, loss = tally(model, data.test_x, data.test_y, closing.ctx.device)
-    n = len(data.test_y)
+    n = data.test_targets
     return closing.all_gather_floats(correct / n), closing.all_gather_floats(loss / n)

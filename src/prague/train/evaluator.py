@@ -133,7 +133,7 @@ def serve(out: Path, nproc: int, data_name: str, data_dir: Path | None, model_na
             time.sleep(poll_s)
             continue
         unflatten_into(mean, state_tensors(model))
-        accuracy = score(model, data.test_x, data.test_y, torch.device("cpu")) / len(data.test_y)
+        accuracy = score(model, data.test_x, data.test_y, torch.device("cpu")) / data.test_targets
         scored = point
         if accuracy >= target:
             atomic_write_text(folder / STOP_FILE, f"point {point} accuracy {accuracy:.6f}\n")

@@ -60,7 +60,7 @@ def total_steps(cfg: RunConfig, per_epoch: int) -> int:
     return epoch_steps(cfg.epochs or 1.0, per_epoch)
 
 
-def build(cfg: RunConfig, input_shape: tuple[int, int, int], num_classes: int,
+def build(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int,
           ctx: DistContext) -> tuple[nn.Module, torch.optim.Optimizer | None, int]:
     """The model (identical on every rank), its optimizer (None under emulated compute) and its size."""
     torch.manual_seed(cfg.seed)  # identical initial replicas on every rank

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from prague.workload.catalog import dataset_info
+    from prague.workload.data import example_batch
     from prague.workload.models import build_model
 
     torch.set_num_threads(1)
@@ -121,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = build_model(args.model, info.input_shape, info.num_classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args.batch_size, *info.input_shape)
-    y = torch.randint(0, info.num_classes, (args.batch_size,))
+    x, y = example_batch(info.input_shape, info.num_classes, args.batch_size)
 
     def step() -> float:
         t0 = time.perf_counter()

@@ -12,23 +12,40 @@ from dataclasses import dataclass
 
 from prague.errors import ConfigError, unknown_choice
 
-MODELS = ("mlp", "cnn", "resnet18")
+MODELS = ("mlp", "cnn", "resnet18", "gpt")
+#: The models that read text (token sequences); the others read images.
+TEXT_MODELS = ("gpt",)
 COMPUTE_MODES = ("real", "paced", "emulated")
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """One built-in data set: the shape of a sample (C, H, W), its classes, its training-set size."""
+    """One built-in data set: the shape of a sample ((C, H, W) for images, (T,) for text: T tokens), its
+    classes (text: the vocabulary, each token's next one is a class), its training-set size (samples:
+    images, or windows of T tokens)."""
 
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     train_samples: int
 
+    @property
+    def text(self) -> bool:
+        return len(self.input_shape) == 1
+
+
+#: ``pytext``: the first TEXT_BYTES bytes of this Python's standard library sources (its ``*.py`` files in
+#: name order), cut into windows of TEXT_CONTEXT characters; the last tenth, at most TEXT_TEST_WINDOWS
+#: windows, is held out.
+TEXT_BYTES = 2_000_000
+TEXT_CONTEXT = 64
+TEXT_WINDOWS = (TEXT_BYTES - 1) // TEXT_CONTEXT
+TEXT_TEST_WINDOWS = min(TEXT_WINDOWS // 10, 512)
 
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo((1, 8, 8), 10, 1437),  # 1,797 images, 80/20 split
     "mnist": DatasetInfo((1, 28, 28), 10, 60000),
     "synthetic": DatasetInfo((3, 32, 32), 10, 8192),
+    "pytext": DatasetInfo((TEXT_CONTEXT,), 256, TEXT_WINDOWS - TEXT_WINDOWS // 10),  # bytes: 256 tokens
 }
 
 
@@ -37,6 +54,17 @@ def dataset_info(name: str) -> DatasetInfo:
         return DATASETS[name]
     except (KeyError, TypeError):
         raise unknown_choice("data set", name, DATASETS) from None
+
+
+def check_pairing(model: str, data: str) -> None:
+    """Raise ConfigError unless ``model`` reads what ``data`` holds (text or images), naming the fix."""
+    info = dataset_info(data)
+    if model in TEXT_MODELS and not info.text:
+        raise ConfigError(f"model {model!r} reads text, but data set {data!r} holds images; pass --data pytext, or "
+                          f"an image model ({', '.join(m for m in MODELS if m not in TEXT_MODELS)})")
+    if model not in TEXT_MODELS and info.text:
+        raise ConfigError(f"model {model!r} reads images, but data set {data!r} holds text; pass --model "
+                          f"{TEXT_MODELS[0]}, or an image data set ({', '.join(d for d, i in DATASETS.items() if not i.text)})")
 
 
 #: Seeds are below 2**32, the bound of scikit-learn's and NumPy's seeds (the digits split uses them).

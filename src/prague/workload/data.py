@@ -1,6 +1,6 @@
 """Data sets as in-memory tensors, and the deterministic sharding every training method shares.
 
-Three data sets, chosen with :func:`load_dataset`:
+Four data sets, chosen with :func:`load_dataset`:
 
 * ``digits``: scikit-learn's bundled 8x8 handwritten digits (1,797 images, offline), a seeded,
   class-stratified 80/20 train/test split, standardised with the training split's mean and std.
@@ -8,6 +8,9 @@ Three data sets, chosen with :func:`load_dataset`:
   normalised with the usual constants ``((x / 255) - 0.1307) / 0.3081``.
 * ``synthetic``: seeded Gaussian class prototypes plus noise at CIFAR's shape 3x32x32
   (:func:`make_synthetic`), for model-size and throughput experiments without any file.
+* ``pytext``: text, for the ``gpt`` model: the first 2 MB of this Python's standard library sources (every
+  Python ships them; the same bytes on machines with the same Python) cut into windows of 64 bytes; a
+  sample is a window, its labels the 64 bytes that follow each of its bytes (:func:`load_text`).
 
 Sharding is a pure function of ``(n_samples, rank, world_size, seed)`` (:func:`shard_indices`) and a
 batch is a pure function of ``(rank, step)`` for a given loader configuration (:meth:`ShardLoader.batch`),
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 from prague.errors import ConfigError, DataError, unknown_choice
 from prague.workload.catalog import DATASETS as CATALOG
-from prague.workload.catalog import check_seed, steps_per_epoch
+from prague.workload.catalog import TEXT_BYTES, TEXT_CONTEXT, TEXT_TEST_WINDOWS, check_seed, steps_per_epoch
 from prague.workload.mnist import load_mnist
 
 __all__ = [
@@ -50,14 +53,17 @@ DIGITS_MAX_PIXEL = 16.0
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A classification data set held in memory, ready for a model.
+    """A classification data set held in memory, ready for a model: images, or text.
 
     Attributes:
         name: the name it was loaded under (one of :data:`DATASETS` for built-in ones).
-        train_x, test_x: ``float32`` tensors of shape ``(N, C, H, W)``.
-        train_y, test_y: ``int64`` tensors of shape ``(N,)`` with values in ``0..num_classes-1``.
-        input_shape: ``(C, H, W)`` of one sample.
-        num_classes: number of classes.
+        train_x, test_x: images, ``float32`` tensors of shape ``(N, C, H, W)``; or text, ``int64`` tokens
+            of shape ``(N, T)``.
+        train_y, test_y: ``int64`` tensors of shape ``(N,)`` (images: one class each) or ``(N, T)`` (text:
+            each token's next one), with values in ``0..num_classes-1``. Accuracy and loss are means over
+            their elements (:attr:`test_targets` of them in the test split).
+        input_shape: ``(C, H, W)`` of one image, or ``(T,)`` of one window of text.
+        num_classes: number of classes (text: the vocabulary).
 
     Construction checks that all of the above agree and raises :class:`~prague.errors.ConfigError`
     otherwise. Equality is identity (tensors have no single truth value).
@@ -68,25 +74,27 @@ class Dataset:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
-        if len(self.input_shape) != 3 or any(d < 1 for d in self.input_shape):
+        if len(self.input_shape) not in (1, 3) or any(d < 1 for d in self.input_shape):
             raise ConfigError(f"data set {self.name!r}: input_shape {self.input_shape!r} must be three "
-                              f"positive sizes (C, H, W)")
+                              f"positive sizes (C, H, W) for images or one (T,) for text")
         if self.num_classes < 2:
             raise ConfigError(f"data set {self.name!r}: num_classes {self.num_classes!r} must be at "
                               f"least 2")
+        dtype = torch.int64 if self.text else torch.float32
         for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
-            if x.dtype != torch.float32 or tuple(x.shape[1:]) != tuple(self.input_shape) or x.dim() != 4:
+            if x.dtype != dtype or tuple(x.shape[1:]) != tuple(self.input_shape):
                 raise ConfigError(f"data set {self.name!r}: {split}_x has dtype {x.dtype} and shape "
-                                  f"{tuple(x.shape)}, expected float32 of shape (N, "
+                                  f"{tuple(x.shape)}, expected {str(dtype).removeprefix('torch.')} of shape (N, "
                                   f"{', '.join(map(str, self.input_shape))})")
-            if y.dtype != torch.int64 or y.dim() != 1 or y.shape[0] != x.shape[0]:
+            want = tuple(x.shape) if self.text else (x.shape[0],)
+            if y.dtype != torch.int64 or tuple(y.shape) != want:
                 raise ConfigError(f"data set {self.name!r}: {split}_y has dtype {y.dtype} and shape "
-                                  f"{tuple(y.shape)}, expected int64 of shape ({x.shape[0]},) to match "
+                                  f"{tuple(y.shape)}, expected int64 of shape {want} to match "
                                   f"{split}_x")
             if x.shape[0] == 0:
                 raise ConfigError(f"data set {self.name!r}: the {split} split is empty; it needs at "
@@ -95,6 +103,16 @@ class Dataset:
             if low < 0 or high >= self.num_classes:
                 raise ConfigError(f"data set {self.name!r}: {split}_y holds labels {low}..{high}, "
                                   f"expected 0..{self.num_classes - 1}")
+
+    @property
+    def text(self) -> bool:
+        """Whether the samples are windows of text (``(T,)`` tokens) rather than images."""
+        return len(self.input_shape) == 1
+
+    @property
+    def test_targets(self) -> int:
+        """How many predictions the test split scores: its samples (images) or its tokens (text)."""
+        return self.test_y.numel()
 
 
 def load_dataset(name: str, data_dir: Path | None = None, seed: int = 0) -> Dataset:
@@ -120,7 +138,46 @@ def load_dataset(name: str, data_dir: Path | None = None, seed: int = 0) -> Data
                               "--data-dir pointing at a directory holding train-images-idx3-ubyte[.gz] "
                               "and the other three MNIST files")
         return _load_mnist(Path(data_dir))
+    if name == "pytext":
+        return load_text(standard_library_text())
     return make_synthetic(seed)
+
+
+def standard_library_text() -> bytes:
+    """The first :data:`~prague.workload.catalog.TEXT_BYTES` bytes of this Python's standard library
+    sources (its ``*.py`` files in name order); DataError if it holds fewer than ``pytext`` needs."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        chunks.append(path.read_bytes())
+        size += len(chunks[-1])
+        if size >= TEXT_BYTES:
+            return b"".join(chunks)[:TEXT_BYTES]
+    raise DataError(f"data set 'pytext': the standard library in {str(stdlib)!r} holds {size} bytes of *.py "
+                    f"sources, fewer than the {TEXT_BYTES} it needs; use a full Python installation")
+
+
+def load_text(text: bytes, context: int = TEXT_CONTEXT, test_windows: int = TEXT_TEST_WINDOWS,
+              name: str = "pytext") -> Dataset:
+    """Text as a data set of byte tokens (vocabulary 256): ``text`` cut into windows of ``context`` bytes,
+    each with the ``context`` bytes one further as its labels (the next byte of each); the last tenth of
+    the windows is held out, at most ``test_windows`` of them (the first of that tenth), and the rest
+    trained on. Pure."""
+    if context < 1 or test_windows < 1:
+        raise ConfigError(f"text windows of {context} bytes, {test_windows} held out: both must be >= 1")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
+    windows = (len(tokens) - 1) // context
+    held = windows // 10
+    if held < 1:
+        raise ConfigError(f"data set {name!r}: {len(tokens)} bytes make {windows} windows of {context}; "
+                          "it needs at least 10 to hold one out")
+    rows = tokens[:windows * context + 1].unfold(0, context + 1, context)  # (windows, context + 1), overlapping by one
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    train, test = slice(0, windows - held), slice(windows - held, windows - held + min(held, test_windows))
+    return Dataset(name=name, train_x=x[train], train_y=y[train], test_x=x[test], test_y=y[test],
+                   input_shape=(context,), num_classes=256)
 
 
 def make_synthetic(
@@ -223,6 +280,17 @@ def _load_mnist(data_dir: Path) -> Dataset:
         input_shape=(1, height, width),
         num_classes=10,
     )
+
+
+def example_batch(input_shape: tuple[int, ...], num_classes: int, batch_size: int,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and labels of the shapes a model for ``input_shape`` trains on: images ``(B, C, H, W)``
+    with a class each, or text ``(B, T)`` tokens with the next token of each (for timing a step)."""
+    if len(input_shape) == 1:
+        x = torch.randint(0, num_classes, (batch_size, *input_shape), generator=generator)
+        return x, torch.randint(0, num_classes, x.shape, generator=generator)
+    return (torch.randn(batch_size, *input_shape, generator=generator),
+            torch.randint(0, num_classes, (batch_size,), generator=generator))
 
 
 def shard_indices(n_samples: int, rank: int, world_size: int, seed: int) -> torch.Tensor:

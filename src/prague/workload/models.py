@@ -7,6 +7,15 @@
   CIFAR form: a 3x3 stride-1 stem without max-pool, BasicBlocks [2, 2, 2, 2] at 64/128/256/512
   channels, BatchNorm, global average pooling and a linear classifier; 11,173,962 parameters for
   3x32x32 inputs and 10 classes. Adaptive pooling lets it run on inputs as small as 1x1.
+* ``gpt``: a character-level transformer language model for text data (``pytext``) in GPT-2's layout
+  (Radford et al., "Language Models are Unsupervised Multitask Learners", 2019): token embeddings and
+  learned positions, :data:`GPT_LAYERS` pre-norm blocks of causal self-attention (:data:`GPT_HEADS`
+  heads) and a 4x MLP at width :data:`GPT_WIDTH`, a final LayerNorm and a linear head over the
+  vocabulary; 470,528 parameters for windows of 64 bytes. It maps tokens ``(B, T)`` to logits
+  ``(B, vocabulary, T)``, the classes second as for the image models, so ``F.cross_entropy(model(x), y)``
+  with next tokens ``y`` of shape ``(B, T)`` is the language-modelling loss and ``argmax(dim=1)`` the
+  predicted next tokens. Every parameter sits in a module of its own (no fused attention module), so the
+  paced clock times each one's gradient (:mod:`prague.train.pacing`).
 
 Weights are drawn from torch's global RNG: seed it (``torch.manual_seed``) before :func:`build_model`
 on every rank, or broadcast rank 0's weights, so that all replicas start equal.
@@ -14,11 +23,13 @@ on every rank, or broadcast rank 0's weights, so that all replicas start equal.
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prague.comm.flat import state_tensors
 from prague.errors import ConfigError, unknown_choice
-from prague.workload.catalog import MODELS
+from prague.workload.catalog import MODELS, TEXT_MODELS
 
 __all__ = ["MODELS", "build_model", "parameter_count"]
 
@@ -27,25 +38,34 @@ MLP_HIDDEN = 128
 CNN_HIDDEN = 128
 RESNET18_BLOCKS = (2, 2, 2, 2)
 RESNET_WIDTHS = (64, 128, 256, 512)
+GPT_WIDTH = 128
+GPT_LAYERS = 2
+GPT_HEADS = 4
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Build model ``name`` (one of :data:`MODELS`) for inputs ``(B, *input_shape)`` and return it.
 
-    The model maps a float tensor of shape ``(B, C, H, W)`` to logits of shape ``(B, num_classes)``.
+    An image model maps a float tensor of shape ``(B, C, H, W)`` to logits of shape ``(B, num_classes)``;
+    ``gpt`` maps int64 tokens ``(B, T)`` (``input_shape`` is ``(T,)``, ``num_classes`` the vocabulary) to
+    logits ``(B, num_classes, T)``.
 
     Raises:
         ConfigError: ``name`` is unknown (the message lists the valid ones), ``input_shape`` is not
-            three positive sizes, or ``num_classes`` < 2.
+            three positive sizes for an image model or one for ``gpt``, or ``num_classes`` < 2.
     """
     if name not in MODELS:
         raise unknown_choice("model", name, MODELS)
     shape = tuple(int(d) for d in input_shape)
-    if len(shape) != 3 or any(d < 1 for d in shape):
-        raise ConfigError(f"model {name!r}: input_shape {tuple(input_shape)!r} must be three positive "
-                          f"sizes (C, H, W)")
+    text = name in TEXT_MODELS
+    if len(shape) != (1 if text else 3) or any(d < 1 for d in shape):
+        raise ConfigError(f"model {name!r}: input_shape {tuple(input_shape)!r} must be "
+                          + ("one positive size (T tokens): it reads text" if text else
+                             "three positive sizes (C, H, W): it reads images"))
     if num_classes < 2:
         raise ConfigError(f"model {name!r}: num_classes={num_classes!r} must be at least 2")
+    if text:
+        return GPT(vocabulary=num_classes, context=shape[0])
     channels, height, width = shape
     if name == "mlp":
         return _mlp(channels * height * width, num_classes)
@@ -152,3 +172,53 @@ class ResNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = self.pool(self.stages(self.stem(x)))
         return self.fc(out.flatten(1))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: ``h + attention(norm(h))``, then ``h + mlp(norm(h))``; causal
+    multi-head self-attention through :func:`torch.nn.functional.scaled_dot_product_attention`."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ConfigError(f"a transformer block of width {width} cannot have {heads} heads; the width must "
+                              "be a multiple of the heads")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, h: Tensor) -> Tensor:
+        batch, length, width = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return h + self.down(self.act(self.up(self.norm2(h))))
+
+
+class GPT(nn.Module):
+    """A character-level GPT (see the module docstring): tokens ``(B, T)``, ``T <= context``, to logits
+    ``(B, vocabulary, T)``."""
+
+    def __init__(self, vocabulary: int, context: int, width: int = GPT_WIDTH, layers: int = GPT_LAYERS,
+                 heads: int = GPT_HEADS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        nn.init.normal_(self.embed.weight, std=0.02)  # small logits at first: a loss near ln(vocabulary)
+        self.position = nn.Embedding(context, width)
+        nn.init.normal_(self.position.weight, std=0.02)
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        length = tokens.shape[1]
+        if length > self.position.num_embeddings:
+            raise ConfigError(f"gpt: a sequence of {length} tokens is longer than the model's context of "
+                              f"{self.position.num_embeddings}")
+        h = self.embed(tokens) + self.position(torch.arange(length, device=tokens.device))
+        return self.head(self.norm(self.blocks(h))).transpose(1, 2)
