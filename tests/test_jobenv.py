@@ -44,13 +44,15 @@ def test_a_malformed_variable_is_named(name: str, value: str, message: str) -> N
 def test_prague_variables_say_who_started_the_process(tmp_path: Path) -> None:
     job = JobEnv.read({jobenv.LAUNCHER_PID: "42", jobenv.MANAGED_SERVICES: "1", jobenv.GUARDED: "1",
                        jobenv.SERVICES_FILE: str(tmp_path / "services.json"), jobenv.NETNS: "h0",
-                       jobenv.GG_TOKEN: "secret", jobenv.HOST_LABEL: "a", jobenv.WORKER_START: "exec"})
+                       jobenv.GG_TOKEN: "secret", jobenv.HOST_LABEL: "a", jobenv.WORKER_START: "exec",
+                       jobenv.REPORT_TO: "csv"})
     assert job.under_launcher and job.launcher_pid == 42 and job.managed_services and job.guarded
     assert job.services_file == tmp_path / "services.json"
-    assert (job.netns, job.gg_token, job.host_label, job.worker_start) == ("h0", "secret", "a", "exec")
+    assert (job.netns, job.gg_token, job.host_label, job.worker_start, job.report_to) == ("h0", "secret", "a", "exec",
+                                                                                           "csv")
     assert set(jobenv.PRAGUE_VARIABLES) == {jobenv.LAUNCHER_PID, jobenv.WORKER_START, jobenv.MANAGED_SERVICES,
                                             jobenv.SERVICES_FILE, jobenv.GUARDED, jobenv.NETNS, jobenv.GG_TOKEN,
-                                            jobenv.HOST_LABEL, jobenv.OUT}
+                                            jobenv.HOST_LABEL, jobenv.OUT, jobenv.REPORT_TO}
     assert all(v.startswith("PRAGUE_") for v in jobenv.PRAGUE_VARIABLES)
 
 

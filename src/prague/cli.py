@@ -414,7 +414,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from prague.algorithms.spec import check_nproc
     from prague.runtime.launcher import LaunchSpec, launch
 
+    from prague.metrics.writers import parse_report_to
+
     check_nproc(args.nproc)  # before --echo-all lists every rank
+    reports = parse_report_to(args.report_to)
+    if reports and args.log_dir is None:
+        raise ConfigError("--report-to writes beside the script's logs: give --log-dir DIR too")
     if not args.script:
         raise ConfigError("prague launch needs a script: prague launch --nproc N script.py [args]")
     script = Path(args.script[0])
@@ -426,7 +431,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         survivable=None,  # the script's method says, when it is set up
         # the services the script's method starts on its rank 0 are listed beside the logs
         env={jobenv.SERVICES_FILE: str((args.log_dir / "services.json").resolve()),
-             jobenv.OUT: str(args.log_dir.resolve())} if args.log_dir else {},
+             jobenv.OUT: str(args.log_dir.resolve()),
+             **({jobenv.REPORT_TO: ",".join(reports)} if reports else {})} if args.log_dir else {},
         summary_file=args.log_dir / "summary.json" if args.log_dir else None,
     )
     launch(spec)
@@ -671,6 +677,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                                  "the script's method starts in DIR/services.json, and its steps "
                                                  "and prague.log_metrics() in DIR/metrics/")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
+    la.add_argument("--report-to", metavar="{tensorboard,csv}", help="with --log-dir: also write the script's step "
+                    "times and prague.log_metrics() to tensorboard (DIR/tensorboard/rankR) and/or csv "
+                    "(DIR/metrics/rankR.csv), comma-separated")
     la.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
     gu = sub.add_parser("guard", help="under torchrun: run a script using the prague API so that the job goes on "
@@ -683,6 +692,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     gu.add_argument("--out", type=Path, default=Path("."), help="where services.json, the script's steps and its "
                                                                 "prague.log_metrics() (metrics/) go, and rank 0's "
                                                                 "summary.json of how the job ended (default .)")
+    gu.add_argument("--report-to", metavar="{tensorboard,csv}", help="also write the script's step times and "
+                    "prague.log_metrics() to tensorboard (OUT/tensorboard/rankR) and/or csv (OUT/metrics/rankR.csv), "
+                    "comma-separated")
     gu.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
     from prague.simulate.cli import add_simulate_parser
@@ -733,8 +745,12 @@ def cmd_guard(args: argparse.Namespace) -> int:
     if not under_torchrun():
         raise ConfigError("prague guard runs under torchrun, one per rank (torchrun --nproc-per-node N -m prague "
                           "guard script.py); on one machine use prague launch, whose launcher guards every worker")
+    from prague.metrics.writers import parse_report_to
+
+    reports = parse_report_to(args.report_to)
     guard = Guard([sys.executable, str(script), *args.script[1:]], services=(), env={}, survives=None,
-                  lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s, summary_file=args.out / "summary.json")
+                  lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s, summary_file=args.out / "summary.json",
+                  child_env={jobenv.REPORT_TO: ",".join(reports)} if reports else {})
     return guard.run()
 
 

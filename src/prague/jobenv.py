@@ -37,9 +37,11 @@ GG_TOKEN = "PRAGUE_GG_TOKEN"
 HOST_LABEL = "PRAGUE_HOST_LABEL"
 #: Where a script's records go (its steps, its own metrics): ``prague launch --log-dir``, ``prague guard --out``.
 OUT = "PRAGUE_OUT"
+#: Where else a script's numbers go (``--report-to`` of ``prague launch`` and ``prague guard``: tensorboard, csv).
+REPORT_TO = "PRAGUE_REPORT_TO"
 #: Every variable of prague's own.
 PRAGUE_VARIABLES = (LAUNCHER_PID, WORKER_START, MANAGED_SERVICES, SERVICES_FILE, GUARDED, NETNS, GG_TOKEN, HOST_LABEL,
-                    OUT)
+                    OUT, REPORT_TO)
 
 _LAUNCH_HINT = "start the job with `prague launch`, `prague run` or torchrun"
 
@@ -80,6 +82,8 @@ class JobEnv:
     netns: str | None = None
     #: The folder of a script's records (:data:`OUT`).
     out: Path | None = None
+    #: Where else a script's numbers go (:data:`REPORT_TO`), as given: ``tensorboard,csv``.
+    report_to: str | None = None
     #: ``OMP_NUM_THREADS``, when set to a positive count.
     threads: int | None = None
 
@@ -109,7 +113,7 @@ class JobEnv:
             services_file=Path(environ[SERVICES_FILE]) if environ.get(SERVICES_FILE) else None,
             guarded=environ.get(GUARDED) == "1", gg_token=environ.get(GG_TOKEN),
             host_label=environ.get(HOST_LABEL) or None, netns=environ.get(NETNS) or None,
-            out=Path(environ[OUT]) if environ.get(OUT) else None,
+            out=Path(environ[OUT]) if environ.get(OUT) else None, report_to=environ.get(REPORT_TO) or None,
             threads=int(threads) if threads.isdigit() and int(threads) > 0 else None,
         )
 

@@ -192,7 +192,8 @@ def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts_and_records_
     theirs."""
     script, logs = tmp_path / "quiet.py", tmp_path / "logs"
     script.write_text(QUIET_SCRIPT)
-    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(logs), str(script), timeout_s=150)
+    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(logs), "--report-to", "csv", str(script),
+                  timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(f"rank {r} finished" in res.stdout for r in range(3)), res.stdout
     console = res.stdout + res.stderr
@@ -205,3 +206,5 @@ def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts_and_records_
         assert max(s["t_end_s"] for s in steps) > 3.0 or rank != 0  # rank 0's pause is in its clock
         user = [json.loads(line) for line in (logs / "metrics" / f"user-rank{rank}.jsonl").read_text().splitlines()]
         assert [u["step"] for u in user] == list(range(1, 31)) and all(u["lr"] == 0.1 and u["loss"] > 0 for u in user)
+        rows = (logs / "metrics" / f"rank{rank}.csv").read_text().splitlines()  # --report-to csv: the same numbers
+        assert sum(",time/compute_s," in r for r in rows) == 30 and sum(",user/loss," in r for r in rows) == 30

@@ -103,7 +103,7 @@ class Guard:
 
     def __init__(self, argv: Sequence[str], *, services: Sequence[ServiceSpec], env: dict[str, str],
                  survives: bool | None, lease_s: float, out: Path, timeout_s: float,
-                 summary_file: Path | None = None) -> None:
+                 summary_file: Path | None = None, child_env: dict[str, str] | None = None) -> None:
         job = jobenv.current()
         self.rank, self.world_size = job.need("rank"), job.need("world_size")
         self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
@@ -113,6 +113,7 @@ class Guard:
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
         self.out = out  # a script's records go there too (its steps, its metrics)
         self.summary_file = summary_file  # rank 0 writes how a script's job ended there
+        self.child_env = dict(child_env or {})  # this guard's own settings for its child (--report-to)
         self.services_file = out / "services.json"  # a script's own services are listed there too
         self.keeper = ServiceKeeper(self.store, specs, services_file=self.services_file, log_dir=out / "logs")
         self.membership = Membership(self.store, self.world_size)
@@ -151,7 +152,7 @@ class Guard:
         try:
             env = self._job_env()
             self.child = subprocess.Popen(self.argv, env=jobenv.child({
-                **env, jobenv.GUARDED: "1", jobenv.LAUNCHER_PID: str(os.getpid()),
+                **env, **self.child_env, jobenv.GUARDED: "1", jobenv.LAUNCHER_PID: str(os.getpid()),
                 jobenv.SERVICES_FILE: str(self.services_file.resolve()), jobenv.OUT: str(self.out.resolve())}))
             code = self._watch_child()
             self.store.set(f"{ENDED_KEY}{self.rank}", str(code))

@@ -31,6 +31,7 @@ from prague.hetero.spec import parse_scenario
 from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
 from prague.train.divergence import DEFAULT_FACTOR, DEFAULT_WINDOW, REFERENCE_STEPS, check_rule
+from prague.metrics.writers import parse_report_to
 from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_pairing, check_seed
 
 #: The nominal step time of paced and emulated compute when --compute-ms is not given.
@@ -164,6 +165,9 @@ class RunConfig:
                                               "seeded by --seed)")
     timeline: bool = setting(False, "write OUT/timeline.json, a Chrome trace of every worker's steps (open it in "
                                     "Perfetto); `prague timeline OUT` prints where the time went")
+    report_to: str | None = setting(None, "also write each rank's step times and loss, and the evaluation, to "
+                                          "tensorboard (OUT/tensorboard/rankR) and/or csv (OUT/metrics/rankR.csv), "
+                                          "comma-separated")
     resume: bool = False  # continue from the last complete checkpoint in ``out`` (prague run --resume OUT)
 
     def __post_init__(self) -> None:
@@ -239,6 +243,7 @@ class RunConfig:
             raise ConfigError(f"{flag} acts on the links of emulated hosts; give --hosts H too, or drop it")
         if self.cross_traffic is not None:
             parse_cross_traffic(self.cross_traffic)
+        parse_report_to(self.report_to)
 
     def _resolve_method(self) -> None:
         """Set ``method`` from ``algorithm`` and make ``options`` the method's typed, checked options."""

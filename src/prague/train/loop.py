@@ -29,6 +29,7 @@ from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
+from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.background import Span
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY, mark_left, progress_text, read_progress
@@ -246,7 +247,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
     start_together(ctx.store, ctx.rank, ctx.world_size)
     clock = TrainClock(resumed.wall_s if resumed else 0.0)
     keep = snapshots is not None
-    with trainer, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
+    writers = Writers(Path(cfg.out), ctx.rank, parse_report_to(cfg.report_to))  # --report-to
+    with trainer, writers, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
         for rec in training.records:
             log.write(json.dumps(rec.as_dict()) + "\n")
             work.observe_loss(rec.step, rec.loss)  # the checkpoint's steps set the starting loss
@@ -278,6 +280,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
                 rec.samples = share[1]
             training.records.append(rec)
             log.write(json.dumps(rec.as_dict()) + "\n")
+            writers.step(rec)
             work.observe_loss(rec.step, rec.loss)
             done = trainer.steps_done
             ctx.store.set(progress, progress_text(done, max(work.expected, done), rec.loss))
@@ -453,6 +456,9 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         restarts=jobenv.current().restart_count,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
+    if cfg.report_to and record.eval_history:
+        with Writers(Path(cfg.out), ctx.rank, parse_report_to(cfg.report_to)) as writers:
+            writers.history(record.eval_history)
     if cfg.timeline:  # every rank's step records are complete: all closed their runs
         write_timeline(Path(cfg.out))
     return record

@@ -62,6 +62,7 @@ from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
 from prague.io import JsonLines
+from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.train.trainer import StepRecord, make_algorithm, setup_algorithm
@@ -90,6 +91,7 @@ class _Session:
         self.t0 = self.step_start = time.perf_counter()
         out = jobenv.current().out  # under prague launch --log-dir / prague guard --out: the steps' records
         self.records = JsonLines(out / "metrics" / f"rank{ctx.rank}.jsonl") if out is not None else None
+        self.writers = _writers(out, ctx.rank) if out is not None else None  # and --report-to's
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -120,6 +122,8 @@ class _Session:
         self.closed = True
         if self.records is not None:
             self.records.close()
+        if self.writers is not None:
+            self.writers.flush()
         if self._unpause is not None:
             self._unpause()
         for handle in self.handles:
@@ -277,11 +281,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         algorithm.after_step(step, times)
         if session.records is not None:  # what prague run's workers write, for a script
             t_end = time.perf_counter()
-            session.records.write(StepRecord(
+            record = StepRecord(
                 step=step, rank=session.ctx.rank, t_end_s=t_end - session.t0,
                 compute_s=max(0.0, t_hooks - session.step_start - times.inner_comm_s),
                 comm_s=(t_end - t_hooks) + times.inner_comm_s, wait_s=times.wait_s, slowdown=1.0, loss=None,
-                dropped=times.dropped).as_dict())
+                dropped=times.dropped)
+            session.records.write(record.as_dict())
+            if session.writers is not None:
+                session.writers.step(record)
         session.step += 1
         report_steps(session.step)
         session.forward_ready = False
@@ -385,6 +392,31 @@ def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path
     if key not in _METRICS:
         _METRICS[key] = JsonLines(folder / "metrics" / f"user-rank{ctx.rank}.jsonl", append=True)
     _METRICS[key].write(line)
+    writers = _writers(folder, ctx.rank)
+    if writers.kinds:
+        writers.scalars({f"user/{name}": line[name] for name in values}, line["step"] or 0, line["time_s"])
+        writers.flush()
+
+
+_WRITERS: dict[tuple[Path, int], Writers] = {}  # one rank's TensorBoard and CSV writers per folder
+
+
+def _writers(folder: Path, rank: int) -> Writers:
+    """The writers ``--report-to`` of ``prague launch`` or ``prague guard`` asks for, for ``rank``'s
+    records in ``folder`` (the steps and :func:`log_metrics` share them)."""
+    key = (folder.resolve(), rank)
+    if key not in _WRITERS:
+        if not _WRITERS:
+            on_shutdown(_close_writers)
+        _WRITERS[key] = Writers(folder, rank, parse_report_to(jobenv.current().report_to))
+    return _WRITERS[key]
+
+
+def _close_writers() -> None:
+    """At ``prague.shutdown()``: flush and close every writer (TensorBoard's last events reach the disk)."""
+    for writers in _WRITERS.values():
+        writers.close()
+    _WRITERS.clear()
 
 
 _LATEST: list[weakref.ref[_Session]] = []  # the latest prepared session (whose steps log_metrics counts)
