@@ -256,10 +256,50 @@ def check_unused(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
+class Net(nn.Module):
+    """:func:`net` as a model class of one's own (torch.compile compiles its forward as a frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(10, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def check_compiled(algorithm: str, opts: dict[str, object]) -> None:
+    """torch.compile before prepare (every method) and after it (every method whose module is the user's,
+    that is all but allreduce's DDP), with fullgraph=True: a graph break anywhere in the method's path
+    fails. The compiled model trains as the plain one does: in a job of one the same parameters."""
+    ctx = prague.context()
+    plain = Net()
+    model, opt = prague.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1), algorithm, **opts)
+    train(model, opt, ctx.rank, 4)
+    expected = [p.detach().clone() for p in plain.parameters()]  # before close (diloco's last round ends there)
+    model.close()
+    for when in ("before", "after") if not algorithm.startswith("allreduce") else ("before",):
+        base = Net()
+        module = torch.compile(base, fullgraph=True, backend="eager") if when == "before" else base
+        model, opt = prague.prepare(module, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
+        runner = torch.compile(model, fullgraph=True, backend="eager") if when == "after" else model
+        method, called = model._session.algorithm, []
+        hook = method.before_compute
+        method.before_compute = lambda step: (called.append(step), hook(step))[1]  # type: ignore[method-assign]
+        losses = train(runner, opt, ctx.rank, 4)
+        assert all(loss == loss for loss in losses), (when, losses)
+        assert called == [0, 1, 2, 3], (when, called)  # the method's hook ran before every step, compiled or not
+        if ctx.world_size == 1:  # nothing to average with: exactly the plain run
+            for a, b in zip(base.parameters(), expected):
+                assert torch.allclose(a, b, atol=1e-6), when
+        model.close()
+
+
 LAST: list[torch.optim.Optimizer] = []  # an optimizer whose method has ended, for the check after shutdown
 
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
-          "scaler_refused": check_scaler_refused, "rounds": check_rounds, "unused": check_unused}
+          "scaler_refused": check_scaler_refused, "rounds": check_rounds, "unused": check_unused,
+          "compiled": check_compiled}
 
 
 def main() -> int:

@@ -18,15 +18,22 @@ CHECKS = Path(__file__).with_name("prepared_checks.py")
 
 
 def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
-    res = run_command([sys.executable, str(CHECKS), "order,accumulation,features", "allreduce"], timeout_s=120)
+    res = run_command([sys.executable, str(CHECKS), "order,accumulation,features,compiled", "allreduce"], timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "ok order,accumulation,features" in res.stdout
+    assert "ok order,accumulation,features,compiled" in res.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["prague", "adpsgd", "diloco"])
+def test_a_job_of_one_compiles_the_prepared_model_without_a_graph_break(algorithm: str) -> None:
+    res = run_command([sys.executable, str(CHECKS), "compiled", algorithm], timeout_s=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ok compiled" in res.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,checks", [
     ("allreduce", "order,accumulation,features,unused"),  # a gradient method: DDP inside backward
-    ("prague", "order,features,unused"),  # an averaging method: a Group Generator and background averages
+    ("prague", "order,features,unused,compiled"),  # an averaging method: a Group Generator and background averages
     ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
     ("ps-eager", "order"),  # a parameter server: rank 0 starts the shards, the model installs their values
     ("allreduce:backup", "order"),  # rounds of the first n - b gradients; a worker may be counted out of them

@@ -65,6 +65,7 @@ from prague.io import JsonLines
 from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
+from prague.runtime.every_call import EveryCall
 from prague.train.trainer import StepRecord, make_algorithm, setup_algorithm
 
 
@@ -107,14 +108,18 @@ class _Session:
             return
         self.synced.add(key)
 
-    def before_forward(self) -> None:
-        """The method's hook before the forward pass of the coming step, once per step, and only for a
-        pass that will be trained on (not an evaluation under ``torch.no_grad``)."""
+    def before_forward(self, grad: bool) -> None:
+        """Before a forward pass (``grad``: under grad mode): the method's hook before the coming step's
+        first pass, once per step, and only for a pass that will be trained on (not an evaluation under
+        ``torch.no_grad``); and whether this pass's backward accumulates (DDP's rule: the forward decides)."""
         self.check_open("the prepared model was called")
-        if not self.forward_ready and torch.is_grad_enabled():
+        if not grad:  # an evaluation decides nothing
+            return
+        if not self.forward_ready:
             self.step_start = time.perf_counter()
             self.algorithm.before_compute(self.step)
             self.forward_ready = True
+        self.forward_no_sync = self.no_sync > 0
 
     def close(self, failed: bool = False) -> None:
         if self.closed:
@@ -140,6 +145,7 @@ class PreparedModel(nn.Module):
     model: nn.Module
     _runner: nn.Module
     _session: _Session
+    _before_forward: EveryCall
 
     def __init__(self, model: nn.Module, module: nn.Module, session: _Session) -> None:
         super().__init__()
@@ -149,12 +155,12 @@ class PreparedModel(nn.Module):
         object.__setattr__(self, "model", model)  # an alias of module
         object.__setattr__(self, "_runner", module)  # what the forward pass runs: the method's module
         object.__setattr__(self, "_session", session)
+        # torch.compile of the prepared model: the method's work before each pass (a clock read, the method's
+        # hook) is an operator of the graph, not a graph break (EveryCall)
+        object.__setattr__(self, "_before_forward", EveryCall(session.before_forward))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        session = self._session
-        session.before_forward()
-        if torch.is_grad_enabled():  # an evaluation under no_grad decides nothing
-            session.forward_no_sync = session.no_sync > 0
+        self._before_forward()
         return self._runner(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -23,6 +23,7 @@ from prague.algorithms.allreduce import AllReduceOptions
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.allreduce.scaling import lr_factor
 from prague.optim import scaled_lr
+from prague.runtime.every_call import EveryCall
 
 
 class _HookState:
@@ -59,12 +60,13 @@ class AllReduce(Algorithm):
         self._forward_called = 0.0
         self._buffer_sync_s = 0.0
 
-        def on_module_forward(module: nn.Module, args: Any) -> None:
+        def module_called(grad: bool) -> None:
             if self._forward_called:
                 self._buffer_sync_s += time.perf_counter() - self._forward_called
                 self._forward_called = 0.0
 
-        self._handles = [model.register_forward_pre_hook(on_module_forward)]
+        self._module_called = EveryCall(module_called)  # a clock read torch.compile keeps as an operator
+        self._handles = [model.register_forward_pre_hook(lambda module, args: self._module_called())]
         self.resources.callback(self._release)
         return self.wrap(model, world)
 
@@ -87,10 +89,11 @@ class AllReduce(Algorithm):
 
         # DDP broadcasts rank 0's buffers (BatchNorm statistics) at the start of every forward: a
         # synchronous collective where a fast rank waits for a slow one. Time it as communication.
-        def on_ddp_forward(module: nn.Module, args: Any) -> None:
+        def ddp_called(grad: bool) -> None:
             self._forward_called = time.perf_counter()
 
-        self._ddp_handle = self._ddp.register_forward_pre_hook(on_ddp_forward)
+        self._ddp_called = EveryCall(ddp_called)
+        self._ddp_handle = self._ddp.register_forward_pre_hook(lambda module, args: self._ddp_called())
         return self._ddp
 
     def _unwrap(self) -> None:
