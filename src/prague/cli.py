@@ -418,8 +418,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     check_nproc(args.nproc)  # before --echo-all lists every rank
     reports = parse_report_to(args.report_to)
-    if reports and args.log_dir is None:
-        raise ConfigError("--report-to writes beside the script's logs: give --log-dir DIR too")
+    if (reports or args.timeline) and args.log_dir is None:
+        flag = "--report-to" if reports else "--timeline"
+        raise ConfigError(f"{flag} writes beside the script's logs: give --log-dir DIR too")
     if not args.script:
         raise ConfigError("prague launch needs a script: prague launch --nproc N script.py [args]")
     script = Path(args.script[0])
@@ -435,8 +436,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
              **({jobenv.REPORT_TO: ",".join(reports)} if reports else {})} if args.log_dir else {},
         summary_file=args.log_dir / "summary.json" if args.log_dir else None,
     )
-    launch(spec)
+    try:
+        launch(spec)
+    finally:
+        if args.timeline:
+            _script_timeline(args.log_dir)
     return 0
+
+
+def _script_timeline(folder: Path) -> None:
+    """``--timeline`` of a script's job: ``folder/timeline.json`` from the steps its ranks recorded there
+    (said, not raised, when there are none: the job's own outcome is what the command reports)."""
+    from prague.metrics.timeline import write_timeline
+
+    if not any((folder / "metrics").glob("rank*.jsonl")):
+        print(f"prague: no steps were recorded in {folder / 'metrics'}: no timeline written", file=sys.stderr)
+        return
+    print(f"wrote {write_timeline(folder)}", file=sys.stderr)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -677,6 +693,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                                  "the script's method starts in DIR/services.json, and its steps "
                                                  "and prague.log_metrics() in DIR/metrics/")
     la.add_argument("--echo-all", action="store_true", help="print every rank's output (default: rank 0)")
+    la.add_argument("--timeline", action="store_true", help="with --log-dir: write DIR/timeline.json at the end, a "
+                    "Chrome trace of every rank's steps (open it in Perfetto); `prague timeline DIR` prints where the "
+                    "time went")
     la.add_argument("--report-to", metavar="{tensorboard,csv}", help="with --log-dir: also write the script's step "
                     "times and prague.log_metrics() to tensorboard (DIR/tensorboard/rankR) and/or csv "
                     "(DIR/metrics/rankR.csv), comma-separated")
@@ -692,6 +711,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     gu.add_argument("--out", type=Path, default=Path("."), help="where services.json, the script's steps and its "
                                                                 "prague.log_metrics() (metrics/) go, and rank 0's "
                                                                 "summary.json of how the job ended (default .)")
+    gu.add_argument("--timeline", action="store_true", help="rank 0's guard writes OUT/timeline.json at the end, a "
+                    "Chrome trace of the steps of the ranks that record in OUT (open it in Perfetto)")
     gu.add_argument("--report-to", metavar="{tensorboard,csv}", help="also write the script's step times and "
                     "prague.log_metrics() to tensorboard (OUT/tensorboard/rankR) and/or csv (OUT/metrics/rankR.csv), "
                     "comma-separated")
@@ -751,7 +772,10 @@ def cmd_guard(args: argparse.Namespace) -> int:
     guard = Guard([sys.executable, str(script), *args.script[1:]], services=(), env={}, survives=None,
                   lease_s=args.lease_s, out=args.out, timeout_s=args.timeout_s, summary_file=args.out / "summary.json",
                   child_env={jobenv.REPORT_TO: ",".join(reports)} if reports else {})
-    return guard.run()
+    code = guard.run()
+    if args.timeline and guard.rank == 0:
+        _script_timeline(args.out)
+    return code
 
 
 HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench": cmd_bench, "simulate": _simulate,

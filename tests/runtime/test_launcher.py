@@ -192,8 +192,8 @@ def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts_and_records_
     theirs."""
     script, logs = tmp_path / "quiet.py", tmp_path / "logs"
     script.write_text(QUIET_SCRIPT)
-    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(logs), "--report-to", "csv", str(script),
-                  timeout_s=150)
+    res = run_cli("launch", "--nproc", "3", "--echo-all", "--log-dir", str(logs), "--report-to", "csv", "--timeline",
+                  str(script), timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(f"rank {r} finished" in res.stdout for r in range(3)), res.stdout
     console = res.stdout + res.stderr
@@ -208,3 +208,8 @@ def test_a_healthy_job_whose_leader_pauses_prints_no_store_timeouts_and_records_
         assert [u["step"] for u in user] == list(range(1, 31)) and all(u["lr"] == 0.1 and u["loss"] > 0 for u in user)
         rows = (logs / "metrics" / f"rank{rank}.csv").read_text().splitlines()  # --report-to csv: the same numbers
         assert sum(",time/compute_s," in r for r in rows) == 30 and sum(",user/loss," in r for r in rows) == 30
+    # --timeline: every rank's steps, and the background averages prague:smart ran, in one Chrome trace
+    trace = json.loads((logs / "timeline.json").read_text())
+    names = {(e.get("pid"), e.get("name")) for e in trace["traceEvents"]}
+    assert {pid for pid, _ in names if pid is not None} >= {0, 1, 2}, sorted(names)[:20]
+    assert list((logs / "metrics" / "background").glob("rank*.jsonl")), "no background spans were written"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prague.errors import ConfigError
-from prague.io import atomic_write_json, read_json_lines
+from prague.io import atomic_write_json, atomic_write_text, read_json_lines
 
 TIMELINE_FILE = "timeline.json"
 BACKGROUND_DIR = "background"  # under OUT/metrics: each rank's background operations' stages
@@ -101,6 +101,17 @@ def read_run(out: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, list
 
 def _rank(path: Path) -> int:
     return int(path.stem.removeprefix("rank"))
+
+
+def write_background(path: Path, spans: Sequence[tuple[str, Any]], origin_s: float) -> None:
+    """A rank's background operations' stages (``OUT/metrics/background/rankR.jsonl``, for the timeline):
+    each (work, :class:`~prague.runtime.background.Span`) as one line, its times on the rank's clock, which
+    reads ``perf_counter() + origin_s``. Nothing for a method without any."""
+    lines = [{"work": what, "thread": s.thread, "stage": s.stage, "step": s.step,
+              "start_s": round(s.start_s + origin_s, 6), "end_s": round(s.end_s + origin_s, 6)} for what, s in spans]
+    if lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
 
 
 def write_timeline(out: Path) -> Path:

@@ -24,11 +24,11 @@ from prague import jobenv
 from prague.comm.flat import flatten, state_tensors
 from prague.errors import ConfigError
 from prague.hetero.spec import parse_scenario
-from prague.io import atomic_write_json, atomic_write_text
+from prague.io import atomic_write_json
 from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
 from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
-from prague.metrics.timeline import BACKGROUND_DIR, write_timeline
+from prague.metrics.timeline import BACKGROUND_DIR, write_background, write_timeline
 from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.background import Span
 from prague.runtime.context import DistContext
@@ -295,19 +295,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
             training.snapshots.observe(trainer.model, clock.now())
     training.wall_s = clock.now()  # the method's close included: the job ends when its last group is done
     write_background(metrics_dir / BACKGROUND_DIR / f"rank{ctx.rank}.jsonl", trainer.algorithm.background_spans,
-                     clock)
+                     clock.at(0.0))
     return training
-
-
-def write_background(path: Path, spans: Sequence[tuple[str, Span]], clock: TrainClock) -> None:
-    """This rank's background operations' stages (``OUT/metrics/background/rankR.jsonl``, for the
-    timeline), each (work, span) as one line, its times on the training clock. Nothing for a method
-    without any."""
-    lines = [{"work": what, "thread": s.thread, "stage": s.stage, "step": s.step,
-              "start_s": round(clock.at(s.start_s), 6), "end_s": round(clock.at(s.end_s), 6)} for what, s in spans]
-    if lines:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
 
 
 def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,

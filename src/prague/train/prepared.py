@@ -62,6 +62,7 @@ from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
 from prague.io import JsonLines
+from prague.metrics.timeline import BACKGROUND_DIR, write_background
 from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
@@ -134,6 +135,10 @@ class _Session:
         for handle in self.handles:
             handle.remove()
         self.algorithm.close(failed=failed)
+        out = jobenv.current().out
+        if out is not None:  # what the method's background threads did, for the timeline
+            write_background(out / "metrics" / BACKGROUND_DIR / f"rank{self.ctx.rank}.jsonl",
+                             self.algorithm.background_spans, -self.t0)
 
 
 class PreparedModel(nn.Module):
