@@ -492,6 +492,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
              for s in scenarios for a in algorithms]
     # every pair validated before any runs; one nominal step time for all (the same injected seconds)
     nominal = with_nominal_compute(cells[0], scenarios).compute_ms
+    link_line = link_ratio_line(cells[0], nominal)
+    if link_line:
+        print(link_line, flush=True)
 
     def folder(cfg: Any, seed: int) -> Path:
         return cfg.out if args.repeat == 1 else cfg.out.with_name(f"{cfg.out.name}_seed{seed}")
@@ -575,6 +578,27 @@ def _lr_pilot(args: argparse.Namespace, out: Path, cells: list[Any], values: tup
     results = run_pilot(out, list(by_cell), values, run)
     print("\n".join(["learning rates chosen by the pilot:", *pilot_lines(results)]), flush=True)
     return results
+
+
+def link_ratio_line(cfg: Any, pace_ms: float | None) -> str | None:
+    """For paced workers on emulated hosts: how long one all-reduce of the model's gradients takes on the
+    hosts' links against the backward part of a step (the regime a bench measures: below 1 the all-reduce
+    can hide behind the backward pass, above it cannot), from the simulator's ring all-reduce cost. None
+    otherwise."""
+    if cfg.hosts is None or cfg.compute != "paced" or not pace_ms:
+        return None
+    from prague.sim.cluster import Link
+    from prague.sim.costs import BYTES_PER_FLOAT32, ring_allreduce_s
+    from prague.simulate.run import model_size
+    from prague.train.config import forward_share
+
+    parameters, _ = model_size(cfg.model, cfg.data)
+    size = parameters * BYTES_PER_FLOAT32
+    allreduce_s = ring_allreduce_s(cfg.nproc, size, Link(0.0, cfg.link_bits / 8))
+    backward_s = pace_ms / 1e3 * (1.0 - forward_share(cfg.pace_split))
+    return (f"one all-reduce of {cfg.model}'s gradients ({size / 1e6:.2f} MB, {cfg.nproc} workers on {cfg.hosts} hosts "
+            f"at {cfg.link_rate or '1gbit'}): about {allreduce_s * 1e3:.0f} ms, {allreduce_s / backward_s:.2f}x the "
+            f"backward part of a step ({backward_s * 1e3:.0f} ms)")
 
 
 def _bench_pace(args: argparse.Namespace, done: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -41,3 +41,20 @@ def test_a_model_and_data_of_different_kinds_are_refused_before_any_worker_start
                   str(tmp_path / "x"), timeout_s=60)
     assert res.returncode == 2 and "reads images, but data set 'pytext' holds text; pass --model gpt" in res.stderr
     assert not (tmp_path / "x" / "logs").exists()
+
+
+def test_the_bench_header_names_how_long_an_all_reduce_takes_against_the_backward_part(tmp_path: Path) -> None:
+    from prague.cli import link_ratio_line
+    from prague.train.config import RunConfig
+
+    def line(rate: str, pace_ms: float = 300.0, hosts: int | None = 4) -> str | None:
+        cfg = RunConfig(algorithm="allreduce", nproc=8, out=tmp_path, model="gpt", data="pytext", compute="paced",
+                        compute_ms=pace_ms, hosts=hosts, link_rate=rate if hosts else None)
+        return link_ratio_line(cfg, pace_ms)
+
+    slow, fast = line("100mbit"), line("200mbit")
+    assert slow is not None and fast is not None
+    # 1.88 MB of gradients, a ring over 8 workers: 2 x 7/8 of it over each link; the backward part is 2/3 of 300 ms
+    assert "1.88 MB" in slow and "about 263 ms, 1.32x the backward part of a step (200 ms)" in slow, slow
+    assert "0.66x" in fast
+    assert line("100mbit", hosts=None) is None  # no emulated links, nothing to say
