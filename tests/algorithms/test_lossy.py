@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.algorithms.lossy.decisions import (
-    IN_FLIGHT, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count, stop_points,
+    IN_FLIGHT, Deadline, Hierarchy, Steps, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks, priority_order, required_count, stop_points,
     stream_queues, MIN_CHUNKS_PER_STREAM,
 )
 from prague.algorithms.registry import get_method
@@ -110,6 +110,28 @@ def test_the_deadline_waits_for_warm_up_then_follows_the_median_rate() -> None:
     assert deadline.budget_s(1000) == pytest.approx(1.5 * 0.5)
     deadline.observe(1000, 0.25)  # the window forgets the oldest: median 4000
     assert deadline.budget_s(1000) == pytest.approx(1.5 * 0.25)
+
+
+def test_the_steps_plan_stop_and_settle_in_the_order_both_drivers_use() -> None:
+    """The control flow the runtime and the simulator share: during warm-up a step sends everything; then
+    a deadline, agreed stops, the dropped chunks aged and first in the next order, the rate observed."""
+    plan = plan_chunks(1200, 100, 2, 3)
+    steps = Steps(plan, streams=2, max_loss=0.5, deadline=Deadline(slack=1.0, warmup=1))
+    first = steps.plan([0.0] * plan.count)
+    assert sorted(first.order) == list(range(plan.count)) and first.lengths == [6, 6]
+    assert steps.budget_s(first, IN_FLIGHT) is None and steps.deadlines_s == []  # warm-up: everything goes
+    settled = steps.settle(first, first.lengths, 1.0)
+    assert settled.dropped == [] and settled.share == 0.0 and steps.shares == [0.0]
+    second = steps.plan([0.0] * plan.count)
+    budget = steps.budget_s(second, IN_FLIGHT)
+    assert budget is not None and steps.deadlines_s == [budget]
+    stops = stop_points([[4, 3]], steps.required(second), second.lengths)
+    settled = steps.settle(second, stops, 0.5)
+    assert settled.dropped == dropped_chunks(second.queues, stops) and settled.dropped
+    assert settled.share == pytest.approx(dropped_share(plan, settled.dropped)) and settled.share <= 0.5
+    assert steps.ages == next_ages([0] * plan.count, settled.dropped)
+    assert set(steps.plan([0.0] * plan.count).order[:len(settled.dropped)]) == set(settled.dropped)  # first next time
+    assert steps.deadline.observed == 2
 
 
 @pytest.mark.parametrize("flag,value", [("max_loss", 0.6), ("max_loss", -0.1), ("streams", 0), ("streams", 65),

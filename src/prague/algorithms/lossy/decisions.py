@@ -16,6 +16,10 @@ makes the runtime's choices. No torch, no clock (times come in as arguments), no
   dropped share within ``max_loss``, whichever is larger. Every rank applies the same rule to the same
   proposals, so all agree on one mask.
 * :class:`Deadline`: when a step stops starting chunks, from the measured rate of its recent steps.
+* :class:`Steps`: one step's control flow over these, in order (plan the order and the streams' queues,
+  set the deadline, settle the agreed stops: what is dropped, its share, the chunks' ages and the
+  deadline's next rate), with the bookkeeping every step leaves; the runtime and the simulator both
+  drive it, the first with real streams and a real agreement, the second with simulated ones.
 """
 
 from __future__ import annotations
@@ -171,6 +175,67 @@ class Deadline:
         if self.observed < self.warmup or not self._rates:
             return None
         return self.slack * max(0, elements) / self.rate()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan: the chunks in the order they go, each stream's queue, and the queues' lengths."""
+
+    order: list[int]
+    queues: list[list[int]]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(q) for q in self.queues]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What one step dropped (its chunks, in the queues' order) and the share of the gradient that is."""
+
+    dropped: list[int]
+    share: float
+
+
+class Steps:
+    """``lossy``'s control flow, one step after another, and what it leaves behind (see the module
+    docstring): :meth:`plan` (the order from the shared magnitudes and the chunks' ages, the queues),
+    :meth:`budget_s` (when the step stops starting chunks, None during warm-up; each one kept in
+    :attr:`deadlines_s`), :meth:`required` and :meth:`settle` (after every rank agreed on the stops:
+    what is dropped, the deadline's rate from the elements moved after the first chunk, the ages, the
+    share kept in :attr:`shares`). Pure: times come in as arguments."""
+
+    def __init__(self, plan: ChunkPlan, streams: int, max_loss: float, deadline: Deadline) -> None:
+        self.chunks, self.streams, self.max_loss, self.deadline = plan, streams, max_loss, deadline
+        self.ages = [0] * plan.count
+        self.shares: list[float] = []
+        self.deadlines_s: list[float] = []
+
+    def plan(self, magnitudes: Sequence[float]) -> StepPlan:
+        order = priority_order(self.chunks, magnitudes, self.ages)
+        return StepPlan(order, stream_queues(order, self.streams))
+
+    def budget_s(self, step: StepPlan, in_flight: int) -> float | None:
+        budget = self.deadline.budget_s(deadline_elements(self.chunks, step.order, step.queues, in_flight))
+        if budget is not None:
+            self.deadlines_s.append(budget)
+        return budget
+
+    def required(self, step: StepPlan) -> int:
+        """How many chunks, in order, must go for the dropped share to stay within ``max_loss``."""
+        return required_count(self.chunks, step.order, self.max_loss)
+
+    def settle(self, step: StepPlan, stops: Sequence[int], after_first_s: float) -> Settled:
+        """The step's agreed ``stops`` (per stream) took ``after_first_s`` seconds after its first chunk:
+        its dropped chunks and share; the deadline observes the rate, the dropped chunks age."""
+        dropped = dropped_chunks(step.queues, stops)
+        plan = self.chunks
+        self.deadline.observe(plan.total - plan.sizes[step.order[0]] - sum(plan.sizes[c] for c in dropped),
+                              after_first_s)
+        self.ages = next_ages(self.ages, dropped)
+        share = dropped_share(plan, dropped)
+        self.shares.append(share)
+        return Settled(dropped, share)
 
 
 @dataclass(frozen=True)

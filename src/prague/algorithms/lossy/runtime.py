@@ -46,8 +46,7 @@ from torch import nn
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.algorithms.lossy import LossyOptions, drops_report
 from prague.algorithms.lossy.decisions import (
-    IN_FLIGHT, ChunkPlan, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks,
-    priority_order, required_count, stop_points, stream_queues,
+    IN_FLIGHT, ChunkPlan, Deadline, Hierarchy, Settled, Steps, plan_chunks, stop_points,
 )
 from prague.comm.flat import views_of
 from prague.comm.hostmap import host_labels
@@ -305,8 +304,7 @@ class Lossy(Algorithm):
         element_bytes = torch.finfo(dtype).bits // 8
         self.plan: ChunkPlan = plan_chunks(total, opts.chunk_elements(element_bytes), opts.streams,
                                            opts.priority_tiers, opts.min_chunk_elements(element_bytes))
-        self.shares: list[float] = []
-        self.deadlines_s: list[float] = []
+        self.steps = Steps(self.plan, opts.streams, opts.max_loss, Deadline(opts.deadline_slack, opts.deadline_quantile))
         self.control_s = 0.0
         self.streams: ChunkStreams | None = None
         self.hierarchy = "flat"
@@ -320,8 +318,6 @@ class Lossy(Algorithm):
         self.chunk_views = [self.send[s:s + n] for s, n in zip(self.plan.starts, self.plan.sizes)]
         self.magnitudes = [0.0] * self.plan.count  # of the last applied gradient, the same on every rank
         self.pending_magnitudes = [0.0] * self.plan.count  # this rank's; rank 0's go out in the next control round
-        self.ages = [0] * self.plan.count
-        self.deadline = Deadline(opts.deadline_slack, opts.deadline_quantile)
         n, count = ctx.world_size, opts.streams
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.control = torch.zeros(self.plan.count + self.n_buffers, dtype=dtype, device=ctx.device)
@@ -374,31 +370,25 @@ class Lossy(Algorithm):
         streams = self.streams
         if streams is None:
             return
-        ctx, plan, opts = self.ctx, self.plan, self.options
+        ctx, steps = self.ctx, self.steps
         self._gather_grads()
         if self.carrying:
             self.send.add_(self.residual)
         side = self._side_round()
-        order = priority_order(plan, self.magnitudes, self.ages)
-        queues = stream_queues(order, opts.streams)
-        lengths = [len(q) for q in queues]
-        streams.begin([[self.chunk_views[c] for c in q] for q in queues], step)
+        planned = steps.plan(self.magnitudes)
+        streams.begin([[self.chunk_views[c] for c in q] for q in planned.queues], step)
         first_s = streams.wait_first(ctx.timeout_s)
-        budget = self.deadline.budget_s(deadline_elements(plan, order, queues, streams.depth))
-        if budget is not None:
-            self.deadlines_s.append(budget)
+        budget = steps.budget_s(planned, streams.depth)
         streams.wait_all(None if budget is None else first_s + budget, ctx.timeout_s)
         t_agree = time.perf_counter()
-        stops = self._agree(step, streams.freeze(), required_count(plan, order, opts.max_loss), lengths)
+        stops = self._agree(step, streams.freeze(), steps.required(planned), planned.lengths)
         self.control_s += time.perf_counter() - t_agree
         streams.release(stops)
         streams.wait_stops(ctx.timeout_s)
-        dropped = dropped_chunks(queues, stops)
-        moved = plan.total - plan.sizes[order[0]] - sum(plan.sizes[c] for c in dropped)
-        self.deadline.observe(moved, time.perf_counter() - first_s)
+        settled = steps.settle(planned, stops, time.perf_counter() - first_s)
         side.wait()
         self._take_side()
-        times.dropped = self._settle(step, dropped)
+        times.dropped = self._settle(step, settled)
 
     def _agree(self, step: int, proposal: list[int], required: int, lengths: list[int]) -> list[int]:
         """Every rank's stops for this step, the same everywhere (see :func:`.decisions.stop_points`).
@@ -472,10 +462,10 @@ class Lossy(Algorithm):
                 continue
             p.grad = view
 
-    def _settle(self, step: int, dropped: list[int]) -> float:
+    def _settle(self, step: int, settled: Settled) -> float:
         """Carry the dropped chunks, average the sent ones (the parameters' gradients are views of
         ``send``); the dropped share."""
-        plan = self.plan
+        plan, dropped = self.plan, settled.dropped
         if self.carrying:
             self.residual.zero_()
         for c in dropped:
@@ -486,13 +476,10 @@ class Lossy(Algorithm):
         if self.ctx.rank == 0:  # only rank 0's magnitudes travel (the order must be the same everywhere)
             self.pending_magnitudes = [float(v[::_SAMPLE].abs().mean()) if v.numel() else 0.0
                                        for v in self.chunk_views]
-        self.ages = next_ages(self.ages, dropped)
-        share = dropped_share(plan, dropped)
-        self.shares.append(share)
         if self.decisions is not None:
-            self.decisions.write(Decision.of_drop(step, tuple(dropped), share))
-        return share
+            self.decisions.write(Decision.of_drop(step, tuple(dropped), settled.share))
+        return settled.share
 
     def stats(self) -> dict[str, Any]:
-        return drops_report(self.options, chunks=self.plan.count, shares=self.shares, deadlines_s=self.deadlines_s,
-                            control_s=self.control_s, hierarchy=self.hierarchy)
+        return drops_report(self.options, chunks=self.plan.count, shares=self.steps.shares,
+                            deadlines_s=self.steps.deadlines_s, control_s=self.control_s, hierarchy=self.hierarchy)

@@ -45,10 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prague.algorithms.lossy import drops_report
-from prague.algorithms.lossy.decisions import (
-    IN_FLIGHT, Deadline, Hierarchy, deadline_elements, dropped_chunks, dropped_share, next_ages, plan_chunks,
-    priority_order, required_count, stop_points, stream_queues,
-)
+from prague.algorithms.lossy.decisions import IN_FLIGHT, Deadline, Hierarchy, Steps, plan_chunks, stop_points
 from prague.metrics.decisions import Decision
 from prague.sim.costs import BYTES_PER_FLOAT32, Transfer, group_link, ring_allreduce_s
 from prague.sim.engine import Process
@@ -64,10 +61,8 @@ class SimLossy(SimMethod):
         self.plan = plan_chunks(elements, options.chunk_elements(), options.streams, options.priority_tiers,
                                 options.min_chunk_elements())
         self.magnitudes = [0.0] * self.plan.count  # no gradient values are simulated: the order is by tier
-        self.ages = [0] * self.plan.count
-        self.deadline = Deadline(options.deadline_slack, options.deadline_quantile)
-        self.shares: list[float] = []
-        self.deadlines_s: list[float] = []
+        self.steps = Steps(self.plan, options.streams, options.max_loss,
+                           Deadline(options.deadline_slack, options.deadline_quantile))
         self.control_s = 0.0
         # The simulated nodes are the hosts: the runtime finds them from each rank's host label.
         self.layout = Hierarchy.of([world.topology.node_of(r) for r in range(world.n)])
@@ -125,34 +120,25 @@ class SimLossy(SimMethod):
     def exchange_s(self, step: int, transfer: Transfer) -> float:
         """Play out step ``step``'s exchange over ``transfer`` (the group of every rank, begun now); returns
         its duration."""
-        world, plan, opts = self.world, self.plan, self.options
+        world, steps = self.world, self.steps
         everyone = tuple(range(world.n))
-        order = priority_order(plan, self.magnitudes, self.ages)
-        queues = stream_queues(order, opts.streams)
-        times = [self.stream_times(transfer, s, q) for s, q in enumerate(queues)]
+        planned = steps.plan(self.magnitudes)
+        times = [self.stream_times(transfer, s, q) for s, q in enumerate(planned.queues)]
         starts = [t[0] for t in times]
         ends = [t[1] for t in times]
         first_s = ends[0][0]
-        budget = self.deadline.budget_s(deadline_elements(plan, order, queues, IN_FLIGHT))
-        if budget is None:
-            proposal = [len(q) for q in queues]
-        else:
-            self.deadlines_s.append(budget)
-            proposal = [sum(1 for t in s_times if t < first_s + budget) for s_times in starts]
-        stops = stop_points([proposal], required_count(plan, order, opts.max_loss), [len(q) for q in queues])
+        budget = steps.budget_s(planned, IN_FLIGHT)
+        proposal = planned.lengths if budget is None else [sum(1 for t in s_times if t < first_s + budget)
+                                                           for s_times in starts]
+        stops = stop_points([proposal], steps.required(planned), planned.lengths)
         done_s = max((e[stop - 1] for e, stop in zip(ends, stops) if stop), default=first_s)
         control = world.cluster.allreduce_ring_factor * ring_allreduce_s(
             world.n, 0.0, group_link(everyone, world.topology, world.cluster))
         self.control_s += control
-        dropped = dropped_chunks(queues, stops)
-        self.deadline.observe(plan.total - plan.sizes[order[0]] - sum(plan.sizes[c] for c in dropped),
-                              done_s - first_s)
-        self.ages = next_ages(self.ages, dropped)
-        share = dropped_share(plan, dropped)
-        self.shares.append(share)
+        settled = steps.settle(planned, stops, done_s - first_s)
         if world.decisions is not None:
             for log in world.decisions:
-                log.write(Decision.of_drop(step, tuple(dropped), share))
+                log.write(Decision.of_drop(step, tuple(settled.dropped), settled.share))
         return done_s + control
 
     def worker(self, w: int) -> Process:
@@ -174,5 +160,5 @@ class SimLossy(SimMethod):
             world.record(w, compute, engine.now - t0, 0.0)
 
     def stats(self) -> dict[str, Any]:
-        return drops_report(self.options, chunks=self.plan.count, shares=self.shares, deadlines_s=self.deadlines_s,
-                            control_s=self.control_s, hierarchy=self.hierarchy)
+        return drops_report(self.options, chunks=self.plan.count, shares=self.steps.shares,
+                            deadlines_s=self.steps.deadlines_s, control_s=self.control_s, hierarchy=self.hierarchy)
