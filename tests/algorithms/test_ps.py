@@ -443,3 +443,23 @@ def test_without_launcher_a_dead_shard_fails_the_workers(tmp_path: Path) -> None
     assert res.returncode == 1
     assert "parameter-server shard" in res.stderr and "died" in res.stderr, res.stderr
     assert wait_gone(str(script)) == []
+
+
+def test_a_shards_book_counts_versions_and_staleness_for_both_drivers() -> None:
+    """The version and staleness bookkeeping the shard process and the simulator share."""
+    from prague.algorithms.ps.rules import ShardBook
+
+    book = ShardBook("async", 3, "inverse", max_staleness=2)
+    first = book.admit(0, 0, step=0)
+    assert (first.tau, first.accepted, first.version, first.scale) == (0, True, 1, pytest.approx(0.5))  # floor n-1
+    assert book.admit(1, 0, step=0).tau == 1 and book.version == 2
+    late = book.admit(2, 0, step=0)  # tau 2: still within the bound
+    stale = book.admit(1, 0, step=1)  # tau 3 > 2: rejected, the version stays
+    assert late.accepted and not stale.accepted and stale.scale == 0.0 and book.version == 3
+    assert stale.record.to_dict()["accepted"] is False and stale.record.to_dict()["version"] == 3
+    assert book.histogram[1] == {1: 1} and book.rejected == [0, 1, 0]
+    with pytest.raises(ConfigError, match="ahead of this shard's version 3"):
+        book.admit(0, 4, step=2)
+    sync = ShardBook("sync", 2, "none", max_staleness=0)
+    assert sync.contribute(0, 0, step=0).version == 1 and sync.version == 0
+    assert sync.close_round() == 1 and sync.totals() == ({0: 2}, 0)

@@ -63,11 +63,10 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,10 +77,10 @@ from prague.algorithms.ps.protocol import (
     SHARD_SIDE, STALENESS_RULES, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, TAG_STATE, WORKER_SIDE, Layout, Reply,
     pair_group, shard_bounds, stats_key,
 )
-from prague.algorithms.ps.rules import accepts, sgd_rule, update_scale
+from prague.algorithms.ps.rules import ShardBook, sgd_rule
 from prague.errors import CommError, ConfigError, unknown_choice
 from prague.io import JsonLines, atomic_write_text
-from prague.metrics.decisions import ShardPush, shard_trace_path
+from prague.metrics.decisions import shard_trace_path
 from prague.runtime.background import FunctionWork
 from prague.runtime.context import attempt_store
 
@@ -110,7 +109,7 @@ class ShardState:
         self.size = hi - lo
         self.split = min(max(layout.n_params - lo, 0), self.size)  # [0, split): parameters; the rest: buffers
         self.values = torch.zeros(self.size)
-        self.version = 0
+        self.book = ShardBook(mode, nproc, staleness_lr, max_staleness)  # versions and staleness
         self._momentum: torch.Tensor | None = None  # sync: the one buffer of the averaged gradient
         self._momenta: list[torch.Tensor | None] = [None] * nproc  # async: one per worker
         self._rule = sgd_rule(layout)  # sync: exactly the optimizer's rule
@@ -122,9 +121,11 @@ class ShardState:
         self._summed = 0  # pushes of the current round already in _acc (ranks 0.._summed-1)
         self._finished: set[int] = set()
         self._error: str | None = None
-        self.histogram: list[Counter[int]] = [Counter() for _ in range(nproc)]
-        self.rejected = [0] * nproc
         self._trace = trace
+
+    @property
+    def version(self) -> int:
+        return self.book.version
 
     # -- set-up
 
@@ -173,16 +174,15 @@ class ShardState:
                            f"{sorted(self._finished)} had finished; every worker must run the same number of steps")
             self._round[worker] = payload
             self._accumulate()
-            target = self.version + 1
+            record = self.book.contribute(worker, base_version, step)
             if self._trace is not None:
-                scale = update_scale("sync", self.staleness_lr, 0, self.nproc, True)
-                self._trace.write(ShardPush(worker, step, base_version, 0, scale, True, target).to_dict())
+                self._trace.write(record.to_dict())
+            target = record.version
             if len(self._round) == self.nproc:
                 self._apply_mean()
             else:
                 self._wait(lambda: self.version >= target, f"the pushes of version {target}",
                            missing=lambda: sorted(set(range(self.nproc)) - set(self._round)))
-            self.histogram[worker][0] += 1
             return Reply(self.version, 0, True, int((self._clock() - t0) * 1e6))
 
     def _accumulate(self) -> None:
@@ -207,7 +207,7 @@ class ShardState:
         self.values[s:].copy_(acc[s:])
         self._round.clear()
         self._summed = 0
-        self.version += 1
+        self.book.close_round()
         self._cond.notify_all()
 
     def _push_async(self, worker: int, base_version: int, payload: torch.Tensor, out: torch.Tensor,
@@ -216,25 +216,19 @@ class ShardState:
         with self._cond:
             waited = self._clock() - t0
             self._raise_if_failed()
-            tau = self.version - base_version
-            if tau < 0:
-                self._fail(f"worker {worker} pushed a gradient computed on version {base_version}, "
-                           f"ahead of this shard's version {self.version}")
-            ok = accepts(tau, self.max_staleness)
-            scale = update_scale("async", self.staleness_lr, tau, self.nproc, ok)
-            if ok:
+            try:
+                admitted = self.book.admit(worker, base_version, step)
+            except ConfigError as exc:
+                self._fail(str(exc))
+            if admitted.accepted:
                 s = self.split
                 self._momenta[worker] = self._async_rule.step(self.values[:s], payload[:s], self._momenta[worker],
-                                                              scale)
+                                                              admitted.scale)
                 self.values[s:].lerp_(payload[s:], 1.0 / self.nproc)
-                self.version += 1
-                self.histogram[worker][tau] += 1
-            else:
-                self.rejected[worker] += 1
             if self._trace is not None:
-                self._trace.write(ShardPush(worker, step, base_version, tau, scale, ok, self.version).to_dict())
+                self._trace.write(admitted.record.to_dict())
             out.copy_(self.values)
-            return Reply(self.version, tau, ok, int(waited * 1e6))
+            return Reply(self.version, admitted.tau, admitted.accepted, int(waited * 1e6))
 
     # -- the end
 
@@ -256,9 +250,9 @@ class ShardState:
     def stats(self, worker: int) -> dict[str, Any]:
         """``worker``'s applied updates by staleness (JSON keys are strings) and its rejected count."""
         with self._cond:
-            hist = self.histogram[worker]
+            hist = self.book.histogram[worker]
             return {"staleness_histogram": {str(t): hist[t] for t in sorted(hist)},
-                    "applied": sum(hist.values()), "rejected": self.rejected[worker], "version": self.version}
+                    "applied": sum(hist.values()), "rejected": self.book.rejected[worker], "version": self.version}
 
     # -- helpers
 
@@ -277,7 +271,7 @@ class ShardState:
                 self._fail(f"waited more than {self.timeout_s:g} s for {what}{who}")
             self._cond.wait(timeout=min(left, 1.0))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         self._error = self._error or message
         self._cond.notify_all()
         raise CommError(message)

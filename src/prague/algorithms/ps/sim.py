@@ -26,12 +26,11 @@ shard writes ``ps-shardK.jsonl`` as a real shard does (:class:`~prague.metrics.d
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prague.algorithms.ps.rules import accepts, update_scale
+from prague.algorithms.ps.rules import ShardBook, update_scale
 from prague.metrics.decisions import Decision, DecisionLog, ShardPush, shard_trace_path
 from prague.sim.costs import Queue
 from prague.sim.engine import Process, Signal
@@ -60,13 +59,12 @@ def log_push(log: DecisionLog, step: int, shards: int, tau: int, scale: float, a
 class Shards:
     """The K server shards' network cards, version counter and update rules."""
 
-    def __init__(self, world: World, options: Any) -> None:
+    def __init__(self, world: World, options: Any, mode: str) -> None:
         shards = options.ps_shards
         link = world.cluster.server_link(world.topology.nodes)
         self.rule = world.math.optimizer  # sync: exactly the workers' optimizer rule
         self.async_rule = (self.rule.folded() if self.rule is not None and options.ps_momentum == "folded"
                            else self.rule)
-        self.staleness_lr, self.max_staleness = options.staleness_lr, options.max_staleness
         self.momentum = options.ps_momentum
         self.count = shards
         self.latency_s = link.latency_s
@@ -80,9 +78,8 @@ class Shards:
         # A worker's messages cross its node's link when the shards are on another node (several nodes).
         self.bursts = world.bursts if world.topology.nodes > 1 else None
         self.node_of = world.topology.node_of
-        self.version = 0
-        self.histogram: Counter[int] = Counter()
-        self.rejected = 0
+        # One book for every shard: they see the pushes in one order (the runtime's shards keep one each).
+        self.book = ShardBook(mode, world.n, options.staleness_lr, options.max_staleness)
         folder = world.decision_dir
         self.traces = (None if folder is None else
                        [world.open_file(shard_trace_path(folder, k)) for k in range(shards)])
@@ -122,34 +119,30 @@ class Shards:
         Every shard sees pushes in the same order, so one version counter stands for all of them.
         """
         received = self.apply(self.push(now, w))
-        tau = self.version - base_version
-        ok = accepts(tau, self.max_staleness)
-        scale = update_scale("async", self.staleness_lr, tau, world.n, ok)
-        if ok:
-            world.math.server_step([grad], self.async_rule, w, scale)
-            self.version += 1
-            self.histogram[tau] += 1
-        else:
-            self.rejected += 1
+        admitted = self.book.admit(w, base_version, step)
+        if admitted.accepted:
+            world.math.server_step([grad], self.async_rule, w, admitted.scale)
         if self.traces is not None:
-            self.trace(ShardPush(w, step, base_version, tau, scale, ok, self.version))
-        return Answer(self.reply(received, w), self.version, tau, ok, scale, world.math.server_values())
+            self.trace(admitted.record)
+        return Answer(self.reply(received, w), admitted.version, admitted.tau, admitted.accepted, admitted.scale,
+                      world.math.server_values())
 
     def stats(self, world: World) -> dict[str, Any]:
         wall = world.engine.now
-        applied = sum(self.histogram.values())
+        histogram, rejected = self.book.totals()
+        applied = sum(histogram.values())
         return {
             "shards": self.count,
-            "pushes": applied + self.rejected,
-            "staleness_histogram": {str(t): self.histogram[t] for t in sorted(self.histogram)},
-            "mean_staleness": sum(t * c for t, c in self.histogram.items()) / applied if applied else 0.0,
-            "max_staleness_seen": max(self.histogram, default=0),
+            "pushes": applied + rejected,
+            "staleness_histogram": {str(t): histogram[t] for t in sorted(histogram)},
+            "mean_staleness": sum(t * c for t, c in histogram.items()) / applied if applied else 0.0,
+            "max_staleness_seen": max(histogram, default=0),
             "applied": applied,
-            "rejected": self.rejected,
-            "max_staleness": self.max_staleness,
-            "staleness_lr": self.staleness_lr,
+            "rejected": rejected,
+            "max_staleness": self.book.max_staleness,
+            "staleness_lr": self.book.staleness_lr,
             "momentum": self.momentum,
-            "server_versions": [self.version] * self.count,
+            "server_versions": [self.book.version] * self.count,
             "server_receive_utilization": max(q.busy_s for q in self.receive) / wall if wall > 0 else 0.0,
         }
 
@@ -159,7 +152,7 @@ class SimPS(SimMethod):
 
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
-        self.shards = Shards(world, options)
+        self.shards = Shards(world, options, options.ps_mode)
         self.sync = options.ps_mode == "sync"
         self.sync_scale = update_scale("sync", options.staleness_lr, 0, world.n, True)
         self._round: list[tuple[int, list[float], Any, Signal]] = []
@@ -169,9 +162,10 @@ class SimPS(SimMethod):
         """Contribute to the current round; the signal fires with the shard-side wait when values are back."""
         now = self.world.engine.now
         sig = Signal(self.world.engine)
+        book = self.shards.book
+        record = book.contribute(w, book.version, step)  # every worker is on the last version in sync mode
         if self.shards.traces is not None:
-            version = self.shards.version
-            self.shards.trace(ShardPush(w, step, version, 0, self.sync_scale, True, version + 1))
+            self.shards.trace(record)
         self._round.append((w, self.shards.push(now, w), grad, sig))
         if len(self._round) == self.world.n:
             members, self._round = self._round, []
@@ -179,8 +173,7 @@ class SimPS(SimMethod):
                                       for s in range(self.shards.count)])
             math = self.world.math
             math.server_step([g for _, _, g, _ in sorted(members, key=lambda m: m[0])], self.shards.rule, "sync")
-            self.shards.version += 1
-            self.shards.histogram[0] += self.world.n
+            book.close_round()
             values = math.server_values()
             for v, arrived, _, s in sorted(members, key=lambda m: (m[1][0], m[0])):
                 reply_at = self.shards.reply(done, v)

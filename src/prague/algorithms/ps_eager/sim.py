@@ -30,7 +30,7 @@ class SimPSEager(SimMethod):
 
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
-        self.shards = Shards(world, options)
+        self.shards = Shards(world, options, "async")
         self.installs_before_forward = 0
         self.installs_after_backward = 0
         self.rejections_seen = 0
