@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prague.algorithms.eager_sgd.decisions import (
-    Ledger, initiator, is_sync_round, result_capacity, stale_weight, starts_round,
+    START, SYNC, Ledger, RoundTally, activation, initiator, is_sync_round, result_capacity, stale_weight, starts_round,
 )
 from prague.algorithms.eager_sgd.sim import SimEagerSGD
 from prague.algorithms.registry import get_method
@@ -300,3 +300,17 @@ def test_lookahead_takes_each_gradient_at_the_shifted_parameters(tmp_path: Path,
 
     assert finals[0] == pytest.approx(reference(lookahead == "on"), rel=1e-5)
     assert finals[0] != pytest.approx(reference(lookahead != "on"), rel=1e-3)
+
+
+def test_what_a_finished_gradient_means_for_its_round_and_what_rounds_add_up_to() -> None:
+    """The rounds' control flow both drivers follow: a synchronous round waits for everyone, a solo round
+    is started by whoever finishes first, a majority round by its drawn initiator only."""
+    assert activation("solo", 4, rank=2, round_id=3, nproc=4, seed=0) == SYNC  # every 4th round: 3, 7, ...
+    assert activation("solo", 4, rank=2, round_id=1, nproc=4, seed=0) == START
+    chosen = initiator(1, 4, 0)
+    assert [activation("majority", 4, r, 1, 4, 0) for r in range(4)] == [START if r == chosen else None
+                                                                          for r in range(4)]
+    tally = RoundTally()
+    tally.add(False, 3, 2, [0, 0, 1])
+    tally.add(True, 4, 4, [0, 0, 0, 0])
+    assert (tally.sync_rounds, tally.gradients, tally.fresh, dict(tally.staleness)) == (1, 7, 6, {0: 6, 1: 1})

@@ -12,6 +12,10 @@ Learning with Partial Collective Operations", PPoPP 2020):
   iteration, as a plain all-reduce would; so does the final round after the last iteration, which
   carries whatever is left.
 
+What a worker's finished gradient means for its round (:func:`activation`) and what every round adds to
+the job's counts (:class:`RoundTally`) are the rounds' control flow, written here once: the runtime's
+round thread and the simulator's driver both follow it.
+
 A worker contributes everything it has accumulated since its last contribution (:class:`Ledger`); a
 gradient that misses its round is carried by the next one the worker takes part in, so none is lost or
 counted twice. Under ``--stale-weight inverse`` (the default) a gradient that will arrive s rounds late
@@ -23,7 +27,8 @@ gradient: heavy-ball momentum on gradients a round old oscillates, and the late 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prague.errors import ConfigError
@@ -78,6 +83,41 @@ def starts_round(quorum: str, rank: int, round_id: int, nproc: int, seed: int,
             return rank == initiator(round_id, nproc, seed)
         return bool(live) and rank == live[initiator(round_id, len(live), seed)]
     raise ConfigError(f"unknown eager-sgd quorum {quorum!r}; valid: solo, majority")
+
+
+#: :func:`activation`: the round is synchronous (it starts once every worker has deposited its gradient).
+SYNC = "sync"
+#: :func:`activation`: this worker starts the round (if nobody has yet).
+START = "start"
+
+
+def activation(quorum: str, sync_every: int, rank: int, round_id: int, nproc: int, seed: int,
+               live: Sequence[int] | None = None) -> str | None:
+    """What ``rank``'s finished gradient of iteration ``round_id`` means for round ``round_id``:
+    :data:`SYNC` (a synchronous round, which waits for every worker's gradient), :data:`START` (this
+    worker starts it, :func:`starts_round`) or None (another worker will)."""
+    if is_sync_round(round_id, sync_every):
+        return SYNC
+    return START if starts_round(quorum, rank, round_id, nproc, seed, live) else None
+
+
+@dataclass
+class RoundTally:
+    """What the rounds carried, as every round adds it (:meth:`add`): how many were synchronous, the
+    gradients and the fresh ones in them, and how late each contributed gradient was."""
+
+    sync_rounds: int = 0
+    gradients: int = 0
+    fresh: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+
+    def add(self, sync: bool, gradients: int, fresh: int, staleness: Iterable[int]) -> None:
+        """One round: whether it was synchronous, its gradients and fresh ones, and how many rounds late
+        each gradient this tally counts came (the runtime counts its own worker's, the simulator all)."""
+        self.sync_rounds += bool(sync)
+        self.gradients += gradients
+        self.fresh += fresh
+        self.staleness.update(staleness)
 
 
 @dataclass(frozen=True)

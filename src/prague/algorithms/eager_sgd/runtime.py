@@ -51,7 +51,6 @@ fatal.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +61,9 @@ from torch import nn
 from prague.algorithms.api import StepTimes
 from prague.algorithms.rounds import RoundResults, RoundsAlgorithm, step_with
 from prague.algorithms.eager_sgd import EagerSGDOptions, rounds_report
-from prague.algorithms.eager_sgd.decisions import Contribution, Ledger, is_sync_round, result_capacity, stale_weight, starts_round
+from prague.algorithms.eager_sgd.decisions import (
+    START, Contribution, Ledger, RoundTally, activation, is_sync_round, result_capacity, stale_weight,
+)
 from prague.comm.flat import views_of
 from prague.comm.owned import shutdown_group
 from prague.comm.preduce import backend_group
@@ -107,10 +108,7 @@ class RoundThread(RoundResults):
         self.started = 0  # rounds the thread has taken
         self.finished_at: int | None = None  # this worker's step count, once it has finished
         # What the rounds carried (global figures, from the reduced extras) and this worker's share.
-        self.sync_rounds = 0
-        self.gradients = 0
-        self.fresh = 0
-        self.staleness: Counter[int] = Counter()
+        self.tally = RoundTally()
         self.recoveries = 0  # times the rounds went on without failed ranks
         self.lost_gradients = 0  # this worker's gradients in rounds that broke
         self.recovered_rounds = 0  # rounds that broke here and were completed by a survivor, which sent them
@@ -150,14 +148,12 @@ class RoundThread(RoundResults):
         whether this call set the activation. The round before it is done everywhere (this worker
         waited for it), so its key is dropped."""
         opts = self.options
-        if is_sync_round(round_id, opts.sync_every):
-            return False
         with self.cond:
             live = self.live
             if self.started > round_id:
                 return False
-        if not starts_round(opts.quorum, self.rank, round_id, self.nproc, opts.eager_seed, live):
-            return False
+        if activation(opts.quorum, opts.sync_every, self.rank, round_id, self.nproc, opts.eager_seed, live) != START:
+            return False  # a synchronous round starts on every worker by itself; another worker starts this one
         self.main_store.set(self._key(round_id), "go")
         if round_id > 0:
             self.main_store.delete_key(self._key(round_id - 1))
@@ -260,10 +256,8 @@ class RoundThread(RoundResults):
                 f"eager-sgd round {round_id}: {n_finished} of {size} ranks had finished and the others had "
                 "not; every rank must run the same number of steps")
         with self.cond:
-            self.sync_rounds += is_sync_round(round_id, self.options.sync_every) or n_finished > 0
-            self.gradients += int(round(float(send[_COUNT])))
-            self.fresh += int(round(float(send[_FRESH])))
-            self.staleness.update(mine.staleness)
+            self.tally.add(is_sync_round(round_id, self.options.sync_every) or n_finished > 0,
+                           int(round(float(send[_COUNT]))), int(round(float(send[_FRESH]))), mine.staleness)
             self.publish(round_id, send, size)
 
     def _recover(self, broken: _Broken) -> int:
@@ -436,7 +430,8 @@ class EagerSGD(RoundsAlgorithm):
         if rounds is None:  # alone: no rounds
             return rounds_report(quorum=self.options.quorum, rounds=0, sync_rounds=0, gradients=0, fresh=0,
                                  staleness={}, waits=self.waits)
-        return rounds_report(quorum=self.options.quorum, rounds=rounds.completed, sync_rounds=rounds.sync_rounds,
-                             gradients=rounds.gradients, fresh=rounds.fresh, staleness=rounds.staleness,
+        t = rounds.tally
+        return rounds_report(quorum=self.options.quorum, rounds=rounds.completed, sync_rounds=t.sync_rounds,
+                             gradients=t.gradients, fresh=t.fresh, staleness=t.staleness,
                              waits=self.waits, recoveries=rounds.recoveries, lost_gradients=rounds.lost_gradients,
                              recovered_rounds=rounds.recovered_rounds)

@@ -19,11 +19,12 @@ worker's round thread (they move in lock step: each round is one all-reduce over
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from prague.algorithms.eager_sgd import rounds_report
-from prague.algorithms.eager_sgd.decisions import Ledger, is_sync_round, result_capacity, stale_weight, starts_round
+from prague.algorithms.eager_sgd.decisions import (
+    START, SYNC, Ledger, RoundTally, activation, is_sync_round, result_capacity, stale_weight,
+)
 from prague.sim.engine import Process, Signal, Signals
 from prague.sim.method import SimRounds
 
@@ -45,10 +46,7 @@ class SimEagerSGD(SimRounds):
         self._done = Signals(world.engine)  # round -> fired when its result is in
         self._results: dict[int, Any] = {}  # round -> (sum, count) until every worker applied it
         self._room: Signal | None = None  # fired when a worker applies results
-        self.sync_rounds = 0
-        self.gradients = 0
-        self.fresh = 0
-        self.staleness: Counter[int] = Counter()
+        self.tally = RoundTally()
         self.waits = 0
 
     # -- the round threads, in lock step --------------------------------------------------------------
@@ -69,11 +67,8 @@ class SimEagerSGD(SimRounds):
             self.sums = [None] * world.n
             count = sum(c.count for c in taken)
             weight = sum(c.weight for c in taken)
-            self.gradients += count
-            self.fresh += sum(c.fresh for c in taken)
-            for c in taken:
-                self.staleness.update(c.staleness)
-            self.sync_rounds += final or is_sync_round(round_id, self.options.sync_every)
+            self.tally.add(final or is_sync_round(round_id, self.options.sync_every), count,
+                           sum(c.fresh for c in taken), [s for c in taken for s in c.staleness])
             total = None
             for s in sums:
                 if s is not None:
@@ -101,10 +96,11 @@ class SimEagerSGD(SimRounds):
                 grad = grad * weight if weight != 1.0 else grad
                 self.sums[w] = grad if self.sums[w] is None else self.sums[w] + grad
             self.ledgers[w].deposit(self.applied[w], weight)
-            if is_sync_round(k, opts.sync_every):
+            act = activation(opts.quorum, opts.sync_every, w, k, n, opts.eager_seed)
+            if act == SYNC:
                 if all(ledger.deposited > k for ledger in self.ledgers):
                     self._activated[k].fire()
-            elif starts_round(opts.quorum, w, k, n, opts.eager_seed):
+            elif act == START:
                 start = self._activated[k]
                 if not start.fired:
                     start.fire()
@@ -144,5 +140,6 @@ class SimEagerSGD(SimRounds):
             raise RuntimeError(f"simulated eager-sgd ran {self.completed} rounds, expected {self.world.steps + 1}")
 
     def stats(self) -> dict[str, Any]:
-        return rounds_report(quorum=self.options.quorum, rounds=self.completed, sync_rounds=self.sync_rounds,
-                             gradients=self.gradients, fresh=self.fresh, staleness=self.staleness, waits=self.waits)
+        t = self.tally
+        return rounds_report(quorum=self.options.quorum, rounds=self.completed, sync_rounds=t.sync_rounds,
+                             gradients=t.gradients, fresh=t.fresh, staleness=t.staleness, waits=self.waits)
