@@ -35,6 +35,9 @@ from torch import nn
 from prague import jobenv
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
 from prague.algorithms.prague import PragueOptions, overlap_report
+from prague.algorithms.prague.flow import (
+    COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
+)
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
     GroupSource, ServiceSource, StaticSource, gg_service,
@@ -101,8 +104,7 @@ class Prague(Algorithm):
         self.resources.callback(self.groups.close)
         self.tally = GroupTally()
         self.steps_done = 0
-        self.busy_local_steps = 0
-        self.average_waits = 0
+        self.counts = OverlapCounts()
         self.blocking_s = 0.0  # overlap off: asking plus P-Reduce, all of it on the worker's thread
         self.exposed_s = 0.0  # overlap on: waiting for an earlier average
         self.source: GroupSource
@@ -162,21 +164,20 @@ class Prague(Algorithm):
             self._run(group, step)
             self.blocking_s += time.perf_counter() - t0
             return
-        averager = self.averager
-        for done in averager.take_ready():
-            self._apply(done)
-        if averager.in_flight >= self.options.max_in_flight:
-            if self.options.busy_policy == "local":
-                self.busy_local_steps += 1
-                return
-            t0 = time.perf_counter()
-            done = averager.take_oldest()
-            waited = time.perf_counter() - t0
-            times.wait_s += waited
-            self.exposed_s += waited
-            self.average_waits += 1
-            self._apply(done)
-        averager.submit(self.flat, step)
+        averager, o = self.averager, self.options
+        for effect in overlapped_step(lambda: averager.in_flight, o.max_in_flight, o.busy_policy, self.counts):
+            if effect == TAKE_READY:
+                for done in averager.take_ready():
+                    self._apply(done)
+            elif effect == TAKE_OLDEST:
+                t0 = time.perf_counter()
+                done = averager.take_oldest()
+                waited = time.perf_counter() - t0
+                times.wait_s += waited
+                self.exposed_s += waited
+                self._apply(done)
+            else:  # SUBMIT
+                averager.submit(self.flat, step)
 
     def _keep_momentum_bound(self) -> None:
         """A loaded optimizer state (a checkpoint) replaces the momentum buffers bound into the flat
@@ -192,13 +193,15 @@ class Prague(Algorithm):
     def finish(self) -> None:
         """Take every average still in flight, run the groups this worker is still committed to, then
         leave (see :class:`.source.ServiceSource`). Logged with ``step`` = the number of steps run."""
-        if self.averager is not None:
-            t0 = time.perf_counter()
-            for done in self.averager.drain():
-                self._apply(done)
-            self.exposed_s += time.perf_counter() - t0
-        for group in self.source.finish(self.ctx.rank):
-            self._run(group, self.steps_done)
+        for effect in finishing():
+            if effect == DRAIN and self.averager is not None:
+                t0 = time.perf_counter()
+                for done in self.averager.drain():
+                    self._apply(done)
+                self.exposed_s += time.perf_counter() - t0
+            elif effect == COMMITTED:
+                for group in self.source.finish(self.ctx.rank):
+                    self._run(group, self.steps_done)
         self.source.leave()
 
     def peers(self) -> Sequence[int] | None:
@@ -223,5 +226,6 @@ class Prague(Algorithm):
         else:
             averaging_s, exposed_s = self.averager.busy_s, self.exposed_s
         return overlap_report(self.options, steps=self.steps_done, local_steps=self.tally.local_steps,
-                              busy_local_steps=self.busy_local_steps, average_waits=self.average_waits,
+                              busy_local_steps=self.counts.busy_local_steps,
+                              average_waits=self.counts.average_waits,
                               averaging_s=averaging_s, exposed_s=exposed_s)

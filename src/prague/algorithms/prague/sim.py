@@ -42,6 +42,9 @@ from collections import deque
 from typing import Any
 
 from prague.algorithms.prague import overlap_report
+from prague.algorithms.prague.flow import (
+    COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
+)
 from prague.algorithms.prague.overlap import Backlog
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
@@ -95,8 +98,7 @@ class SimPrague(SimMethod):
         self._corrections: dict[tuple[int, int], Any] = {}
         self._backlogs = [Backlog() for _ in range(world.n)]
         self._math_on = world.math.enabled
-        self.busy_local_steps = 0
-        self.average_waits = 0
+        self.counts = OverlapCounts()
         self.averaging_s = 0.0  # asking plus P-Reduce, summed over workers
         self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
         self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
@@ -228,9 +230,9 @@ class SimPrague(SimMethod):
 
     # -- overlapped: the runtime's BackgroundAverager in simulated time ------------------------------
     def _overlapped(self, w: int) -> Process:
-        """Compute, local step, take the averages that came back, submit a snapshot; with
-        ``max_in_flight`` out, wait for the oldest or take a local step (``when_busy``), as
-        :meth:`prague.algorithms.prague.runtime.Prague.after_step` does."""
+        """Compute, local step, then the step's end as :mod:`.flow` says (the averages that came back,
+        the busy policy, the snapshot handed over), as
+        :meth:`prague.algorithms.prague.runtime.Prague.after_step` performs it on real threads."""
         world, o = self.world, self.options
         engine, math = world.engine, world.math
         for k in world.steps_of(w):
@@ -238,23 +240,24 @@ class SimPrague(SimMethod):
             yield compute
             math.local_step(w, k)
             t0 = engine.now
-            self._take_ready(w)
-            if self._in_flight[w] >= o.max_in_flight:
-                if o.busy_policy == "local":
-                    self.busy_local_steps += 1
-                    world.record(w, compute, 0.0, 0.0)
-                    continue
-                yield from self._take_oldest(w)
-                self.average_waits += 1
+            for effect in overlapped_step(lambda: self._in_flight[w], o.max_in_flight, o.busy_policy, self.counts):
+                if effect == TAKE_READY:
+                    self._take_ready(w)
+                elif effect == TAKE_OLDEST:
+                    yield from self._take_oldest(w)
+                else:  # SUBMIT
+                    self._submit(w, math.values(w), k)
             waited = engine.now - t0
             self.exposed_s += waited
-            self._submit(w, math.values(w), k)
             world.record(w, compute, 0.0, waited)
-        t0 = engine.now
-        while self._in_flight[w]:
-            yield from self._take_oldest(w)
-        self.exposed_s += engine.now - t0
-        yield from self._finish(w)
+        for effect in finishing():
+            if effect == DRAIN:
+                t0 = engine.now
+                while self._in_flight[w]:
+                    yield from self._take_oldest(w)
+                self.exposed_s += engine.now - t0
+            elif effect == COMMITTED:
+                yield from self._finish(w)
 
     def _submit(self, w: int, snapshot: Any, step: int) -> None:
         """Hand ``snapshot`` to ``w``'s averaging thread: it runs after the requests before it."""
@@ -341,5 +344,6 @@ class SimPrague(SimMethod):
         exposed = self.exposed_s if self.options.overlap == "on" else self.averaging_s
         return overlap_report(self.options, steps=sum(len(ends) for ends in self.world.end_s),
                               local_steps=self.local_steps,
-                              busy_local_steps=self.busy_local_steps, average_waits=self.average_waits,
+                              busy_local_steps=self.counts.busy_local_steps,
+                              average_waits=self.counts.average_waits,
                               averaging_s=self.averaging_s, exposed_s=exposed)
