@@ -112,7 +112,8 @@ class ShardBook:
             self.histogram[worker][tau] += 1
         else:
             self.rejected[worker] += 1
-        return Admission(tau, ok, scale, self.version, ShardPush(worker, step, base_version, tau, scale, ok, self.version))
+        record = ShardPush(worker, step, base_version, tau, scale, ok, self.version)
+        return Admission(tau, ok, scale, self.version, record)
 
     def contribute(self, worker: int, base_version: int, step: int) -> ShardPush:
         """A synchronous push of ``worker``'s ``step``, computed on ``base_version``, to the round of this

@@ -67,7 +67,8 @@ class SimPSEager(SimMethod):
             pending = self.shards.push_async(world, w, grad, bases, engine.now, k)
             if log is not None:
                 log_push(log, k, self.shards.count, pending.tau, pending.scale, pending.accepted)
-            math.own_step(w, grad, self.shards.async_rule, staleness_scale(self.shards.book.staleness_lr, last_tau, world.n))
+            scale = staleness_scale(self.shards.book.staleness_lr, last_tau, world.n)
+            math.own_step(w, grad, self.shards.async_rule, scale)
             world.record(w, compute, 0.0, wait)
 
     def stats(self) -> dict[str, Any]:
