@@ -67,7 +67,9 @@ from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.runtime.every_call import EveryCall
-from prague.train.trainer import StepRecord, make_algorithm, setup_algorithm
+from prague.train.trainer import StepHooks, StepRecord, make_algorithm, method_step, setup_algorithm
+
+NO_HOOKS = StepHooks()  # a script's steps have no harness around them
 
 
 class _Session:
@@ -284,14 +286,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
             skip = self._unscale(scale, found_inf)
         algorithm, step, times = session.algorithm, session.step, StepTimes()
         t_hooks = time.perf_counter()
-        sends = algorithm.sends_gradients_in_step
-        if not (skip and sends):
-            algorithm.after_backward(step, times)
-        if not skip:
-            algorithm.apply_update(self.optimizer, step)
-        algorithm.after_step(step, times)
+        _, _, t_end = method_step(algorithm, self.optimizer, step, times, NO_HOOKS, time.perf_counter, skip)
         if session.records is not None:  # what prague run's workers write, for a script
-            t_end = time.perf_counter()
             record = StepRecord(
                 step=step, rank=session.ctx.rank, t_end_s=t_end - session.t0,
                 compute_s=max(0.0, t_hooks - session.step_start - times.inner_comm_s),

@@ -84,6 +84,25 @@ class StepRecord:
         return out
 
 
+def method_step(algorithm: Algorithm, optimizer: torch.optim.Optimizer | None, step: int, times: StepTimes,
+                hooks: StepHooks, clock: Callable[[], float], skip: bool = False) -> tuple[float, float, float]:
+    """The method's part of a step once backward is done, in its one order, for both forms of the API
+    (:meth:`DistributedTrainer.step` and ``prague.prepare``'s optimizer step): the method's gradient
+    communication (``after_backward``), ``hooks.before_update``, the update (``apply_update``), the
+    method's averaging (``after_step``). ``skip``: a mixed-precision step whose gradients were not finite
+    (no update; a method that sends its gradients in the step still sends none). Returns the clock after
+    the communication, after the update and at the end."""
+    if not (skip and algorithm.sends_gradients_in_step):
+        algorithm.after_backward(step, times)
+    t_communicated = clock()
+    hooks.before_update(step, times)
+    if not skip:
+        algorithm.apply_update(optimizer, step)
+    t_updated = clock()
+    algorithm.after_step(step, times)
+    return t_communicated, t_updated, clock()
+
+
 class StepHooks:
     """Callbacks at the boundaries of one :meth:`DistributedTrainer.step` (every one a no-op here: a
     subclass overrides those it needs). In order: :meth:`before_compute` (the step's clock has started),
@@ -250,13 +269,7 @@ class DistributedTrainer:
         hooks.after_backward(step)  # its time is compute: the harness pads a paced backward pass to its end here
         t1 = self._clock()
         self.phase.communicate()
-        self.algorithm.after_backward(step, times)
-        t2 = self._clock()
-        hooks.before_update(step, times)
-        self.algorithm.apply_update(self.optimizer, step)
-        t3 = self._clock()
-        self.algorithm.after_step(step, times)
-        t4 = self._clock()
+        t2, t3, t4 = method_step(self.algorithm, self.optimizer, step, times, hooks, self._clock)
 
         hooks_s = (t2 - t1) + (t4 - t3)
         compute_s = (t1 - t0) + (t3 - t2) - times.inner_comm_s
