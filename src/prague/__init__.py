@@ -38,12 +38,12 @@ _EXPORTS = {
     "wrap": "prague.train.trainer",
     "prepare": "prague.train.prepared",
     "log_metrics": "prague.train.prepared",
-    "live_ranks": "prague.runtime.collectives",
-    "leader": "prague.runtime.collectives",
-    "is_leader": "prague.runtime.collectives",
-    "barrier": "prague.runtime.collectives",
-    "all_reduce": "prague.runtime.collectives",
-    "broadcast": "prague.runtime.collectives",
+    "live_ranks": "prague.comm.collectives",
+    "leader": "prague.comm.collectives",
+    "is_leader": "prague.comm.collectives",
+    "barrier": "prague.comm.collectives",
+    "all_reduce": "prague.comm.collectives",
+    "broadcast": "prague.comm.collectives",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -103,7 +103,7 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def average_into(source: nn.Module, target: nn.Module, group: dist.ProcessGroup | None = None,
                  average: Callable[[torch.Tensor], object] | None = None) -> None:
     """Set ``target``'s state to the mean of ``source``'s state over ``group`` (default: all ranks), or by
-    ``average`` (averages a flat tensor in place: over the living ranks, :mod:`prague.runtime.collectives`).
+    ``average`` (averages a flat tensor in place: over the living ranks, :mod:`prague.comm.collectives`).
 
     Collective: every rank of the group must call it with models of the same architecture. Integer
     buffers (e.g. ``num_batches_tracked``) are taken from ``source`` unchanged.

@@ -59,12 +59,12 @@ from torch import nn
 
 from prague import jobenv
 from prague.algorithms.api import Algorithm, StepTimes
+from prague.comm.collectives import average_live, pause_while_waiting
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
 from prague.io import JsonLines
 from prague.metrics.timeline import BACKGROUND_DIR, write_background
 from prague.metrics.writers import Writers, parse_report_to
-from prague.runtime.collectives import average_live, pause_while_waiting
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.runtime.every_call import EveryCall
 from prague.train.trainer import StepHooks, StepRecord, make_algorithm, method_step, setup_algorithm
