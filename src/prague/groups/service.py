@@ -153,7 +153,9 @@ class GroupGeneratorCore:
         self._wakers: dict[int, list[Callable[[], None]]] = {}  # worker -> callbacks of waiting requests
         self._trace: JsonLines | None = None
         self._stopping = False
-        self._timer = FunctionWork("group generator's timer", "gg-timer", self._timer_loop, wake=self._wake_timer)
+        self._timer = FunctionWork("group generator's timer", "gg-timer", self._timer_loop, wake=self._wake_timer,
+                                   start=False)
+        self._timer.start()  # once self._timer is set: its failure path uses it
 
     def now_s(self) -> float:
         return self._clock() - self._t0
