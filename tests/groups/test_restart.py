@@ -111,3 +111,24 @@ def test_a_run_survives_its_group_generator_being_killed_twice(tmp_path: Path, e
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed_steps"] == [150] * 4 and summary["failures"] == []
     assert wait_gone(str(out), within_s=10.0) == []
+
+
+def test_a_policy_that_fails_on_the_timer_fails_every_waiting_request_with_its_error() -> None:
+    """The Group Generator's timer runs on the background-work primitive: a policy that raises when polled at
+    its deadline ends the service, and a request waiting for a group gets that error, not a hang."""
+    from prague.errors import CommError
+    from prague.runtime.background import owner_of
+
+    core = _core("ready", nproc=3)
+
+    def broken_poll(now_s: float) -> list:
+        raise RuntimeError("the policy broke")
+
+    core.policy.poll = broken_poll  # type: ignore[method-assign]
+    try:
+        assert owner_of(core._timer._threads[0]) is core._timer
+        with pytest.raises(CommError, match="group generator's timer failed: RuntimeError\\('the policy broke'\\)"):
+            core.get_group(0, 0)  # alone in the window: only the timer's poll could answer it
+    finally:
+        core.stop()
+    assert not core._timer.alive
