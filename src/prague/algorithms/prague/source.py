@@ -32,7 +32,7 @@ import torch.distributed as dist
 from prague import jobenv
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
-from prague.runtime.context import DistContext, service_host
+from prague.runtime.context import DistContext, on_shutdown, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
 from prague.runtime.background import PeriodicWork
@@ -161,8 +161,10 @@ class ServiceSource:
 
     def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
                  trace: Path | None = None, membership: Membership | None = None) -> None:
+        from prague.groups.aio import pause_shared_loop
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
+        on_shutdown(pause_shared_loop)  # prague.shutdown(): after the method closed its channels, the loop's thread
         self.ctx = ctx
         self._keeper: ServiceKeeper | None = None  # the service this rank started (under torchrun, rank 0)
         self._leaving = threading.Event()  # set once this rank is closing: its service is not restarted then
