@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(150)
 def test_prague_trains_the_transformer_on_text_and_scores_each_next_character(tmp_path: Path) -> None:
     out = tmp_path / "gpt"
     res = run_cli("run", "--nproc", "2", "--model", "gpt", "--data", "pytext", "--steps", "4", "--batch-size", "8",
-                  "--algorithm", "prague", "--lr", "0.3", "--eval-every-s", "0.5", "--report-to", "tensorboard,csv",
+                  "--algorithm", "prague", "--lr", "0.05", "--eval-every-s", "0.5", "--report-to", "tensorboard,csv",
                   "--out", str(out), timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
