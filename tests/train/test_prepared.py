@@ -23,9 +23,10 @@ def test_a_job_of_one_runs_every_check_with_allreduce() -> None:
     assert "ok order,accumulation,features,compiled" in res.stdout
 
 
-@pytest.mark.parametrize("algorithm", ["prague", "adpsgd", "diloco"])
-def test_a_job_of_one_compiles_the_prepared_model_without_a_graph_break(algorithm: str) -> None:
-    res = run_command([sys.executable, str(CHECKS), "compiled", algorithm], timeout_s=120)
+def test_a_job_of_one_compiles_the_prepared_model_without_a_graph_break() -> None:
+    """adpsgd here (a method whose module is the user's; prague under prague launch, allreduce above): the
+    prepared model's own path is the same for every such method."""
+    res = run_command([sys.executable, str(CHECKS), "compiled", "adpsgd"], timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ok compiled" in res.stdout
 
