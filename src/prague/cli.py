@@ -69,8 +69,8 @@ def resolve_job(args: argparse.Namespace, *, nproc: int | None, algorithm: str =
             raise ConfigError(f"{saved_flag} {str(saved)!r} describes {cfg.nproc} workers, but this job has {nproc}; "
                               "start it with as many (torchrun --nnodes x --nproc-per-node)")
     else:
-        if nproc is None:
-            raise ValueError("a job from the flags needs its number of workers")
+        if nproc is None or out is None:
+            raise ValueError("a job from the flags needs its number of workers and its folder")
         cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
         if not here and args.resume:  # torchrun running `prague worker --resume` with the flags
             cfg = dataclasses.replace(cfg, resume=True)

@@ -34,8 +34,11 @@ def shared_loop() -> asyncio.AbstractEventLoop:
             _loop.set_exception_handler(_quiet_after_close)
         if _work is None or not _work.alive:
             loop = _loop
-            _work = FunctionWork("gRPC event loop", "gg-aio", lambda _: loop.run_forever(),
-                                 wake=lambda: loop.call_soon_threadsafe(loop.stop))
+
+            def stop() -> None:
+                loop.call_soon_threadsafe(loop.stop)
+
+            _work = FunctionWork("gRPC event loop", "gg-aio", lambda _: loop.run_forever(), wake=stop)
         return _loop
 
 

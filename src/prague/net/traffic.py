@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,12 @@ def _sink(listener: socket.socket) -> None:
 
     while True:
         conn, _ = listener.accept()
-        FunctionWork("cross-traffic sink's connection", "traffic-drain", lambda _, c=conn: drain(c))
+        FunctionWork("cross-traffic sink's connection", "traffic-drain", _on(drain, conn))
+
+
+def _on(body: Callable[[socket.socket], None], conn: socket.socket) -> Callable[[int], None]:
+    """``body(conn)`` as a work's body (which takes the thread's index)."""
+    return lambda _index: body(conn)
 
 
 def _listen(address: str) -> socket.socket:
