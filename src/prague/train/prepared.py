@@ -93,7 +93,7 @@ class _Session:
         self.forward_ready = False  # before_compute ran for the coming step
         self.handles: list[Any] = []
         self.t0 = self.step_start = time.perf_counter()
-        out = jobenv.current().out  # under prague launch --log-dir / prague guard --out: the steps' records
+        out = self.out = jobenv.current().out  # prague launch --log-dir / prague guard --out: the records
         self.records = JsonLines(out / "metrics" / f"rank{ctx.rank}.jsonl") if out is not None else None
         self.writers = _writers(out, ctx.rank) if out is not None else None  # and --report-to's
 
@@ -137,9 +137,8 @@ class _Session:
         for handle in self.handles:
             handle.remove()
         self.algorithm.close(failed=failed)
-        out = jobenv.current().out
-        if out is not None:  # what the method's background threads did, for the timeline
-            write_background(out / "metrics" / BACKGROUND_DIR / f"rank{self.ctx.rank}.jsonl",
+        if self.out is not None:  # what the method's background threads did, for the timeline
+            write_background(self.out / "metrics" / BACKGROUND_DIR / f"rank{self.ctx.rank}.jsonl",
                              self.algorithm.background_spans, -self.t0)
 
 
