@@ -68,8 +68,17 @@ def live_works() -> list[BackgroundWork]:
 
 
 def owner_of(thread: threading.Thread) -> BackgroundWork | None:
-    """The live work ``thread`` runs for, if any."""
-    return next((w for w in live_works() if thread in w._threads), None)
+    """The work ``thread`` was made for, if any (a thread of the package knows its work from the start,
+    so a thread ending while it is asked still names it)."""
+    return thread.work if isinstance(thread, _WorkThread) else None
+
+
+class _WorkThread(threading.Thread):
+    """A daemon thread of one :class:`BackgroundWork`, which it names as :attr:`work`."""
+
+    def __init__(self, work: BackgroundWork, index: int, name: str) -> None:
+        super().__init__(target=work._main, args=(index,), name=name, daemon=True)
+        self.work = work
 
 
 @dataclass(frozen=True)
@@ -125,8 +134,7 @@ class BackgroundWork:
         self.spans: deque[Span] = deque(maxlen=MAX_SPANS)
         self._current: list[Operation | None] = [None] * threads
         self._ended = 0  # threads whose body returned or raised (guarded by cond)
-        self._threads = [threading.Thread(target=self._main, args=(i,), name=name if threads == 1 else f"{name}-{i}",
-                                          daemon=True) for i in range(threads)]
+        self._threads = [_WorkThread(self, i, name if threads == 1 else f"{name}-{i}") for i in range(threads)]
 
     def start(self) -> None:
         with _works_lock:
