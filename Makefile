@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: demo test venv dev clean
+.PHONY: demo test venv dev clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# On a machine with a CUDA device, with a Python whose PyTorch is a CUDA build (PYTHON, not the CPU venv):
+# the CUDA tests, then 4 workers sharing the GPU over gloo with --compute real (benchmarks/gpu_check.py).
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -68,6 +68,20 @@ def test_each_rank_uses_its_own_gpu_under_nccl_and_the_cpu_under_gloo() -> None:
     assert device_for("gloo", 3) == CPU
 
 
+def test_device_cuda_shares_the_gpus_among_gloo_ranks_and_cpu_refuses_nccl() -> None:
+    # --device cuda: real GPU compute with more ranks than GPUs, the ranks taking the GPUs in turn
+    assert [device_for("gloo", r, "cuda", 2) for r in range(4)] == [CUDA0, CUDA1, CUDA0, CUDA1]
+    assert device_for("gloo", 3, "cuda", 1) == CUDA0
+    assert device_for("nccl", 1, "cuda", 2) == CUDA1
+    assert device_for("gloo", 5, "cpu", 8) == CPU
+    with pytest.raises(ConfigError, match="none is visible here; use --device cpu"):
+        device_for("gloo", 0, "cuda", 0)
+    with pytest.raises(ConfigError, match="use --backend gloo with --device cpu"):
+        device_for("nccl", 0, "cpu", 1)
+    with pytest.raises(ConfigError, match="unknown device 'tpu'"):
+        device_for("gloo", 0, "tpu", 1)
+
+
 @pytest.mark.parametrize("backend,device,expected", [
     ("gloo", CPU, None),       # gloo sends host memory as it is
     ("gloo", CUDA0, CPU),      # ... and cannot reach device memory

@@ -87,12 +87,16 @@ def resolve_job(args: argparse.Namespace, *, nproc: int | None, algorithm: str =
 
 
 def check_backend(cfg: Any) -> None:
-    """Raise ConfigError unless ``--backend`` can run ``cfg.nproc`` ranks on this machine (nccl: a GPU each)."""
+    """Raise ConfigError unless ``--backend`` and ``--device`` can run ``cfg.nproc`` ranks on this machine
+    (nccl: a GPU each; cuda: a GPU at all)."""
     import torch
 
-    from prague.runtime.context import pick_backend
+    from prague.runtime.context import device_for, pick_backend
 
-    pick_backend(cfg.backend, torch.cuda.device_count(), cfg.nproc)
+    gpus = torch.cuda.device_count()
+    device = getattr(cfg, "device", "auto")
+    backend = pick_backend("gloo" if cfg.backend == "auto" and device == "cpu" else cfg.backend, gpus, cfg.nproc)
+    device_for(backend, 0, device, gpus)
 
 
 def _default_out(name: str) -> Path:
@@ -379,7 +383,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     def body(ctx: Any) -> None:
         train(job, ctx)
 
-    run_worker(body, backend=job.backend, timeout_s=job.timeout_s)
+    run_worker(body, backend=job.backend, timeout_s=job.timeout_s, device=job.device)
     return 0
 
 

@@ -74,6 +74,7 @@ class RunRecord:
     warmup_steps: int | None = _doc("iterations left out of the throughput window")
     seed: int | None = _doc("the run's seed")
     backend: str | None = _doc("`gloo`, `nccl`, or `sim`")
+    device: str | None = _doc("where the ranks computed: `cpu` or `cuda` (`--device`; null when simulated)")
     no_wait_limit_samples_per_s: float | None = _doc("throughput if communication were free and nobody waited")
     fraction_of_limit: float | None = _doc("throughput / no-wait limit")
     base_compute_s: float | None = _doc("compute of one step without injected slowdown (median; the no-wait limit's step)")

@@ -46,6 +46,7 @@ from prague.runtime.parent import set_parent_death_signal
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_KEY = "prague/error/"
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
@@ -68,9 +69,23 @@ def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
     return requested
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """Where a rank keeps its model and the tensors of its collectives: its own GPU (``local_rank``)
-    under NCCL, the CPU under gloo."""
+def device_for(backend: str, local_rank: int, requested: str = "auto", gpu_count: int = 0) -> torch.device:
+    """Where a rank keeps its model and the tensors of its collectives. ``auto``: its own GPU
+    (``local_rank``) under NCCL, the CPU under gloo; ``cpu``: the CPU (gloo only: NCCL reaches device
+    memory alone); ``cuda``: a GPU even under gloo, the ranks of a machine sharing its ``gpu_count`` GPUs
+    in turn (local rank modulo the count), which runs real GPU compute with more ranks than GPUs (gloo
+    reduces CUDA tensors through the host)."""
+    if requested not in DEVICES:
+        raise ConfigError(f"unknown device {requested!r}; valid choices: {', '.join(DEVICES)}")
+    if requested == "cpu":
+        if backend == "nccl":
+            raise ConfigError("device 'cpu' cannot use backend 'nccl', which reaches GPU memory only; "
+                              "use --backend gloo with --device cpu")
+        return torch.device("cpu")
+    if requested == "cuda":
+        if gpu_count <= 0:
+            raise ConfigError("device 'cuda' needs a CUDA GPU, and none is visible here; use --device cpu")
+        return torch.device("cuda", local_rank % gpu_count)
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
@@ -162,12 +177,13 @@ def service_host() -> str:
                           f"({exc}); the other machines could not reach a service started here") from exc
 
 
-def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "auto") -> DistContext:
     """Join the job described by the environment and initialise ``torch.distributed``.
 
     Called once per worker process, on every rank, before wrapping a model. ``backend="auto"`` picks
     NCCL when this machine has a GPU for each of its ranks (``LOCAL_WORLD_SIZE``) and gloo otherwise
-    (:func:`pick_backend`). Returns the context (also kept for :func:`context`).
+    (:func:`pick_backend`); ``device`` (:func:`device_for`) ``"cuda"`` puts gloo ranks on the GPUs too, so
+    that several ranks share one GPU. Returns the context (also kept for :func:`context`).
     Raises :class:`ConfigError` for a malformed environment; a rendezvous that does not complete within
     ``timeout_s`` raises torch's timeout error.
     """
@@ -178,12 +194,14 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         raise ConfigError(f"unknown backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}; valid choices: {', '.join(DEVICES)}")
     job = jobenv.current()
     local_world_size = 1
     if job.launched:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
         local_world_size = job.local_world_size or job.need("world_size")
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = pick_backend(backend, gpu_count, local_world_size)
+    backend = pick_backend("gloo" if backend == "auto" and device == "cpu" else backend, gpu_count, local_world_size)
 
     set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
@@ -202,16 +220,16 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistCon
         rank, world_size, local_rank = 0, 1, 0
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
 
-    device = device_for(backend, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    where = device_for(backend, local_rank, device, gpu_count)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
     if not dist.is_initialized():  # a script that made its own default group keeps it: prague uses it
         _OWNS_WORLD = True
         dist.init_process_group(
             backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
             timeout=timeout,
         )
-    _CONTEXT = DistContext(rank, world_size, local_rank, backend, device, store, timeout_s)
+    _CONTEXT = DistContext(rank, world_size, local_rank, backend, where, store, timeout_s)
     if job.launched:  # the launcher holds this worker's lease
         global _HEARTBEAT
         _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)

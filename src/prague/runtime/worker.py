@@ -13,13 +13,14 @@ from prague.errors import EXIT_USAGE, ConfigError
 from prague.runtime.context import DistContext, init, report_failure, shutdown
 
 
-def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0) -> None:
+def run_worker(body: Callable[[DistContext], Any], backend: str = "auto", timeout_s: float = 300.0,
+               device: str = "auto") -> None:
     """Join the job and run ``body(ctx)``; on any exception publish the traceback for the launcher,
     print it, and exit at once (peers blocked in a collective are stopped by the launcher): with 2 for a
     :class:`~prague.errors.ConfigError` (settings that cannot work), 130 when interrupted, else 1."""
     ctx: DistContext | None = None
     try:
-        ctx = init(backend=backend, timeout_s=timeout_s)
+        ctx = init(backend=backend, timeout_s=timeout_s, device=device)
         body(ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         report_failure(exc)

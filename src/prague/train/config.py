@@ -145,6 +145,10 @@ class RunConfig:
     lease_s: float = setting(10.0, "a worker whose heartbeat stops this long has hung: methods that survive "
                                    "failures go on without it, the others stop, naming it (s)")
     backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    device: str = setting("auto", "where each rank computes: auto (its own GPU under nccl, the CPU under gloo), cpu, "
+                                  "or cuda (the GPUs under gloo too: ranks share them, local rank modulo their "
+                                  "number; real GPU compute with more ranks than GPUs)",
+                          choices=("auto", "cpu", "cuda"))
     save_model: bool = setting(False, "rank 0 saves the averaged model to OUT/model.pt")
     stall_warn_s: float | None = setting(None, "warn when a worker has waited this long (s) for others in one "
                                                "step, naming them (default: 10x the median step time, at "

@@ -81,15 +81,19 @@ def measure_compute_ms(cfg: RunConfig, steps: int = 10) -> float:
 
     data = load_dataset(cfg.data, cfg.data_dir, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    # Where the workers compute: a GPU under --device cuda (timed after its queued kernels), else the CPU.
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    x, y = data.train_x[:cfg.batch_size], data.train_y[:cfg.batch_size]
+    x, y = data.train_x[:cfg.batch_size].to(device), data.train_y[:cfg.batch_size].to(device)
     times = []
     for _ in range(steps + 2):  # two warm-up steps
         t0 = time.perf_counter()
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     times = sorted(times[2:])
     return 1e3 * times[len(times) // 2]
@@ -435,6 +439,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
         compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model, lr=cfg.lr,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
+        device=ctx.device.type,
         wall_s=max(g["wall_s"] for g in gathered), target_accuracy=cfg.target_accuracy, target_loss=cfg.target_loss,
         consensus_distance=consensus, **evaluation,
         algorithm_stats=[g["stats"] for g in gathered], simulated=False,
