@@ -34,7 +34,8 @@ class PolicyBase:
         self.counts = [0] * config.nproc  # requests per worker
         self.progress = [0] * config.nproc  # steps per worker, as its requests report them
         self.finished = [False] * config.nproc
-        self._active = tuple(range(config.nproc))
+        self._active: tuple[int, ...] | None = None  # built when asked for, after a change
+        self.active_count = config.nproc  # workers that have not finished
         self.counters = PolicyCounters()
         self._observer = observer
         self._next_seq = 0
@@ -47,12 +48,16 @@ class PolicyBase:
             raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
 
     def active(self) -> tuple[int, ...]:
-        """Workers that have not finished, in rank order."""
+        """Workers that have not finished, in rank order (built once per change: a finish costs O(1), so
+        that the workers of a large job finishing one by one cost O(n), not O(n^2))."""
+        if self._active is None:
+            self._active = tuple(w for w, done in enumerate(self.finished) if not done)
         return self._active
 
     def _mark_finished(self, worker: int) -> None:
         self.finished[worker] = True
-        self._active = tuple(w for w in self._active if w != worker)
+        self.active_count -= 1
+        self._active = None
 
     def _note_request(self, worker: int, iteration: int | None) -> None:
         """Count ``worker``'s request, and its progress: ``iteration + 1`` steps when it says after which

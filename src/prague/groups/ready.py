@@ -153,7 +153,7 @@ class ReadyGenerator(PolicyBase):
     # -- forming groups -----------------------------------------------------------------------------
     def _settle(self, requester: int | None, now_s: float) -> list[Answer]:
         size = self.config.group_size
-        idle = len(self.active()) - len(self._waiting)
+        idle = self.active_count - len(self._waiting)
         self._new_batch()
         answers: list[Answer] = []
         while len(self._waiting) >= size:

@@ -23,7 +23,7 @@ CALLS = ("request", "finish", "exclude", "poll")
 @dataclass(frozen=True)
 class PolicyCall:
     """One call of a policy: ``call`` (``request``, ``finish`` or ``poll``), the worker that made it
-    (None for ``poll``), the time it was given (``now_s``) and every answer it returned, in order."""
+    (None for ``poll``; a sharded generator's poll of one shard: that shard), the time it was given (``now_s``) and every answer it returned, in order."""
 
     call: str
     worker: int | None
@@ -55,8 +55,9 @@ def call_policy(policy: GroupPolicy, call: str, worker: int | None, now_s: float
                 iteration: int | None = None) -> list[Answer]:
     """Make one call of ``policy`` by name (``request``/``finish`` need a worker; ``iteration``: the step a
     request comes after, when known)."""
-    if call == "poll":
-        return policy.poll(now_s)
+    if call == "poll":  # a sharded generator's poll of one shard names it as the worker
+        poll_shard = getattr(policy, "poll_shard", None)
+        return policy.poll(now_s) if worker is None or poll_shard is None else poll_shard(worker, now_s)
     if worker is None:
         raise ConfigError(f"a {call!r} call needs the worker that made it")
     if call == "request":

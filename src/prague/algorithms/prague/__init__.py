@@ -57,6 +57,11 @@ class PragueOptions(Options):
                                  "every group (twice the bytes; needs torch.optim.SGD with momentum); off: each "
                                  "worker keeps its own (default: on did not move the accuracy curve, MNIST, 8 "
                                  "workers, straggler:3:4, 3 seeds)", choices=("on", "off"))
+    gg_shards: int = option(0, "Group Generator shards (ready only): each serves the workers of a block of whole "
+                            "nodes, the blocks drawn again every --gg-epoch-steps steps so that the parts mix; "
+                            "0: one per 256 workers, at most one per node. The simulator runs several; a "
+                            "real job runs one (sharded services are not built yet)")
+    gg_epoch_steps: int = option(10, "with several --gg-shards: the parts are drawn again every this many steps")
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -79,10 +84,30 @@ class PragueOptions(Options):
             raise ConfigError(f"--comm-cache must be >= 1, got {self.comm_cache}")
         if self.max_in_flight < 1:
             raise ConfigError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
+        if self.gg_shards < 0:
+            raise ConfigError(f"--gg-shards must be >= 0 (0: one per 256 workers), got {self.gg_shards}")
+        if self.gg_shards > 1 and self.base_generator != "ready":
+            raise ConfigError(f"--gg-shards {self.gg_shards} needs the ready generator (--generator ready): "
+                              f"{self.generator} fixes groups ahead of time, which a worker moving between "
+                              "shards would leave behind")
+        if self.gg_epoch_steps < 1:
+            raise ConfigError(f"--gg-epoch-steps must be >= 1, got {self.gg_epoch_steps}")
 
     def check_job(self, nproc: int) -> None:
         self.topology(nproc)
         check_group_size(self, nproc)
+
+    def shard_count(self, topology: Topology) -> int:
+        """The Group Generator's shards for a job laid out as ``topology``: ``--gg-shards``, or for 0 one per
+        :data:`~prague.groups.shards.WORKERS_PER_SHARD` workers (at most one per node); 1 for every generator
+        but ``ready`` and for the static schedule. ConfigError for more shards than nodes."""
+        from prague.groups.shards import ShardPlan, auto_shards
+
+        if self.base_generator != "ready":
+            return 1
+        count = self.gg_shards or auto_shards(topology.size, topology.nodes)
+        ShardPlan(topology, count, self.gg_epoch_steps)  # checks it
+        return count
 
     @property
     def base_generator(self) -> str:
@@ -199,8 +224,10 @@ METHOD = Method(
         "generator_stats": "the service's own counters (rank 0 only)",
     },
     sim_reports={
-        "gg_utilization": "share of the run the Group Generator's thread was busy",
-        "gg_mean_queue_s": "mean seconds a request queued in front of the Group Generator",
+        "gg_shards": "Group Generator shards (--gg-shards; 1 without sharding)",
+        "gg_utilization": "share of the run the Group Generator's thread was busy (the busiest shard's)",
+        "gg_utilization_per_shard": "each shard's share of the run busy",
+        "gg_mean_queue_s": "mean seconds a request queued in front of the Group Generator (its shard)",
         "policy_us_per_call": "CPU microseconds of one decision of the real policy code, timed while simulating",
         "policy_core_share": "share of one core the policy would need at the simulated request rate",
     },

@@ -85,6 +85,10 @@ class Prague(Algorithm):
     @classmethod
     def job_resources(cls, options: PragueOptions, nproc: int, out_dir: Path,
                       host: str = "127.0.0.1") -> JobResources:
+        if options.gg_shards > 1:
+            raise ConfigError(f"--gg-shards {options.gg_shards}: a real job runs one Group Generator for now (the "
+                              "sharded services are not built yet); `prague simulate` runs several, or drop the "
+                              "flag")
         options.topology(nproc)
         if not options.uses_service:
             return JobResources()

@@ -48,6 +48,7 @@ from prague.algorithms.prague.flow import (
 from prague.algorithms.prague.overlap import Backlog
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
+from prague.groups.shards import ShardedGenerator, ShardPlan
 from prague.groups.trace import PolicyCall, call_policy
 from prague.metrics.decisions import Decision, gg_trace_path
 from prague.sim.costs import Queue
@@ -56,7 +57,8 @@ from prague.sim.method import SimMethod
 from prague.sim.world import World
 
 _SAMPLE_EVERY = 4
-Job = tuple[str, "int | None", "int | None"]  # a call to the service: (what, worker, the step a request comes after)
+# A call to the service: (what, worker, the step a request comes after, the shard that serves it).
+Job = tuple[str, "int | None", "int | None", int]
 
 
 class SimPrague(SimMethod):
@@ -72,15 +74,21 @@ class SimPrague(SimMethod):
             nproc=world.n, topology=o.generator_topology(world.topology), group_size=o.group_size,
             delta_c=o.delta_c, seed=o.gg_seed, window_s=o.window_s,
         )
-        self.policy = make_generator(o.base_generator, self.config)
+        shards = o.shard_count(self.config.topo)
+        self.sharded: ShardedGenerator | None = None
+        if shards > 1:  # the ready generator in shards, each with its own service queue
+            self.sharded = ShardedGenerator(self.config, ShardPlan(self.config.topo, shards, o.gg_epoch_steps, o.gg_seed))
+            self.policy: Any = self.sharded
+        else:
+            self.policy = make_generator(o.base_generator, self.config)
         self.remote = not o.is_static
         # Policies that never set a deadline (the buffered ones) need no poll timer.
         self._timers = not isinstance(self.policy, (BufferedPolicy, StaticGenerator))
-        self.queue = Queue()
+        self.queues = [Queue() for _ in range(shards)]
         self._half_rtt = world.cluster.gg_rtt_s / 2.0
         self._service = world.cluster.gg_service_s
         self._answer: list[Signal | None] = [None] * world.n
-        self._armed: float | None = None
+        self._armed: list[float | None] = [None] * shards
         # Real CPU time inside the policy object (what the GG's thread would spend), sampled: a CPU clock
         # read costs about as much as a small decision, and wall clocks count other processes' time.
         self._sampled_ns = 0
@@ -106,7 +114,8 @@ class SimPrague(SimMethod):
 
     # -- the Group Generator, as a service --------------------------------------------------------
     def _call(self, what: str, worker: int | None, now: float, iteration: int | None = None) -> list[Answer]:
-        """Call the policy with ``now_s=now`` (simulated time); every 4th call's CPU time is measured."""
+        """Call the policy with ``now_s=now`` (simulated time); every 4th call's CPU time is measured. A
+        sharded generator's ``poll`` names its shard as ``worker``."""
         timed = self.policy_calls % _SAMPLE_EVERY == 0
         if timed:
             t0 = time.thread_time_ns()
@@ -124,8 +133,8 @@ class SimPrague(SimMethod):
     def _serve_at(self, job: Job, start: float) -> None:
         """Serve ``job`` at ``start`` (>= now) and send the answers, which arrive after the service
         time and half a round trip."""
-        what, worker, iteration = job
-        answers = self._call(what, worker, start, iteration)
+        what, worker, iteration, shard = job
+        answers = self._call(what, shard if what == "poll" and self.sharded is not None else worker, start, iteration)
         delay = start - self.world.engine.now + self._service + self._half_rtt
         for w, group in answers:
             if what == "finish" and w == worker:
@@ -141,7 +150,11 @@ class SimPrague(SimMethod):
             assert sig is not None
             sig.fire_after(delay, [g for w, g in answers if w == worker])
         if self._timers:
-            self._arm_timer()
+            if what == "finish" or what == "exclude":  # every shard hears of it
+                for s in range(len(self.queues)):
+                    self._arm_timer(s)
+            else:
+                self._arm_timer(shard)
 
     def _serve(self, job: Job) -> None:
         self._serve_at(job, self.world.engine.now)
@@ -153,27 +166,31 @@ class SimPrague(SimMethod):
         service start time as ``now_s``: nothing else touches it in between, so the answers are the
         same as an event at that time would get, for one event less per call."""
         engine = self.world.engine
-        start = self.queue.reserve(engine.now + delay_s, self._service) - self._service
+        start = self.queues[job[3]].reserve(engine.now + delay_s, self._service) - self._service
         if self._timers:
             engine.at(start, self._serve, job)
         else:
             self._serve_at(job, start)
 
-    def _arm_timer(self) -> None:
-        deadline = self.policy.next_deadline()
-        if deadline is not None and deadline != self._armed:
-            self._armed = deadline
-            engine = self.world.engine
-            engine.at(max(deadline, engine.now), self._on_timer, deadline)
+    def _deadline(self, shard: int) -> float | None:
+        return self.policy.next_deadline() if self.sharded is None else self.sharded.shard_deadline(shard)
 
-    def _on_timer(self, deadline: float) -> None:
-        if self._armed == deadline:
-            self._armed = None
-        current = self.policy.next_deadline()
+    def _arm_timer(self, shard: int) -> None:
+        deadline = self._deadline(shard)
+        if deadline is not None and deadline != self._armed[shard]:
+            self._armed[shard] = deadline
+            engine = self.world.engine
+            engine.at(max(deadline, engine.now), self._on_timer, (shard, deadline))
+
+    def _on_timer(self, armed: tuple[int, float]) -> None:
+        shard, deadline = armed
+        if self._armed[shard] == deadline:
+            self._armed[shard] = None
+        current = self._deadline(shard)
         if current is not None and current <= self.world.engine.now:
-            self._send(("poll", None, None), 0.0)
+            self._send(("poll", None, None, shard), 0.0)
         else:
-            self._arm_timer()
+            self._arm_timer(shard)
 
     def _ask(self, worker: int, what: str, iteration: int | None = None) -> Signal:
         """Send a ``request`` (after step ``iteration``) or ``finish`` for ``worker``; the signal fires with
@@ -184,7 +201,8 @@ class SimPrague(SimMethod):
             sig.fire([g for w, g in answers if w == worker] if what == "finish" else answers[0][1])
             return sig
         self._answer[worker] = sig
-        self._send((what, worker, iteration), self._half_rtt)
+        shard = 0 if self.sharded is None else self.sharded.route(worker, iteration)
+        self._send((what, worker, iteration, shard), self._half_rtt)
         return sig
 
     # -- the worker -----------------------------------------------------------------------------------
@@ -321,6 +339,8 @@ class SimPrague(SimMethod):
         per_call_s = self._sampled_ns * 1e-9 / self._sampled if self._sampled else 0.0
         world = self.world
         executed = world.group_members + self.local_steps  # groups run, summed over their members
+        shares = [q.busy_s / wall for q in self.queues] if wall > 0 and self.remote else []
+        jobs = sum(q.jobs for q in self.queues)
         out: dict[str, Any] = {
             "generator": self.options.generator,
             "group_size": self.config.group_size,
@@ -330,9 +350,12 @@ class SimPrague(SimMethod):
             **self._overlap_stats(),
             **world.comm_stats(),
             "generator_stats": dict(self.policy.stats()),
-            # The simulated GG thread: share of time busy and mean wait in its queue.
-            "gg_utilization": self.queue.busy_s / wall if wall > 0 and self.remote else 0.0,
-            "gg_mean_queue_s": self.queue.queued_s / self.queue.jobs if self.queue.jobs else 0.0,
+            # The simulated GG threads (one per shard): share of time busy (the busiest shard's; each
+            # shard's) and mean wait in their queues.
+            "gg_shards": len(self.queues),
+            "gg_utilization": max(shares) if shares else 0.0,
+            "gg_utilization_per_shard": shares,
+            "gg_mean_queue_s": sum(q.queued_s for q in self.queues) / jobs if jobs else 0.0,
             # The real decision code, timed while simulating: its CPU per call, and the share of one
             # core it would need at the simulated request rate.
             "policy_us_per_call": 1e6 * per_call_s,

@@ -1,0 +1,177 @@
+"""Several Group Generator shards for one job: the ``ready`` generator scaled out.
+
+One generator serves about 1 / (cost per request) requests a second (about 110 us of CPU each: some 9,000
+a second, so about 1,000 workers at 100 ms steps). Shards divide the job instead:
+
+* **Parts by node.** An *epoch* is ``epoch_steps`` steps of a worker (a request after step k belongs to
+  epoch ``k // epoch_steps``). In each epoch the nodes are put in an order drawn from ``(seed, epoch)``
+  and cut into ``shards`` blocks of consecutive nodes, as even as whole nodes allow; shard s serves the
+  workers of block s. A node's workers always share a shard, so groups inside a node stay possible.
+* **Groups inside a part.** Each shard runs its own :class:`~prague.groups.ready.ReadyGenerator` and
+  groups whoever of its part is waiting, as one generator does for a whole job.
+* **Mixing across parts, with no extra round trip.** The blocks are drawn again every epoch, so a worker's
+  partners of the next epoch come from other parts: every worker (and every shard) computes who serves
+  whom from the seed alone, so a worker simply sends its first request of a new epoch to its new shard.
+  Over a few epochs any two workers' models are connected through chains of groups, as in gossip
+  averaging over a changing graph (Boyd et al., "Randomized gossip algorithms", 2006).
+* **Why only ``ready``.** A ``ready`` group holds only workers already waiting at its shard, so nobody is
+  ever committed to a group of a shard it has left: moving between shards can never deadlock. The
+  generators that fix groups ahead of time (``smart``, ``random``) would leave such commitments behind.
+
+Groups keep one global ``seq``: a shard's own numbers ``k`` become ``k * shards + s``, unique across
+shards. A worker finishing or failed is reported to every shard (each may hold it as not yet arrived).
+The shards' decisions are the same objects in the service and in the simulator; only who calls them
+differs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+
+from prague.errors import ConfigError
+from prague.groups.api import Answer, GeneratorConfig, Group, Observer, Topology
+from prague.groups.ready import ReadyGenerator
+
+#: ``--gg-shards 0`` (auto): one shard for about this many workers. At 100 ms steps and about 110 us a
+#: request, one shard of 256 workers is about 30% busy, leaving room for slower steps' bursts.
+WORKERS_PER_SHARD = 256
+#: ``--gg-epoch-steps``' default: the parts are drawn again every this many steps of a worker.
+EPOCH_STEPS = 10
+#: Node orders kept (epochs of workers at different steps are asked for in turn).
+_ORDERS_KEPT = 64
+
+
+def auto_shards(nproc: int, nodes: int) -> int:
+    """The shards ``--gg-shards 0`` gives a job of ``nproc`` workers on ``nodes`` nodes: one per
+    :data:`WORKERS_PER_SHARD` workers, at most one per node."""
+    return max(1, min(nodes, math.ceil(nproc / WORKERS_PER_SHARD)))
+
+
+class ShardPlan:
+    """Which shard serves which worker in which epoch (see the module docstring); pure."""
+
+    def __init__(self, topology: Topology, shards: int, epoch_steps: int = EPOCH_STEPS, seed: int = 0) -> None:
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ConfigError(f"--gg-shards must be an integer >= 1 (0: auto), got {shards!r}")
+        if shards > topology.nodes:
+            raise ConfigError(f"--gg-shards {shards} is more than the job's {topology.nodes} node(s): a shard serves "
+                              f"whole nodes; use at most {topology.nodes}, or more --nodes")
+        if not isinstance(epoch_steps, int) or isinstance(epoch_steps, bool) or epoch_steps < 1:
+            raise ConfigError(f"--gg-epoch-steps must be an integer >= 1, got {epoch_steps!r}")
+        self.topology, self.shards, self.epoch_steps, self.seed = topology, shards, epoch_steps, seed
+        self._orders: OrderedDict[int, list[int]] = OrderedDict()  # epoch -> shard of each node
+
+    def epoch(self, iteration: int) -> int:
+        """The epoch of a request made after step ``iteration``."""
+        return max(0, iteration) // self.epoch_steps
+
+    def _shard_of_node(self, epoch: int) -> list[int]:
+        table = self._orders.get(epoch)
+        if table is None:
+            nodes = self.topology.nodes
+            order = list(range(nodes))
+            if self.shards > 1:
+                random.Random(f"prague-shards/{self.seed}/{epoch}").shuffle(order)
+            table = [0] * nodes
+            for position, node in enumerate(order):
+                table[node] = position * self.shards // nodes
+            self._orders[epoch] = table
+            if len(self._orders) > _ORDERS_KEPT:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(epoch)
+        return table
+
+    def shard_of(self, worker: int, iteration: int) -> int:
+        """The shard that serves ``worker``'s request after step ``iteration``."""
+        if self.shards == 1:
+            return 0
+        return self._shard_of_node(self.epoch(iteration))[worker // self.topology.workers_per_node]
+
+    def members(self, shard: int, epoch: int) -> list[int]:
+        """The workers shard ``shard`` serves in ``epoch``, in rank order."""
+        table, wpn = self._shard_of_node(epoch), self.topology.workers_per_node
+        return [w for node, s in enumerate(table) if s == shard for w in range(node * wpn, (node + 1) * wpn)]
+
+
+class ShardedGenerator:
+    """``plan.shards`` :class:`ReadyGenerator` shards behind one :class:`~prague.groups.GroupPolicy`.
+
+    :meth:`route` says which shard a request goes to (the simulator queues it there, a client sends it
+    there); :meth:`request` asks that shard. ``config`` is the job's: each shard gets it whole (the ids
+    are the job's ranks) with its own seed."""
+
+    def __init__(self, config: GeneratorConfig, plan: ShardPlan, *, observer: Observer | None = None) -> None:
+        if plan.topology.size != config.nproc:
+            raise ConfigError(f"the shard plan covers {plan.topology.size} workers but the job has {config.nproc}")
+        self.config, self.plan = config, plan
+        self.shards = [ReadyGenerator(_shard_config(config, s), observer=observer) for s in range(plan.shards)]
+        self._asked = [0] * config.nproc  # requests per worker: the step of a request that names none
+
+    def route(self, worker: int, iteration: int | None = None) -> int:
+        """The shard that serves ``worker``'s next request (after step ``iteration``)."""
+        return self.plan.shard_of(worker, self._asked[worker] if iteration is None else iteration)
+
+    def _global(self, shard: int, answers: list[Answer]) -> list[Answer]:
+        count = self.plan.shards
+        if count == 1:
+            return answers
+        return [(w, Group(g.seq * count + shard, g.members)) for w, g in answers]
+
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
+        shard = self.route(worker, iteration)
+        answers = self.shards[shard].request(worker, now_s, iteration)
+        self._asked[worker] += 1
+        return self._global(shard, answers)
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        return self._everywhere("finish", worker, now_s)
+
+    def exclude(self, worker: int, now_s: float) -> list[Answer]:
+        return self._everywhere("exclude", worker, now_s)
+
+    def _everywhere(self, what: str, worker: int, now_s: float) -> list[Answer]:
+        answers: list[Answer] = []
+        for s, shard in enumerate(self.shards):
+            answers += self._global(s, getattr(shard, what)(worker, now_s))
+        return answers
+
+    def poll(self, now_s: float) -> list[Answer]:
+        answers: list[Answer] = []
+        for s in range(len(self.shards)):
+            answers += self.poll_shard(s, now_s)
+        return answers
+
+    def poll_shard(self, shard: int, now_s: float) -> list[Answer]:
+        """Poll one shard (its own timer: :meth:`shard_deadline`)."""
+        return self._global(shard, self.shards[shard].poll(now_s))
+
+    def next_deadline(self) -> float | None:
+        deadlines = [d for d in (s.next_deadline() for s in self.shards) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def shard_deadline(self, shard: int) -> float | None:
+        return self.shards[shard].next_deadline()
+
+    def stats(self) -> dict[str, float | int]:
+        per = [s.stats() for s in self.shards]
+        out: dict[str, float | int] = {}
+        for key in ("requests", "groups", "local_steps", "full_groups", "window_groups", "all_here_groups",
+                    "window_expiries", "holds"):
+            out[key] = sum(int(p.get(key, 0)) for p in per)
+        members = sum(s.counters.members for s in self.shards)
+        out["mean_group_size"] = members / out["groups"] if out["groups"] else 0.0
+        waited = sum(float(p["mean_wait_s"]) * s.counters.members for p, s in zip(per, self.shards))
+        out["mean_wait_s"] = waited / members if members else 0.0
+        out["shards"] = len(self.shards)
+        out["max_shard_requests"] = max(int(p["requests"]) for p in per)
+        return out
+
+
+def _shard_config(config: GeneratorConfig, shard: int) -> GeneratorConfig:
+    """Shard ``shard``'s settings: the job's, with a seed of its own (shard 0 keeps the job's)."""
+    return GeneratorConfig(nproc=config.nproc, topology=config.topology, group_size=config.group_size,
+                           delta_c=config.delta_c, seed=config.seed + 1_000_003 * shard, window_s=config.window_s,
+                           avoid_repeats=config.avoid_repeats)

@@ -1,0 +1,152 @@
+"""The sharded Group Generator (``--gg-shards``): parts by whole nodes drawn again every epoch, a ``ready``
+generator per part, and the simulator driving the same objects."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prague.errors import ConfigError
+from prague.groups import GeneratorConfig, Topology
+from prague.groups.shards import ShardedGenerator, ShardPlan, auto_shards
+from prague.simulate.run import SimConfig, simulate
+
+
+def test_every_worker_has_one_shard_per_epoch_and_a_node_stays_together() -> None:
+    topology = Topology(nodes=10, workers_per_node=4)
+    plan = ShardPlan(topology, shards=3, epoch_steps=5, seed=7)
+    for epoch in range(6):
+        parts = [plan.members(s, epoch) for s in range(3)]
+        assert sorted(w for part in parts for w in part) == list(range(40))
+        assert sorted(len(p) for p in parts) == [12, 12, 16]  # 3, 3 and 4 whole nodes
+        for s, part in enumerate(parts):
+            for node in range(10):
+                inside = [node * 4 + i in part for i in range(4)]
+                assert all(inside) or not any(inside), (epoch, s, node)
+            for w in part:
+                assert plan.shard_of(w, epoch * 5) == plan.shard_of(w, epoch * 5 + 4) == s
+    # the parts are drawn again: some worker changes shard between epochs, the same for the same seed
+    assert any(plan.shard_of(w, 0) != plan.shard_of(w, 5) for w in range(40))
+    again = ShardPlan(topology, shards=3, epoch_steps=5, seed=7)
+    assert [again.shard_of(w, 23) for w in range(40)] == [plan.shard_of(w, 23) for w in range(40)]
+
+
+def test_bad_shard_settings_are_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="more than the job's 2 node"):
+        ShardPlan(Topology(2, 8), shards=3)
+    with pytest.raises(ConfigError, match="--gg-shards must be an integer >= 1"):
+        ShardPlan(Topology(2, 8), shards=0)
+    with pytest.raises(ConfigError, match="--gg-epoch-steps must be an integer >= 1"):
+        ShardPlan(Topology(2, 8), shards=2, epoch_steps=0)
+    assert auto_shards(16, 2) == 1 and auto_shards(1024, 128) == 4 and auto_shards(16384, 2048) == 64
+    assert auto_shards(1024, 2) == 2  # at most one per node
+
+
+def _drive(policy: ShardedGenerator, workers: int, steps: int, seed: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Workers asking after each step at random times, the timers polled when due: every answer as
+    (worker, seq, members), in order."""
+    rng = random.Random(seed)
+    clock = [rng.random() * 0.01 for _ in range(workers)]
+    step = [0] * workers
+    waiting: set[int] = set()
+    answers: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def take(got: list) -> None:
+        for w, g in got:
+            answers.append((w, g.seq, g.members))
+            waiting.discard(w)
+
+    now = 0.0
+    while any(s < steps for s in step) or waiting:
+        ready = [w for w in range(workers) if w not in waiting and step[w] < steps]
+        deadline = policy.next_deadline()
+        upcoming = min((clock[w] for w in ready), default=float("inf"))
+        if deadline is not None and deadline <= upcoming:
+            now = max(now, deadline)
+            take(policy.poll(now))
+            continue
+        w = min(ready, key=clock.__getitem__)
+        now = max(now, clock[w])
+        waiting.add(w)
+        take(policy.request(w, now, step[w]))
+        step[w] += 1
+        clock[w] = now + 0.01 * (1 + 3 * (w == 0)) * (0.8 + 0.4 * rng.random())
+    for w in range(workers):
+        take(policy.finish(w, now))
+    return answers
+
+
+def test_groups_form_inside_one_shard_and_every_request_is_answered_once() -> None:
+    topology = Topology(nodes=8, workers_per_node=4)
+    config = GeneratorConfig(nproc=32, topology=topology, group_size=3, seed=1, window_s=0.004)
+    plan = ShardPlan(topology, shards=4, epoch_steps=3, seed=1)
+    policy = ShardedGenerator(config, plan)
+    answers = _drive(policy, 32, 30, seed=2)
+    assert sorted(w for w, _, _ in answers) == sorted(w for w in range(32) for _ in range(30))
+    seqs: dict[int, tuple[int, ...]] = {}
+    for _, seq, members in answers:
+        assert seqs.setdefault(seq, members) == members  # one seq, one group, across every shard
+    # each group's members were served by one shard: the one its seq names
+    per_worker_step = {}
+    counts = [0] * 32
+    for w, seq, members in answers:
+        per_worker_step[(w, seq)] = counts[w]
+        counts[w] += 1
+    for w, seq, members in answers:
+        assert plan.shard_of(w, per_worker_step[(w, seq)]) == seq % 4
+    assert policy.stats()["shards"] == 4 and policy.stats()["requests"] == 32 * 30
+    assert sum(1 for _, _, m in answers if len(m) > 1) > 0.5 * len(answers)
+
+
+def test_the_parts_mix_over_epochs() -> None:
+    """Within an epoch no group crosses parts; over the epochs every worker is connected to every other
+    through the groups (what lets the replicas reach consensus)."""
+    topology = Topology(nodes=8, workers_per_node=2)
+    config = GeneratorConfig(nproc=16, topology=topology, group_size=2, seed=3, window_s=0.004)
+    policy = ShardedGenerator(config, ShardPlan(topology, shards=4, epoch_steps=2, seed=3))
+    answers = _drive(policy, 16, 40, seed=4)
+    parent = list(range(16))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for _, _, members in answers:
+        for m in members[1:]:
+            parent[root(m)] = root(members[0])
+    assert len({root(w) for w in range(16)}) == 1
+
+
+def test_the_simulator_drives_the_same_sharded_objects_and_reports_each_shard() -> None:
+    options = {"gg_seed": 0, "group_size": 3, "window_ms": 20.0, "when_busy": "wait", "gg_shards": 4,
+               "gg_epoch_steps": 5}
+    record = simulate(SimConfig.of(algorithm="prague:ready", scenario="paper:5", nproc=32, nodes=8, steps=30,
+                                   model="mlp", seed=3, trace=True, options=options)).to_dict()
+    stats = record["algorithm_stats"][0]
+    assert stats["gg_shards"] == 4 and len(stats["gg_utilization_per_shard"]) == 4
+    assert stats["gg_utilization"] == max(stats["gg_utilization_per_shard"]) > 0
+    # the same calls through a fresh sharded generator built from the flags give the same groups
+    topology = Topology(8, 4)
+    policy = ShardedGenerator(GeneratorConfig(nproc=32, topology=topology, group_size=3, seed=3, window_s=0.020),
+                              ShardPlan(topology, 4, 5, seed=3))
+    kinds = set()
+    for what, worker, t, answers in record["sim"]["trace"]:
+        kinds.add(what)
+        got = (policy.request(worker, t) if what == "request" else policy.finish(worker, t) if what == "finish"
+               else policy.poll_shard(worker, t))
+        assert [(w, g.seq, g.members) for w, g in got] == list(answers), (what, worker, t)
+    assert {"request", "finish"} <= kinds
+
+
+def test_sharding_needs_the_ready_generator_and_a_real_job_runs_one() -> None:
+    with pytest.raises(ConfigError, match="needs the ready generator"):
+        simulate(SimConfig.of(algorithm="prague:smart", nproc=8, nodes=4, steps=2, model="mlp",
+                              options={"gg_shards": 2}))
+    from prague.algorithms.prague import PragueOptions
+    from prague.algorithms.prague.runtime import Prague
+
+    with pytest.raises(ConfigError, match="a real job runs one Group Generator"):
+        Prague.job_resources(PragueOptions(gg_shards=2, nodes=2), 8, __import__("pathlib").Path("/tmp"))
