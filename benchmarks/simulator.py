@@ -162,7 +162,7 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
             t, c = time.perf_counter(), time.process_time()
             r = simulate(SimConfig.of(algorithm=f"prague:{generator}", scenario="paper:5", nproc=n, nodes=n // 4,
                                    steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
-                                   options={"overlap": overlap})).to_dict()
+                                   options={"overlap": overlap, "gg_shards": 1})).to_dict()  # one service
             stats = r["algorithm_stats"][0]
             rows.append({
                 "workers": n, "generator": generator, "overlap": overlap,
