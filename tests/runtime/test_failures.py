@@ -193,6 +193,13 @@ def test_survivors_train_to_the_end(tmp_path: Path, algorithm: str, fault: str) 
     assert summary["completed_steps"] == [60, 60, 20, 60]
     assert len(summary["algorithm_stats"]) == 3 and summary["ranks"] == [0, 1, 3]  # the survivors'
     assert wait_gone(str(out), within_s=10.0) == []
+    if algorithm.startswith("prague"):  # the simulator plays the same scenario out: the same failure
+        from prague.simulate.run import SimConfig, simulate
+
+        simulated = simulate(SimConfig.of(algorithm=algorithm, nproc=4, steps=60, compute="emulated", compute_ms=20,
+                                          lease_s=2.0, scenario=f"{fault}:2:20")).to_dict()
+        assert simulated["failures"] == summary["failures"]
+        assert simulated["completed_steps"] == summary["completed_steps"]
 
 
 def test_prague_blocking_survives_a_hang_too(tmp_path: Path) -> None:

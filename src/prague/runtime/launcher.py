@@ -54,12 +54,12 @@ from prague.runtime.background import FunctionWork
 from prague.runtime.context import ERROR_KEY, SURVIVABLE
 from prague.runtime.forkserver import ForkedWorker, forkable, start_mode
 from prague.runtime.liveness import (
-    PROGRESS_KEY, Failure, LeaseWatch, announce_failure, job_summary, progress_steps, read_counters, read_keys,
+    LAUNCHER_TICK_S, PROGRESS_KEY, Failure, LeaseWatch, announce_failure, job_summary, progress_steps, read_counters,
+    read_keys,
 )
 from prague.runtime.services import ServiceKeeper, ServiceNotReady, ServiceSpec
 from prague.runtime.guard import published_survival
 from prague.runtime.stall import STALL_KEY, stall_message
-
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ class Job:
             p.finish()
         self.services.stop(grace_s=max(0.0, deadline - time.monotonic()))
 
-    def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = 0.2) -> None:
+    def wait(self, on_tick: Callable[["Job"], None] | None = None, tick_s: float = LAUNCHER_TICK_S) -> None:
         """Block until all workers exit 0 (then stop services) or one fails (then stop all and raise)."""
         while True:
             codes = [w.poll() for w in self.workers]

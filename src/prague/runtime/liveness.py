@@ -32,6 +32,8 @@ from prague.errors import CommError
 from prague.runtime.background import PeriodicWork
 
 HEARTBEAT_S = 0.5
+#: How often the launcher looks at its workers (exits, leases, stalls), seconds.
+LAUNCHER_TICK_S = 0.2
 HB_KEY = "prague/live/hb/"
 #: A heartbeat counter's value once its worker has left the job (:meth:`Heartbeat.leave`); a number, so a
 #: worker that joins again counts on from it.

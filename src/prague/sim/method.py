@@ -20,6 +20,10 @@ from prague.sim.world import World
 class SimMethod:
     """Base class: ``start`` spawns :meth:`worker` for every rank; subclasses write :meth:`worker`."""
 
+    #: Whether this model plays out crash and hang scenarios (the worker stops at its fault's step through
+    #: :meth:`~prague.sim.world.World.stop_here` and the others go on as the runtime's survivors do).
+    models_failures = False
+
     def __init__(self, world: World, options: Any) -> None:
         self.world = world
         self.options = options
@@ -34,7 +38,7 @@ class SimMethod:
     def check_done(self) -> None:
         """Raise if the run ended with work left (a deadlock in the simulated method)."""
         world = self.world
-        short = [w for w in range(world.n) if not world.finished(w)]
+        short = [w for w in range(world.n) if not world.finished(w)]  # a failed worker is finished
         if short or world.open_meetings:
             what = "their claimed batches" if world.claimed is not None else f"{world.steps} steps"
             raise RuntimeError(

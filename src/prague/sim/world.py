@@ -22,6 +22,17 @@ links among concurrent transfers and, with ``cross_traffic`` (``--cross-traffic`
 that cross nodes while the seeded bursts of :mod:`prague.sim.traffic` (:attr:`World.bursts`) occupy
 their nodes' links.
 
+Failures (``crash:R:S``, ``hang:R:S``, for a method whose model says it survives them,
+:attr:`~prague.sim.method.SimMethod.models_failures`): a worker that reaches its fault's step stops there
+(:meth:`World.stop_here`; its processes end, and a group it had joined but that had not started no longer
+counts it). It is declared failed as the runtime's launcher would: a crash at the launcher's next look
+(:data:`~prague.runtime.liveness.LAUNCHER_TICK_S`), a hang once its heartbeat (every
+:data:`~prague.runtime.liveness.HEARTBEAT_S`) has not moved for ``lease_s``, decided by the launcher's own
+:class:`~prague.runtime.liveness.LeaseWatch`. From then on groups run over their live members, as the
+runtime's :class:`~prague.comm.surviving.LiveGroups` averages (a group waiting for the failed member starts
+without it), and the method hears of it (:meth:`World.on_declared`). The record lists the failures as the
+runtime's ``failures``.
+
 Decision log: with a ``decisions`` folder, :attr:`World.decisions` holds every simulated worker's
 :class:`~prague.metrics.decisions.DecisionLog` (the files a real run with ``--log-decisions`` writes)
 and methods open their services' traces there with :meth:`World.open_file`; :meth:`World.close`
@@ -44,6 +55,7 @@ from prague.hetero.spec import Scenario
 from prague.io import JsonLines
 from prague.metrics.decisions import DecisionLog
 from prague.metrics.summary import WorkerTiming
+from prague.runtime.liveness import HEARTBEAT_S, LAUNCHER_TICK_S, Failure, LeaseWatch
 from prague.net.traffic import CrossTraffic
 from prague.sim.cluster import Cluster
 from prague.sim.costs import Fabric, Transfer
@@ -127,7 +139,7 @@ class World:
                  state_bytes: float, seed: int, math: NoMath | None = None,
                  trace: list[tuple[Any, ...]] | None = None, decisions: Path | None = None,
                  cross_traffic: CrossTraffic | None = None, gradient_bytes: Sequence[float] | None = None,
-                 claimed: int | None = None) -> None:
+                 claimed: int | None = None, lease_s: float = 10.0) -> None:
         """``claimed``: the job-wide budget's batches, which the workers take from one counter as the
         runtime's methods with unequal shares do (:meth:`steps_of`); ``steps`` is then only the size of the
         compute-time draws made at once. None: every worker runs ``steps`` steps."""
@@ -152,7 +164,7 @@ class World:
         self.slowdown_log: list[list[float]] = [[] for _ in range(self.n)]
         self.comm_log: list[list[float]] = [[] for _ in range(self.n)]
         self.wait_log: list[list[float]] = [[] for _ in range(self.n)]
-        self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived]
+        self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived (a set), members]
         self.groups_run = 0
         self.group_members = 0
         # A communicator cache per worker (the runtime's LRU policy), to charge set-up for new member sets;
@@ -173,6 +185,12 @@ class World:
         self._math_on = self.math.enabled
         if self._math_on:
             self.math.attach(self.engine, lambda: all(self.finished(w) for w in range(self.n)))
+        # Failures: the ranks whose process stopped (crashed or hung), those declared failed (in order), and
+        # who is told of a declaration.
+        self.lease_s = lease_s
+        self.stopped: set[int] = set()
+        self.declared: dict[int, Failure] = {}
+        self._declared_hooks: list[Callable[[int], None]] = []
         self._files = ExitStack()  # last: nothing after it can fail and leak the files
         self.decision_dir = None if decisions is None else Path(decisions)
         self.decisions: list[DecisionLog] | None = None  # per worker, when decisions are logged
@@ -202,7 +220,9 @@ class World:
         self._out_of_batches[w] = True
 
     def finished(self, w: int) -> bool:
-        """Whether ``w`` has run all its steps (with a claimed budget: found it spent)."""
+        """Whether ``w`` has run all its steps (with a claimed budget: found it spent), or failed."""
+        if w in self.stopped:
+            return True
         if self._shares is None:
             return len(self.end_s[w]) >= self.steps
         return self._out_of_batches[w] and len(self.end_s[w]) == len(self.batch_index[w])
@@ -260,10 +280,11 @@ class World:
     def meet(self, key: Any, members: tuple[int, ...], size_bytes: float | None = None,
              on_done: Callable[[tuple[int, ...]], None] | None = None,
              cost_s: Callable[[float], float] | None = None, setup: bool = True,
-             exchange_s: Callable[[Transfer], float] | None = None) -> Signal:
+             exchange_s: Callable[[Transfer], float] | None = None, rank: int | None = None) -> Signal:
         """Join the ring all-reduce ``key`` over ``members``; the returned signal fires when it completes.
 
-        Blocking semantics of the runtime: it starts when the last member joins and takes the ring's
+        Blocking semantics of the runtime: it starts when the last live member joins (members declared
+        failed are left out, as the runtime's surviving P-Reduce leaves them) and takes the ring's
         alpha-beta time on its bottleneck link, shared with groups already running on the same nodes
         and slowed by the cross traffic it meets (:class:`~prague.sim.costs.Fabric`), plus (``setup``)
         communicator set-up for a member set new to a member.
@@ -271,18 +292,70 @@ class World:
         method that plays out a collective of its own, replaces the ring: it gets the group's
         :class:`~prague.sim.costs.Transfer` (link, share, bursts) when the last member joins and returns
         the duration. ``on_done(members)`` runs at completion, before anyone resumes (the group average,
-        in real-arithmetic mode).
+        in real-arithmetic mode), with the members that took part. ``rank``: who joins (needed only when
+        a member may fail: the one that stops leaves the groups it joined).
         """
         entry = self._meetings.get(key)
         if entry is None:
-            entry = self._meetings[key] = [Signal(self.engine), 0]
-        entry[1] += 1
+            entry = self._meetings[key] = [Signal(self.engine), set(), members, size_bytes, on_done, cost_s, setup,
+                                           exchange_s]
+        arrived: set[Any] = entry[1]
+        arrived.add(len(arrived) if rank is None else rank)
         sig: Signal = entry[0]
-        if entry[1] == len(members):
-            del self._meetings[key]
-            self._start_group(members, sig, self.state_bytes if size_bytes is None else size_bytes,
-                              on_done, cost_s, setup, exchange_s)
+        self._try_start(key, entry)
         return sig
+
+    def _try_start(self, key: Any, entry: list[Any]) -> None:
+        """Start meeting ``key`` once every live member has joined."""
+        sig, arrived, members, size_bytes, on_done, cost_s, setup, exchange_s = entry
+        live = members if not self.declared else tuple(m for m in members if m not in self.declared)
+        if len(arrived) < len(live) or not live:
+            return
+        del self._meetings[key]
+        self._start_group(live, sig, self.state_bytes if size_bytes is None else size_bytes, on_done, cost_s,
+                          setup, exchange_s)
+
+    # -- failures -----------------------------------------------------------------------------------------
+    def fault_at(self, rank: int, step: int) -> str | None:
+        """``crash`` or ``hang`` when the scenario stops ``rank`` as it reaches ``step``, else None."""
+        if self.scenario.crashes_at(rank, step):
+            return "crash"
+        if self.scenario.hangs_at(rank, step):
+            return "hang"
+        return None
+
+    def stop_here(self, rank: int, step: int, kind: str) -> None:
+        """``rank``'s process stops now, as it reaches ``step`` (a crash or a hang): it leaves the groups
+        it joined that have not started, and it is declared failed as the launcher would declare it."""
+        self.stopped.add(rank)
+        for entry in self._meetings.values():
+            entry[1].discard(rank)
+        now = self.engine.now
+        if kind == "crash":  # the process exits: the launcher sees it at its next look
+            declared_at = (math.floor(now / LAUNCHER_TICK_S) + 1) * LAUNCHER_TICK_S
+        else:  # frozen: its heartbeat stops; the launcher's lease runs out
+            leases = LeaseWatch(self.lease_s)
+            beats = int(now // HEARTBEAT_S)  # the last beat before it froze, and when the launcher saw it
+            seen_at = (math.floor(beats * HEARTBEAT_S / LAUNCHER_TICK_S) + 1) * LAUNCHER_TICK_S
+            leases.observe({rank: beats}, seen_at)
+            ticks = 1
+            while not leases.observe({rank: beats}, seen_at + ticks * LAUNCHER_TICK_S + 1e-9):
+                ticks += 1
+            declared_at = seen_at + ticks * LAUNCHER_TICK_S
+        failure = Failure(rank, step, kind, "simulated")
+        self.engine.at(max(declared_at, now), self._declare, failure)
+
+    def on_declared(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(rank)`` when a rank is declared failed (after the groups that waited for it went on)."""
+        self._declared_hooks.append(hook)
+
+    def _declare(self, failure: Failure) -> None:
+        self.declared[failure.rank] = failure
+        for key, entry in list(self._meetings.items()):
+            if failure.rank in entry[2]:
+                self._try_start(key, entry)
+        for hook in self._declared_hooks:
+            hook(failure.rank)
 
     def _start_group(self, members: tuple[int, ...], sig: Signal, size_bytes: float,
                      on_done: Callable[[tuple[int, ...]], None] | None,
@@ -315,5 +388,6 @@ class World:
 
     @property
     def open_meetings(self) -> int:
-        """Groups some member joined but not all (non-zero at the end means a deadlock)."""
-        return len(self._meetings)
+        """Groups some member joined but not all (non-zero at the end means a deadlock); a group whose
+        members all stopped is not open."""
+        return sum(1 for entry in self._meetings.values() if entry[1])

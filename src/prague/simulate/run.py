@@ -106,9 +106,14 @@ class SimConfig:
             raise unknown_choice("math mode", self.math, MATH_MODES)
         if self.math == "real":
             run.check_data_source()
-        if parse_scenario(run.scenario).faults:
-            raise ConfigError(f"scenario {run.scenario!r} crashes or freezes a worker; the simulator models slowdowns "
-                              "only (homogeneous, paper:X, straggler:RANK:X): drop the crash and hang terms")
+        if parse_scenario(run.scenario).faults and \
+                not self.method.sim_class(self.method.variant_of(self.options)).models_failures:
+            from prague.algorithms.registry import METHODS
+
+            modelled = sorted(m.name for m in METHODS.values() if m.sim_class().models_failures)
+            raise ConfigError(f"scenario {run.scenario!r} crashes or freezes a worker, and the simulator plays "
+                              f"failures out for {', '.join(modelled)} only; drop the crash and hang terms for "
+                              f"{self.method.name}")
         self.method.check_job(self.options, run.nproc)
 
     @property
@@ -192,7 +197,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
                   scenario=parse_scenario(run.scenario, seed=run.seed), steps=steps,
                   state_bytes=state_bytes, seed=run.seed, math=math, trace=trace, decisions=config.decisions,
                   cross_traffic=config.traffic, gradient_bytes=gradient_sizes(run.model, run.data),
-                  claimed=claimed)
+                  claimed=claimed, lease_s=run.lease_s)
     if shares == "equal":  # rank r's k-th batch is r + k n, as the runtime's EqualShares
         math.use_global_batches(lambda w, k: w + k * run.nproc)
     elif shares == "claimed":
@@ -264,6 +269,8 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         samples=sum(worker_samples), worker_samples=worker_samples,
         target_accuracy=run.target_accuracy, target_loss=run.target_loss, **results,
         algorithm_stats=[stats], simulated=True, sim=sim,
+        failures=[f.summary() for f in world.declared.values()],
+        completed_steps=[len(ends) for ends in world.end_s],
     )
 
 

@@ -64,6 +64,8 @@ Job = tuple[str, "int | None", "int | None", int]
 class SimPrague(SimMethod):
     """``prague`` in simulated time; see the module docstring."""
 
+    models_failures = True
+
     def __init__(self, world: World, options: Any) -> None:
         super().__init__(world, options)
         world.use_comm_cache(options.comm_cache)
@@ -111,6 +113,12 @@ class SimPrague(SimMethod):
         self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
         self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
                           if world.decision_dir is not None and self.remote else None)
+        if self.remote:  # a survivor tells the Group Generator of a declared failure, as the runtime's client does
+            world.on_declared(self._exclude)
+
+    def _exclude(self, rank: int) -> None:
+        shard = 0 if self.sharded is None else self.sharded.route(rank)
+        self._send(("exclude", rank, None, shard), self._half_rtt)
 
     # -- the Group Generator, as a service --------------------------------------------------------
     def _call(self, what: str, worker: int | None, now: float, iteration: int | None = None) -> list[Answer]:
@@ -210,7 +218,7 @@ class SimPrague(SimMethod):
         if group.is_local:
             self.local_steps += 1
             return None
-        return self.world.meet(group.seq, group.members, on_done=self.world.math.average)
+        return self.world.meet(group.seq, group.members, on_done=self.world.math.average, rank=w)
 
     def _log(self, w: int, step: int, group: Group) -> None:
         if self.world.decisions is not None:
@@ -223,6 +231,10 @@ class SimPrague(SimMethod):
         world = self.world
         engine, math = world.engine, world.math
         for k in world.steps_of(w):
+            fault = world.fault_at(w, k)
+            if fault is not None:
+                world.stop_here(w, k, fault)
+                return
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
@@ -254,6 +266,10 @@ class SimPrague(SimMethod):
         world, o = self.world, self.options
         engine, math = world.engine, world.math
         for k in world.steps_of(w):
+            fault = world.fault_at(w, k)
+            if fault is not None:  # crash or hang: this worker's processes end here
+                world.stop_here(w, k, fault)
+                return
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
@@ -289,11 +305,15 @@ class SimPrague(SimMethod):
 
     def _average(self, w: int, index: int, taken: int, snapshot: Any, previous: Signal | None,
                  done: Signal, step: int) -> Process:
-        engine = self.world.engine
+        engine, stopped = self.world.engine, self.world.stopped
         if previous is not None:
             yield previous
+        if w in stopped:  # its worker failed: the averages it had in flight end with it
+            return
         t0 = engine.now
         group = yield self._ask(w, "request", step)
+        if w in stopped:
+            return
         correction = None
         if group.is_local:
             self.local_steps += 1
@@ -301,7 +321,9 @@ class SimPrague(SimMethod):
             seq = group.seq
             if self._math_on:
                 self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
-            yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq))
+            yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq, members), rank=w)
+            if w in stopped:
+                return
             correction = self._corrections.pop((seq, w), None)
         self._backlogs[w].finished(index, correction)
         self.averaging_s += engine.now - t0
@@ -311,9 +333,12 @@ class SimPrague(SimMethod):
             wake.fire()
         done.fire()
 
-    def _correct(self, seq: int) -> None:
-        """A group's P-Reduce completed: each member's correction, from the snapshots they sent."""
+    def _correct(self, seq: int, members: tuple[int, ...]) -> None:
+        """A group's P-Reduce completed over ``members`` (its live ones): each one's correction, from the
+        snapshots they sent."""
         snapshots = self._snapshots.pop(seq, None)
+        if snapshots and len(snapshots) > len(members):
+            snapshots = {m: v for m, v in snapshots.items() if m in members}
         if snapshots:
             for member, delta in self.world.math.corrections(snapshots).items():
                 self._corrections[(seq, member)] = delta

@@ -1,0 +1,81 @@
+"""Failures in the simulator: a crash or a hang stops its worker at the scenario's step, the launcher's own
+rules declare it (a crash at its next look, a hang once the lease runs out), groups go on over their live
+members, the Group Generator excludes it, and the record lists it as a real run's does."""
+
+from __future__ import annotations
+
+import pytest
+
+from prague.errors import ConfigError
+from prague.groups.api import Topology
+from prague.hetero.spec import parse_scenario
+from prague.runtime.liveness import HEARTBEAT_S, LAUNCHER_TICK_S
+from prague.sim.cluster import PAPER
+from prague.sim.world import World
+from prague.simulate.run import SimConfig, simulate
+
+
+def _world(lease_s: float = 10.0) -> World:
+    return World(cluster=PAPER, topology=Topology(1, 4), scenario=parse_scenario("homogeneous"), steps=4,
+                 state_bytes=1e6, seed=0, lease_s=lease_s)
+
+
+@pytest.mark.parametrize("kind,at,expected", [
+    ("crash", 1.03, 1.2),  # the launcher's next look
+    ("hang", 1.03, 1.2 + 2.0),  # the last beat (1.0) seen at 1.2, then the 2 s lease
+    ("hang", 1.71, 1.6 + 2.0),  # the last beat at 1.5, seen at 1.6
+])
+def test_a_failure_is_declared_when_the_launcher_would(kind: str, at: float, expected: float) -> None:
+    assert (HEARTBEAT_S, LAUNCHER_TICK_S) == (0.5, 0.2)  # the expectations above assume these
+    world = _world(lease_s=2.0)
+    seen: list[tuple[int, float]] = []
+    world.on_declared(lambda rank: seen.append((rank, world.engine.now)))
+    world.engine.at(at, lambda _: world.stop_here(2, 7, kind))
+    world.engine.run()
+    assert [r for r, _ in seen] == [2] and seen[0][1] == pytest.approx(expected, abs=1e-6)
+    assert world.declared[2].summary() == {"rank": 2, "step": 7, "kind": kind}
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_group_waiting_for_a_failed_member_goes_on_without_it_once_declared(joined: bool) -> None:
+    """Rank 3 joins the group at 0.9 s (or not) and crashes at 0.95 s (declared at 1.0 s); the others, there
+    at 0.97 s, wait until the declaration, then average without it."""
+    world = _world()
+    ran: list[tuple[tuple[int, ...], float]] = []
+    done = []
+    members = (0, 1, 3)
+
+    def join(rank: int) -> None:
+        done.append(world.meet("g", members, rank=rank, on_done=lambda m: ran.append((m, world.engine.now))))
+
+    if joined:
+        world.engine.at(0.9, join, 3)
+    world.engine.at(0.95, lambda _: world.stop_here(3, 1, "crash"))
+    for rank in (0, 1):
+        world.engine.at(0.97, join, rank)
+    world.engine.run()
+    assert [m for m, _ in ran] == [(0, 1)] and ran[0][1] >= 1.0
+    assert all(sig.fired for sig in done) and world.open_meetings == 0
+
+
+@pytest.mark.parametrize("generator", ["ready", "smart", "random", "static"])
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_prague_survivors_finish_and_the_record_lists_the_failures(generator: str, overlap: str) -> None:
+    record = simulate(SimConfig.of(algorithm=f"prague:{generator}", scenario="crash:0:5+hang:6:30+paper:5", nproc=8,
+                                   nodes=2, steps=40, model="mlp", lease_s=2.0,
+                                   options={"overlap": overlap})).to_dict()
+    assert record["failures"] == [{"rank": 0, "step": 5, "kind": "crash"}, {"rank": 6, "step": 30, "kind": "hang"}]
+    assert record["completed_steps"] == [5, 40, 40, 40, 40, 40, 30, 40]
+
+
+def test_prague_survivors_still_average_real_models() -> None:
+    record = simulate(SimConfig.of(algorithm="prague", scenario="crash:3:10", nproc=4, steps=60, model="mlp",
+                                   data="digits", math="real", lease_s=2.0)).to_dict()
+    assert record["failures"] == [{"rank": 3, "step": 10, "kind": "crash"}]
+    assert record["test_accuracy"] > 0.5
+
+
+def test_methods_whose_failures_are_not_modelled_are_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="plays failures out for prague only; drop the crash and hang terms for "
+                                          "allreduce"):
+        SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
