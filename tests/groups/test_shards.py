@@ -3,9 +3,20 @@ generator per part, and the simulator driving the same objects."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+
+from prague.algorithms.prague import PragueOptions
+from prague.algorithms.prague.runtime import Prague
+from prague_testing import wait_gone
 
 from prague.errors import ConfigError
 from prague.groups import GeneratorConfig, Topology
@@ -141,12 +152,67 @@ def test_the_simulator_drives_the_same_sharded_objects_and_reports_each_shard() 
     assert {"request", "finish"} <= kinds
 
 
-def test_sharding_needs_the_ready_generator_and_a_real_job_runs_one() -> None:
+def test_sharding_needs_the_ready_generator() -> None:
     with pytest.raises(ConfigError, match="needs the ready generator"):
         simulate(SimConfig.of(algorithm="prague:smart", nproc=8, nodes=4, steps=2, model="mlp",
                               options={"gg_shards": 2}))
-    from prague.algorithms.prague import PragueOptions
-    from prague.algorithms.prague.runtime import Prague
+    with pytest.raises(ConfigError, match="needs the ready generator"):
+        PragueOptions(generator="random", gg_shards=3)
 
-    with pytest.raises(ConfigError, match="a real job runs one Group Generator"):
-        Prague.job_resources(PragueOptions(gg_shards=2, nodes=2), 8, __import__("pathlib").Path("/tmp"))
+
+def test_a_job_in_shards_starts_one_service_per_shard(tmp_path: Path) -> None:
+    resources = Prague.job_resources(PragueOptions(gg_shards=2, nodes=2), 8, tmp_path)
+    names = [spec.name for spec in resources.services]
+    assert names == ["group-generator-0", "group-generator-1"]
+    for s, spec in enumerate(resources.services):
+        argv = list(spec.argv)
+        assert argv[argv.index("--shard") + 1] == str(s) and argv[argv.index("--shards") + 1] == "2"
+        assert spec.publish_key.endswith(f"/shard{s}")
+    # the default: one service up to 256 workers
+    assert [spec.name for spec in Prague.job_resources(PragueOptions(nodes=2), 8, tmp_path).services] == \
+        ["group-generator"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_real_job_asks_the_shard_the_plan_names_and_survives_a_shard_killed(tmp_path: Path) -> None:
+    """4 workers on 2 nodes, 2 shards, the parts drawn again every 5 steps: every group a worker ran came
+    from the shard the plan names for it at that step; shard 1, killed mid-run, is started again."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "prague", "run", "--algorithm", "prague", "--nproc", "4", "--nodes", "2",
+           "--gg-shards", "2", "--gg-epoch-steps", "5", "--overlap", "off", "--steps", "100", "--compute",
+           "emulated", "--compute-ms", "30", "--log-decisions", "--seed", "4", "--out", str(out), "--quiet"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline, log = time.monotonic() + 60, out / "decisions" / "rank0.jsonl"
+        while not log.exists() or len(log.read_text().splitlines()) < 20:  # mid-run
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1]
+            time.sleep(0.05)
+        killed = _services(out)[1]["pid"]
+        os.kill(killed, signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=150)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 0, stderr
+    assert "service 'group-generator-1' exited" in stderr, stderr
+    records = _services(out)
+    assert [r["restarts"] for r in records] == [0, 1] and records[1]["pid"] != killed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed_steps"] == [100] * 4 and summary["failures"] == []
+    plan = ShardPlan(Topology(2, 2), 2, 5, seed=4)
+    grouped = 0
+    for rank in range(4):
+        for line in (out / "decisions" / f"rank{rank}.jsonl").read_text().splitlines():
+            decision = json.loads(line)
+            if decision["kind"] == "group" and decision.get("seq") is not None:
+                assert decision["seq"] % 2 == plan.shard_of(rank, decision["step"]), (rank, decision)
+                grouped += len(decision["members"]) > 1
+    assert grouped > 100
+    assert wait_gone(str(out), within_s=10.0) == []
+
+
+def _services(out: Path) -> list[dict]:
+    return json.loads((out / "services.json").read_text())["services"]

@@ -60,6 +60,7 @@ from prague.groups import gg_pb2 as pb
 from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+from prague.groups.shards import ShardView
 from prague.groups.trace import PolicyCall, call_policy
 from prague.runtime.background import FunctionWork
 from prague.runtime.parent import set_parent_death_signal
@@ -651,6 +652,7 @@ def serve(
     generator: str = "smart",
     trace: Path | None = None,
     restore: Path | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> None:
     """Run the service until a Shutdown RPC, SIGTERM or SIGINT; for ``prague gg serve``.
 
@@ -658,9 +660,16 @@ def serve(
     launcher can wait for the file and read the address. With ``trace``, every policy call is written
     there from the start. With ``restore`` (a file of :func:`restore_state`'s JSON), it continues
     where an earlier instance stopped (:meth:`GroupGeneratorCore.restore`). Signal handlers are
-    installed only when called from the main thread.
+    installed only when called from the main thread. ``shard`` (s, n): this service is shard s of n of the
+    job's ``ready`` generator (:class:`~prague.groups.shards.ShardView`).
     """
-    policy = make_generator(generator, config)
+    policy: GroupPolicy
+    if shard[1] > 1:
+        if generator != "ready":
+            raise ConfigError(f"--shards {shard[1]} needs --generator ready, not {generator!r}")
+        policy = ShardView(config, *shard)
+    else:
+        policy = make_generator(generator, config)
     server = GroupGeneratorServer(policy, token)
     if restore is not None:
         try:
@@ -713,6 +722,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
                              "launcher writes when it restarts a dead one)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write every call of the policy (time, answers) to this file, one JSON line each")
+    parser.add_argument("--shard", type=int, default=0, help="with --shards: which shard this service is")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="the job's ready generator runs as this many services, one per shard")
     args = parser.parse_args(argv)
     set_parent_death_signal()  # started by a launcher (or rank 0): never outlive it
     try:
@@ -728,8 +740,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             seed=args.seed,
             window_s=args.window_s,
         )
+        if args.shards < 1:
+            raise ConfigError(f"--shards must be >= 1, got {args.shards}")
         serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator, trace=args.trace,
-              restore=args.restore)
+              restore=args.restore, shard=(args.shard, args.shards))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -29,9 +29,10 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
+from typing import Any
 
 from prague.errors import ConfigError
-from prague.groups.api import Answer, GeneratorConfig, Group, Observer, Topology
+from prague.groups.api import Answer, GeneratorConfig, Group, Observer, PolicyCounters, Topology
 from prague.groups.ready import ReadyGenerator
 
 #: ``--gg-shards 0`` (auto): one shard for about this many workers. At 100 ms steps and about 110 us a
@@ -96,57 +97,84 @@ class ShardPlan:
         return [w for node, s in enumerate(table) if s == shard for w in range(node * wpn, (node + 1) * wpn)]
 
 
-class ShardedGenerator:
-    """``plan.shards`` :class:`ReadyGenerator` shards behind one :class:`~prague.groups.GroupPolicy`.
+class ShardView:
+    """One shard as its service runs it: a :class:`ReadyGenerator` with the shard's seed (:func:`shard_config`)
+    whose groups carry the job's global ``seq`` (``k * shards + shard``); a
+    :class:`~prague.groups.GroupPolicy` over the job's ranks. :class:`ShardedGenerator` holds one per shard."""
 
-    :meth:`route` says which shard a request goes to (the simulator queues it there, a client sends it
-    there); :meth:`request` asks that shard. ``config`` is the job's: each shard gets it whole (the ids
-    are the job's ranks) with its own seed."""
+    def __init__(self, config: GeneratorConfig, shard: int, shards: int, *, observer: Observer | None = None) -> None:
+        if not 0 <= shard < shards:
+            raise ConfigError(f"--shard {shard} is outside 0..{shards - 1} (--shards {shards})")
+        self.config, self.shard, self.count = config, shard, shards
+        self.policy = ReadyGenerator(shard_config(config, shard), observer=observer)
+
+    def _global(self, answers: list[Answer]) -> list[Answer]:
+        if self.count == 1:
+            return answers
+        return [(w, Group(g.seq * self.count + self.shard, g.members)) for w, g in answers]
+
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
+        return self._global(self.policy.request(worker, now_s, iteration))
+
+    def finish(self, worker: int, now_s: float) -> list[Answer]:
+        return self._global(self.policy.finish(worker, now_s))
+
+    def exclude(self, worker: int, now_s: float) -> list[Answer]:
+        return self._global(self.policy.exclude(worker, now_s))
+
+    def poll(self, now_s: float) -> list[Answer]:
+        return self._global(self.policy.poll(now_s))
+
+    def next_deadline(self) -> float | None:
+        return self.policy.next_deadline()
+
+    def continue_after(self, seq: int, counts: list[int]) -> None:
+        """A restarted shard: number its groups after the global ``seq`` an earlier instance handed out."""
+        self.policy.continue_after(seq // self.count, counts)
+
+    def stats(self) -> dict[str, float | int]:
+        return self.policy.stats()
+
+    @property
+    def counters(self) -> PolicyCounters:
+        return self.policy.counters
+
+
+class ShardedGenerator:
+    """``plan.shards`` shards (:class:`ShardView`) behind one :class:`~prague.groups.GroupPolicy`.
+
+    :meth:`route` says which shard a request goes to (the simulator queues it there; a worker's client
+    sends it there, :class:`~prague.algorithms.prague.source.ShardedSource`); :meth:`request` asks that
+    shard. ``config`` is the job's: each shard gets it whole (the ids are the job's ranks) with its own seed."""
 
     def __init__(self, config: GeneratorConfig, plan: ShardPlan, *, observer: Observer | None = None) -> None:
         if plan.topology.size != config.nproc:
             raise ConfigError(f"the shard plan covers {plan.topology.size} workers but the job has {config.nproc}")
         self.config, self.plan = config, plan
-        self.shards = [ReadyGenerator(_shard_config(config, s), observer=observer) for s in range(plan.shards)]
+        self.shards = [ShardView(config, s, plan.shards, observer=observer) for s in range(plan.shards)]
         self._asked = [0] * config.nproc  # requests per worker: the step of a request that names none
 
     def route(self, worker: int, iteration: int | None = None) -> int:
         """The shard that serves ``worker``'s next request (after step ``iteration``)."""
         return self.plan.shard_of(worker, self._asked[worker] if iteration is None else iteration)
 
-    def _global(self, shard: int, answers: list[Answer]) -> list[Answer]:
-        count = self.plan.shards
-        if count == 1:
-            return answers
-        return [(w, Group(g.seq * count + shard, g.members)) for w, g in answers]
-
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
-        shard = self.route(worker, iteration)
-        answers = self.shards[shard].request(worker, now_s, iteration)
+        answers = self.shards[self.route(worker, iteration)].request(worker, now_s, iteration)
         self._asked[worker] += 1
-        return self._global(shard, answers)
+        return answers
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
-        return self._everywhere("finish", worker, now_s)
+        return [a for shard in self.shards for a in shard.finish(worker, now_s)]
 
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
-        return self._everywhere("exclude", worker, now_s)
-
-    def _everywhere(self, what: str, worker: int, now_s: float) -> list[Answer]:
-        answers: list[Answer] = []
-        for s, shard in enumerate(self.shards):
-            answers += self._global(s, getattr(shard, what)(worker, now_s))
-        return answers
+        return [a for shard in self.shards for a in shard.exclude(worker, now_s)]
 
     def poll(self, now_s: float) -> list[Answer]:
-        answers: list[Answer] = []
-        for s in range(len(self.shards)):
-            answers += self.poll_shard(s, now_s)
-        return answers
+        return [a for shard in self.shards for a in shard.poll(now_s)]
 
     def poll_shard(self, shard: int, now_s: float) -> list[Answer]:
         """Poll one shard (its own timer: :meth:`shard_deadline`)."""
-        return self._global(shard, self.shards[shard].poll(now_s))
+        return self.shards[shard].poll(now_s)
 
     def next_deadline(self) -> float | None:
         deadlines = [d for d in (s.next_deadline() for s in self.shards) if d is not None]
@@ -156,21 +184,26 @@ class ShardedGenerator:
         return self.shards[shard].next_deadline()
 
     def stats(self) -> dict[str, float | int]:
-        per = [s.stats() for s in self.shards]
-        out: dict[str, float | int] = {}
-        for key in ("requests", "groups", "local_steps", "full_groups", "window_groups", "all_here_groups",
-                    "window_expiries", "holds"):
-            out[key] = sum(int(p.get(key, 0)) for p in per)
-        members = sum(s.counters.members for s in self.shards)
-        out["mean_group_size"] = members / out["groups"] if out["groups"] else 0.0
-        waited = sum(float(p["mean_wait_s"]) * s.counters.members for p, s in zip(per, self.shards))
-        out["mean_wait_s"] = waited / members if members else 0.0
-        out["shards"] = len(self.shards)
-        out["max_shard_requests"] = max(int(p["requests"]) for p in per)
-        return out
+        return merged_stats([s.stats() for s in self.shards], [s.counters.members for s in self.shards])
 
 
-def _shard_config(config: GeneratorConfig, shard: int) -> GeneratorConfig:
+def merged_stats(per: list[dict[str, Any]], members: list[int]) -> dict[str, float | int]:
+    """One generator's counters from its shards' (``members``: each shard's group members, to weigh
+    its mean wait)."""
+    out: dict[str, float | int] = {}
+    for key in ("requests", "groups", "local_steps", "full_groups", "window_groups", "all_here_groups",
+                "window_expiries", "holds"):
+        out[key] = sum(int(p.get(key, 0)) for p in per)
+    total = sum(members)
+    out["mean_group_size"] = total / out["groups"] if out["groups"] else 0.0
+    waited = sum(float(p.get("mean_wait_s", 0.0)) * m for p, m in zip(per, members))
+    out["mean_wait_s"] = waited / total if total else 0.0
+    out["shards"] = len(per)
+    out["max_shard_requests"] = max((int(p.get("requests", 0)) for p in per), default=0)
+    return out
+
+
+def shard_config(config: GeneratorConfig, shard: int) -> GeneratorConfig:
     """Shard ``shard``'s settings: the job's, with a seed of its own (shard 0 keeps the job's)."""
     return GeneratorConfig(nproc=config.nproc, topology=config.topology, group_size=config.group_size,
                            delta_c=config.delta_c, seed=config.seed + 1_000_003 * shard, window_s=config.window_s,

@@ -57,10 +57,9 @@ class PragueOptions(Options):
                                  "every group (twice the bytes; needs torch.optim.SGD with momentum); off: each "
                                  "worker keeps its own (default: on did not move the accuracy curve, MNIST, 8 "
                                  "workers, straggler:3:4, 3 seeds)", choices=("on", "off"))
-    gg_shards: int = option(0, "Group Generator shards (ready only): each serves the workers of a block of whole "
-                            "nodes, the blocks drawn again every --gg-epoch-steps steps so that the parts mix; "
-                            "0: one per 256 workers, at most one per node. The simulator runs several; a "
-                            "real job runs one (sharded services are not built yet)")
+    gg_shards: int = option(0, "Group Generator shards (ready only), one service each: each serves the workers of "
+                            "a block of whole nodes, the blocks drawn again every --gg-epoch-steps steps so that "
+                            "the parts mix; 0: one per 256 workers, at most one per node")
     gg_epoch_steps: int = option(10, "with several --gg-shards: the parts are drawn again every this many steps")
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "

@@ -40,7 +40,7 @@ from prague.algorithms.prague.flow import (
 )
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
-    GroupSource, ServiceSource, StaticSource, gg_service,
+    GroupSource, ServiceSource, ShardedSource, StaticSource, gg_services,
 )
 from prague.comm.flat import bind_flat, momentum_bound
 from prague.comm.streams import streams_for
@@ -85,15 +85,11 @@ class Prague(Algorithm):
     @classmethod
     def job_resources(cls, options: PragueOptions, nproc: int, out_dir: Path,
                       host: str = "127.0.0.1") -> JobResources:
-        if options.gg_shards > 1:
-            raise ConfigError(f"--gg-shards {options.gg_shards}: a real job runs one Group Generator for now (the "
-                              "sharded services are not built yet); `prague simulate` runs several, or drop the "
-                              "flag")
         options.topology(nproc)
         if not options.uses_service:
             return JobResources()
-        spec = gg_service(options, nproc, out_dir / "gg.address", host)
-        return JobResources(services=(spec,), env={jobenv.GG_TOKEN: secrets.token_hex(16)})
+        specs = gg_services(options, nproc, out_dir, host)
+        return JobResources(services=tuple(specs), env={jobenv.GG_TOKEN: secrets.token_hex(16)})
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         topology = self.options.topology(self.ctx.world_size)
@@ -116,8 +112,15 @@ class Prague(Algorithm):
             self.source = StaticSource(topology)
         else:
             trace = None if self.decisions is None else gg_trace_path(self.decisions.folder)
-            self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace,
-                                        membership=self.groups.membership)
+            if self.options.shard_count(topology) > 1:
+                if self.options.gg_address:
+                    raise ConfigError("--gg-address names one Group Generator; with --gg-shards above 1 the job "
+                                      "starts its shards itself: drop --gg-address or pass --gg-shards 1")
+                self.source = ShardedSource(self.ctx, self.options, self.resources, topology, trace=trace,
+                                            membership=self.groups.membership)
+            else:
+                self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace,
+                                            membership=self.groups.membership)
         self.averager: BackgroundAverager | None = None
         if self.options.overlap == "on":
             rank = self.ctx.rank

@@ -47,33 +47,53 @@ HELD_KEY = "prague/gg/held/"  # + rank: the last group the worker got (a restart
 RESTART_WAIT_S = 30.0  # how long a worker waits for a restarted service before giving up
 
 
-def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1") -> list[str]:
+def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, host: str = "127.0.0.1",
+            shard: tuple[int, int] = (0, 1)) -> list[str]:
     """The command that runs this job's Group Generator service on ``host`` (token from ``$PRAGUE_GG_TOKEN``):
-    the base policy with the generator's topology (``smart-blind``: ``--generator smart --nodes 1``)."""
+    the base policy with the generator's topology (``smart-blind``: ``--generator smart --nodes 1``);
+    ``shard`` (s, n): shard s of n (``--gg-shards``)."""
     return [
         sys.executable, "-m", "prague.groups.service", "--host", host, "--port", "0",
         "--nproc", str(nproc), "--generator", options.base_generator, "--nodes", str(options.topology(nproc).nodes),
         "--group-size", str(options.group_size), "--delta-c", str(options.delta_c),
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
+        *(["--shard", str(shard[0]), "--shards", str(shard[1])] if shard[1] > 1 else []),
     ]
 
 
-def gg_service(options: PragueOptions, nproc: int, ready_file: Path, host: str = "127.0.0.1") -> ServiceSpec:
-    """The service the launcher (or rank 0) starts for this job, listening on ``host``; restartable
-    (:func:`restore_args`)."""
-    return ServiceSpec("group-generator", gg_argv(options, nproc, options.gg_seed, ready_file, host),
-                       ready_file=ready_file, publish_key=GG_ADDRESS_KEY,
-                       restore=lambda store: restore_args(store, nproc, ready_file.parent))
+def shard_key(key: str, shard: tuple[int, int]) -> str:
+    """``key`` for shard s of n: itself for one service, ``key/shardS`` for several."""
+    return key if shard[1] == 1 else f"{key.rstrip('/')}/shard{shard[0]}" + ("/" if key.endswith("/") else "")
 
 
-def restore_args(store: dist.Store, nproc: int, folder: Path) -> list[str]:
+def gg_service(options: PragueOptions, nproc: int, ready_file: Path, host: str = "127.0.0.1",
+               shard: tuple[int, int] = (0, 1)) -> ServiceSpec:
+    """The service the launcher (or rank 0) starts for this job, listening on ``host`` (``shard``: shard s
+    of n); restartable (:func:`restore_args`)."""
+    held = shard_key(HELD_KEY, shard)
+    return ServiceSpec("group-generator" if shard[1] == 1 else f"group-generator-{shard[0]}",
+                       gg_argv(options, nproc, options.gg_seed, ready_file, host, shard),
+                       ready_file=ready_file, publish_key=shard_key(GG_ADDRESS_KEY, shard),
+                       restore=lambda store: restore_args(store, nproc, ready_file.parent, held))
+
+
+def gg_services(options: PragueOptions, nproc: int, out_dir: Path, host: str = "127.0.0.1") -> list[ServiceSpec]:
+    """Every Group Generator service of a job the launcher starts: one, or one per shard (``--gg-shards``),
+    each writing its address to its own file in ``out_dir``."""
+    count = options.shard_count(options.topology(nproc))
+    if count == 1:
+        return [gg_service(options, nproc, out_dir / "gg.address", host)]
+    return [gg_service(options, nproc, out_dir / f"gg-{s}.address", host, (s, count)) for s in range(count)]
+
+
+def restore_args(store: dist.Store, nproc: int, folder: Path, held_key: str = HELD_KEY) -> list[str]:
     """Arguments that make a new Group Generator continue the job's: the last group every worker
     published (``HELD_KEY``) and the failed workers, written to a file in ``folder``. Waits a moment
     first, so a worker that got an answer just before the old instance died has published it."""
     from prague.groups.service import Held, restore_state
 
     time.sleep(0.5)
-    held = {r: Held.from_dict(json.loads(v)) for r, v in read_keys(store, HELD_KEY, range(nproc)).items()}
+    held = {r: Held.from_dict(json.loads(v)) for r, v in read_keys(store, held_key, range(nproc)).items()}
     excluded = set(Membership(store, nproc).failed())
     path = folder / f"gg-restore-{time.monotonic_ns()}.json"
     atomic_write_json(path, restore_state(held, excluded))
@@ -160,7 +180,10 @@ class ServiceSource:
     """
 
     def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
-                 trace: Path | None = None, membership: Membership | None = None) -> None:
+                 trace: Path | None = None, membership: Membership | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> None:
+        """``shard`` (s, n): this source asks shard s of the job's n Group Generator services
+        (:class:`ShardedSource` holds one per shard)."""
         from prague.groups.aio import pause_shared_loop
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
@@ -177,7 +200,9 @@ class ServiceSource:
         # more than once): its keys are under the source's namespace in the job (DistContext.namespace).
         # The launcher's service is the job's only one.
         instance = ctx.namespace("gg") if self._shared else None
-        self._address_key = GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}"
+        self._shard = shard
+        self._address_key = shard_key(GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}", shard)
+        self._held_key = shard_key(HELD_KEY, shard)
         self._host_key = f"{self._address_key}/host"  # the rank whose process runs the service
         self._host = 0
         self._left_key = f"prague/gg/left/{instance}/"  # + rank: done with the service (leave)
@@ -200,11 +225,12 @@ class ServiceSource:
         self.client = GroupGeneratorClient(address, token, timeout_s=options.gg_timeout_s,
                                            wait_for_ready=not self._restartable)
         resources.callback(lambda: self.client.close())  # the client of the moment: a restart replaces it
-        if trace is not None:
-            self.client.trace(str(Path(trace).resolve()))
         self._service_stats: dict[str, Any] = {}
         self.membership = membership
         self._excluded: set[int] = set()
+        if trace is not None:
+            path = str(Path(trace).resolve())
+            self._retrying(lambda c: c.trace(path))
         resources.callback(self._leaving.set)  # after a failure too: no restart once this rank is closing
 
     def _start_service(self, options: PragueOptions, token: str, resources: contextlib.ExitStack,
@@ -213,7 +239,8 @@ class ServiceSource:
         host), publish its address, and watch it (started again if it dies before everyone left)."""
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host()),
+        spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host(),
+                                              self._shard),
                                    env={jobenv.GG_TOKEN: token}, publish_key=self._address_key)
         self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec],
                                      services_file=services_file_from_env())
@@ -273,7 +300,7 @@ class ServiceSource:
                     raise
 
     def _hold(self, rank: int, held: Any) -> None:
-        self._store.set(f"{HELD_KEY}{rank}", json.dumps(held.to_dict()))
+        self._store.set(f"{self._held_key}{rank}", json.dumps(held.to_dict()))
 
     def next_group(self, rank: int, step: int) -> Group:
         from prague.groups.service import Held
@@ -326,3 +353,41 @@ class ServiceSource:
 
     def stats(self) -> dict[str, Any]:
         return self._service_stats
+
+
+class ShardedSource:
+    """The Group Generator in shards (``--gg-shards``): one :class:`ServiceSource` per shard, each request
+    sent to the shard that serves this worker at this step (:class:`~prague.groups.shards.ShardPlan`, the
+    rule the simulator routes by); ``finish``, failures and ``leave`` go to every shard."""
+
+    def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
+                 topology: Topology, trace: Path | None = None, membership: Membership | None = None) -> None:
+        from prague.groups.shards import ShardPlan
+
+        count = options.shard_count(topology)
+        self.plan = ShardPlan(topology, count, options.gg_epoch_steps, options.gg_seed)
+        self.sources = [ServiceSource(ctx, options, resources, membership=membership, shard=(s, count),
+                                      trace=None if trace is None else trace.with_name(f"{trace.stem}-{s}{trace.suffix}"))
+                        for s in range(count)]
+
+    def next_group(self, rank: int, step: int) -> Group:
+        return self.sources[self.plan.shard_of(rank, step)].next_group(rank, step)
+
+    def finish(self, rank: int) -> list[Group]:
+        return [g for source in self.sources for g in source.finish(rank)]
+
+    def leave(self) -> None:
+        for source in self.sources:
+            source.leave()
+
+    def exclude_failed(self) -> None:
+        for source in self.sources:
+            source.exclude_failed()
+
+    def stats(self) -> dict[str, Any]:
+        from prague.groups.shards import merged_stats
+
+        per = [source.stats() for source in self.sources]
+        if not any(per):
+            return {}
+        return merged_stats(per, [int(p.get("groups", 0) * p.get("mean_group_size", 0.0)) for p in per])
