@@ -88,6 +88,11 @@ def test_stop_at_target_stops_every_worker_soon_after_the_target(tmp_path: Path,
     s = _summary(out)
     assert (out / "eval" / "STOP").read_text().startswith("point ")
     assert max(s["completed_steps"]) < 500 and s["time_to_target_s"] is not None
+    # the evaluator's point is scored too: the reported time is never after the point that stopped the job
+    from prague.train.evaluator import stop_point
+
+    stopped = stop_point(out)
+    assert stopped is not None and s["time_to_target_s"] <= stopped * 0.25 + 1e-9
     assert s["test_accuracy"] >= 0.75  # the model kept training while the point was scored
     if algorithm == "allreduce":
         assert len(set(s["completed_steps"])) == 1

@@ -187,6 +187,22 @@ def test_the_scan_misses_only_an_excursion_between_two_coarse_points_below_the_t
     assert scan(evaluate, [float(i) for i in range(CURVE_POINTS)], 0.8).accuracy_hit == 5  # few points: all
 
 
+def test_a_known_point_that_reached_the_target_is_scored_when_the_coarse_points_straddle_it() -> None:
+    """A job stopped by --stop-at-target right after its evaluator saw the target at position 70 (71, the
+    job's end, dipped below): the coarse points 68 and 71 are both short of it, so without the evaluator's
+    point the target is not found at all; with it, the positions between 68 and 70 are refined too. The
+    coarse curve stays the coarse points."""
+    def evaluate(i: int) -> tuple[float, float]:
+        return (0.9 if i in (69, 70) else 0.5 + i / 1000), 1.0
+
+    times = [float(i) for i in range(72)]
+    assert scan(evaluate, times, 0.8).accuracy_hit is None
+    found = scan(evaluate, times, 0.8, known=[70])
+    assert found.accuracy_hit == 69 and 70 in found.scores
+    assert set(found.curve) <= set(coarse_positions(72)) and 70 not in found.curve
+    assert scan(evaluate, times, 0.8, known=[70, 500, -1]).accuracy_hit == 69  # out of range: ignored
+
+
 def test_the_scan_looks_for_both_targets_in_one_time_order_pass() -> None:
     """Accuracy reaches 0.8 at position 30; the loss falls to 0.5 at 50: the scan goes on, coarse, past
     the first hit, then scores the positions before the coarse point that reached the loss target."""

@@ -23,7 +23,10 @@ positions are scored evenly (:func:`curve_indices`).
 The one assumption: the curve makes no excursion to the target between two consecutive coarse points
 that are both short of it. A point there that reaches the target is not seen, and the time to target is
 then that of a later crossing (never an earlier one: no point before the reported one is skipped except
-between two coarse points that were both scored below the target).
+between two coarse points that were both scored below the target). A job that ``--stop-at-target`` ended
+stops right after its evaluator saw the target, often before the next coarse point and with the job's end
+dipping below it again: the evaluator's point is then scored in time order among the coarse ones, with the
+same refinement before it (``scan``'s ``known``), so that crossing is always found.
 
 **The smoothed time to target** (:func:`smoothed_crossing`) is read on the coarse curve (the coarse
 points scored, in time order): each point's accuracy is replaced by the mean of itself and its two
@@ -141,11 +144,15 @@ class Scan:
 
 
 def scan(evaluate: Callable[[int], Score], times: Sequence[float], target_accuracy: float | None = None,
-         target_loss: float | None = None, *, coarse: int = COARSE, most: int = CURVE_POINTS) -> Scan:
+         target_loss: float | None = None, *, coarse: int = COARSE, most: int = CURVE_POINTS,
+         known: Sequence[int] = ()) -> Scan:
     """Score positions ``0..len(times)-1`` of a history (``times``: their instants, rising; the last is the
     job's end) with ``evaluate`` (each at most once, in time order within each pass) as the module
     docstring says, and find when the accuracy first reached ``target_accuracy`` (accuracy >= it) and the
-    loss ``target_loss`` (loss <= it).
+    loss ``target_loss`` (loss <= it). ``known``: positions found elsewhere to reach a target (the point at
+    which ``--stop-at-target``'s evaluator stopped the job), scored in time order among the coarse points
+    with the same refinement before them, but left off the coarse curve (whose instants stay those of every
+    job): a crossing the coarse points straddle is not missed when the job stopped right after it.
 
     Pure given ``evaluate``: every rank that calls it with the same scores scores the same positions, so
     ``evaluate`` may be collective."""
@@ -177,18 +184,23 @@ def scan(evaluate: Callable[[int], Score], times: Sequence[float], target_accura
             score(i)
     else:
         curve = []
-        for k, c in enumerate(grid):  # in time order
+        on_grid = set(grid)
+        last = -1  # the last position scored in this pass: a coarse one or a known one
+        for c in sorted(on_grid | {k for k in known if 0 <= k < n}):  # in time order
             unmet = [check for check in checks if first(check) is None]
             here = score(c)
             reached = [check for check in unmet if check(here)]
-            for i in range(curve[-1] + 1 if curve else 0, c):  # between the last coarse point and this one
+            for i in range(last + 1, c):  # between the last coarse (or known) point and this one
                 if all(first(check) != c for check in reached):  # each found before c
                     break
                 score(i)
+            last = c
+            if c not in on_grid:
+                continue
             curve.append(c)
             if all(first(check) is not None for check in checks) and (
                     target_accuracy is None or _smoothed_settled(curve, scores, target_accuracy, n)):
-                rest = grid[k + 1:]
+                rest = [g for g in grid if g > c]
                 tail = [rest[i] for i in curve_indices(len(rest), most)]
                 for i in tail:
                     score(i)

@@ -225,11 +225,13 @@ class Evaluation:
 
 
 def accuracy_history(final: nn.Module, log: SnapshotLog, end_s: float, data: Dataset, closing: Closing,
-                     target_accuracy: float | None, target_loss: float | None = None) -> Evaluation:
+                     target_accuracy: float | None, target_loss: float | None = None,
+                     known_points: Sequence[int] = ()) -> Evaluation:
     """The :class:`Evaluation` of the replicas' average at the kept grid points up to the job's end (the
     latest rank's end, ``end_s`` being this rank's on its clock) and at that end, where ``final`` is
     this rank's model at its end. Each point's state is the average over the closing ranks of each rank's
-    state then (:meth:`SnapshotLog.states`). Collective over the closing ranks: every rank scores the same
+    state then (:meth:`SnapshotLog.states`). ``known_points``: grid indices found elsewhere to reach the
+    target (``--stop-at-target``), scored too (:func:`~prague.metrics.grid.scan`'s ``known``). Collective over the closing ranks: every rank scores the same
     points (:func:`~prague.metrics.grid.scan`)."""
     job_s = max(closing.all_gather_floats(end_s))
     points = grid_points(job_s, log.every_s, log.dense)
@@ -245,7 +247,8 @@ def accuracy_history(final: nn.Module, log: SnapshotLog, end_s: float, data: Dat
         unflatten_into(flat, state_tensors(probe))
         return evaluate(probe, data, closing)
 
-    found = scan(averaged, times, target_accuracy, target_loss)
+    known = [position for position, j in enumerate(points) if j in known_points]  # grid indices j
+    found = scan(averaged, times, target_accuracy, target_loss, known=known)
     history: list[dict[str, float | None]] = [
         {"wall_s": times[i], "accuracy": found.scores[i][0], "loss": finite_or_none(found.scores[i][1])}
         for i in sorted(found.scores)]

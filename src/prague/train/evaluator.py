@@ -45,6 +45,18 @@ def stop_requested(out: Path) -> bool:
     return (eval_dir(out) / STOP_FILE).exists()
 
 
+def stop_point(out: Path) -> int | None:
+    """The grid index at which the evaluator found the target reached (``OUT/eval/STOP``: ``point J
+    accuracy A``), or None (no stop, or a file that does not say)."""
+    try:
+        words = (eval_dir(out) / STOP_FILE).read_text().split()
+    except OSError:
+        return None
+    if len(words) >= 2 and words[0] == "point" and words[1].isdigit():
+        return int(words[1])
+    return None
+
+
 class StateFiles:
     """One rank's states at the grid points, written for the evaluator (atomically: a reader sees a whole
     file or none)."""

@@ -38,7 +38,7 @@ from prague.workload.budget import EqualShares, SharedBatches, StopAgreement, pa
 from prague.train.closing import Closing, closing_ranks
 from prague.train.config import RunConfig
 from prague.train.divergence import DivergenceFlag, LossWatch, divergence_line
-from prague.train.evaluator import StateFiles, stop_requested
+from prague.train.evaluator import StateFiles, stop_point, stop_requested
 from prague.train.evaluation import (
     DEFAULT_EVAL_EVERY_S, MAX_POINTS, SNAPSHOT_BYTES, SnapshotLog, TrainClock, accuracy_history, finite_or_none,
     replica_scores, start_together,
@@ -312,8 +312,12 @@ def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, 
     learnt. Collective."""
     if data is None:
         return {"job_s": max(closing.all_gather_floats(training.wall_s))}
+    # --stop-at-target: the point at which the evaluator found the target reached is scored too (every
+    # rank reads the same file: one machine), so a crossing right before the stop is never missed
+    stopped_at = stop_point(Path(cfg.out)) if cfg.stop_at_target else None
     found = accuracy_history(trainer.model, training.snapshots, training.wall_s, data, closing,
-                             cfg.target_accuracy, cfg.target_loss)
+                             cfg.target_accuracy, cfg.target_loss,
+                             known_points=() if stopped_at is None else (stopped_at,))
     accuracies, losses = replica_scores(trainer.model, data, closing)
     if cfg.save_model:
         final = trainer.averaged_model(closing.group)
