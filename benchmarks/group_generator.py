@@ -22,6 +22,13 @@ On a machine with few cores the clients compete with the server for CPU: req/s i
 the service's capacity, which is about 1 / (server CPU per request) when it has a core of its own.
 Prints a table and writes JSON to --out (``headline``: p50/p99 at 64 clients and req/s at 256 clients,
 closed loop, for each API).
+
+``--shards 1,4`` measures the Group Generator in shards too (``--generator ready``, as ``prague run
+--gg-shards N`` starts it): N services, each ``--shard s --shards N``, the C workers on C / 4 nodes of 4, and
+each worker sending each request to the shard :class:`~prague.groups.shards.ShardPlan` names for it at
+that iteration (``--epoch-steps``), over a stream per shard, as :class:`~prague.algorithms.prague.source.ShardedSource`
+does. The latency is then a group's formation as a worker sees it (its partners must ask too), and the
+server CPU per request is summed over the shards' processes.
 """
 
 from __future__ import annotations
@@ -43,21 +50,27 @@ from typing import Any
 import grpc
 
 import prague.groups
+from prague.groups import Topology
 from prague.groups import gg_pb2 as pb
 from prague.groups import gg_pb2_grpc as pb_grpc
+from prague.groups.shards import ShardPlan
 
 TOKEN = "bench-token"
 APIS = ("stream", "unary")
 
 
-def start_service(nproc: int, generator: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """The service in its own process, as ``prague gg serve`` runs it; returns (process, address)."""
-    ready_file = workdir / f"gg-{nproc}-{time.monotonic_ns()}.addr"
+def start_service(nproc: int, generator: str, workdir: Path, shard: tuple[int, int] = (0, 1),
+                  nodes: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+    """The service in its own process, as ``prague gg serve`` runs it (``shard``: shard s of n, on
+    ``nodes`` nodes); returns (process, address)."""
+    ready_file = workdir / f"gg-{nproc}-{shard[0]}-{time.monotonic_ns()}.addr"
     src = str(Path(prague.groups.__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    sharded = ["--shard", str(shard[0]), "--shards", str(shard[1]), "--window-s", "0"] if shard[1] > 1 else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "prague.groups.service", "--host", "127.0.0.1", "--port", "0",
-         "--nproc", str(nproc), "--generator", generator, "--token", TOKEN, "--ready-file", str(ready_file)],
+         "--nproc", str(nproc), "--nodes", str(nodes), "--generator", generator, "--token", TOKEN,
+         "--ready-file", str(ready_file), *sharded],
         env=env,
     )
     deadline = time.monotonic() + 60.0
@@ -76,26 +89,34 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- one client process ---------------------------------------------------------------------------------
-async def _workers(address: str, api: str, workers: list[int], warmup: int, start_at: float, seconds: float,
-                   paced_s: float) -> tuple[int, list[float]]:
-    """Run ``workers`` until ``start_at + seconds`` (``time.time()``); (requests in the window, latencies)."""
+async def _workers(addresses: list[str], api: str, workers: list[int], warmup: int, start_at: float,
+                   seconds: float, paced_s: float, plan: ShardPlan | None = None) -> tuple[int, list[float]]:
+    """Run ``workers`` until ``start_at + seconds`` (``time.time()``); (requests in the window, latencies).
+    With several ``addresses`` (shards), each request goes to the shard ``plan`` names."""
     latencies: list[float] = []
     counted = 0
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GroupGeneratorStub(channel)  # type: ignore[no-untyped-call]
+    channels = [grpc.aio.insecure_channel(address) for address in addresses]
+    try:
+        stubs = [pb_grpc.GroupGeneratorStub(channel) for channel in channels]  # type: ignore[no-untyped-call]
 
         async def worker(w: int) -> None:
             nonlocal counted
-            call = stub.GroupStream(wait_for_ready=True) if api == "stream" else None
+            calls = [stub.GroupStream(wait_for_ready=True) for stub in stubs] if api == "stream" else None
+            opened: set[int] = set()
 
             async def ask(it: int) -> None:
-                if call is not None:
-                    await call.write(pb.GroupRequest(token=TOKEN if it == 0 else "", worker=w, iteration=it))
+                shard = 0 if plan is None else plan.shard_of(w, it)
+                if calls is not None:
+                    call = calls[shard]
+                    await call.write(pb.GroupRequest(token=TOKEN if shard not in opened else "", worker=w,
+                                                     iteration=it))
+                    opened.add(shard)
                     reply = await call.read()
                     if reply is grpc.aio.EOF:
                         raise RuntimeError(f"worker {w}: the stream ended: {await call.code()}")
                 else:
-                    await stub.GetGroup(pb.GroupRequest(token=TOKEN, worker=w, iteration=it), wait_for_ready=True)
+                    await stubs[shard].GetGroup(pb.GroupRequest(token=TOKEN, worker=w, iteration=it),
+                                                wait_for_ready=True)
 
             for it in range(warmup):
                 await ask(it)
@@ -114,38 +135,42 @@ async def _workers(address: str, api: str, workers: list[int], warmup: int, star
                 if time.time() <= end:
                     latencies.append(t1 - t0)
                     counted += 1
-            if call is not None:
+            for call in calls or ():
                 await call.done_writing()
 
         await asyncio.gather(*(worker(w) for w in workers))
+    finally:
+        for channel in channels:
+            await channel.close()
     return counted, latencies
 
 
-def _client_process(address: str, api: str, workers: list[int], warmup: int, start_at: float, seconds: float,
-                    paced_s: float, out: Any) -> None:
+def _client_process(addresses: list[str], api: str, workers: list[int], warmup: int, start_at: float,
+                    seconds: float, paced_s: float, plan: ShardPlan | None, out: Any) -> None:
     try:
-        out.put(asyncio.run(_workers(address, api, workers, warmup, start_at, seconds, paced_s)))
+        out.put(asyncio.run(_workers(addresses, api, workers, warmup, start_at, seconds, paced_s, plan)))
     except BaseException as error:  # noqa: BLE001 - reported by the parent
         out.put(error)
 
 
-def run_clients(address: str, server_pid: int, api: str, clients: int, procs: int, seconds: float,
-                warmup: int, paced_s: float) -> dict[str, Any]:
+def run_clients(addresses: list[str], server_pids: list[int], api: str, clients: int, procs: int, seconds: float,
+                warmup: int, paced_s: float, plan: ShardPlan | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = max(1, min(procs, clients))
     start_at = time.time() + 3.0 + 0.02 * clients  # time for every process to start and warm up
     children = [
         ctx.Process(target=_client_process, daemon=True,
-                    args=(address, api, list(range(i, clients, procs)), warmup, start_at, seconds, paced_s, out))
+                    args=(addresses, api, list(range(i, clients, procs)), warmup, start_at, seconds, paced_s, plan,
+                          out))
         for i in range(procs)
     ]
     for child in children:
         child.start()
     time.sleep(max(0.0, start_at - time.time()))
-    cpu0 = cpu_seconds(server_pid)
+    cpu0 = sum(cpu_seconds(pid) for pid in server_pids)
     results = [out.get(timeout=start_at - time.time() + seconds + 120.0) for _ in children]
-    cpu1 = cpu_seconds(server_pid)  # after the window: slightly over-counts the server (drain, done_writing)
+    cpu1 = sum(cpu_seconds(pid) for pid in server_pids)  # after the window: slightly over (drain, done_writing)
     for child in children:
         child.join(timeout=30.0)
     for r in results:
@@ -156,6 +181,7 @@ def run_clients(address: str, server_pid: int, api: str, clients: int, procs: in
     q = statistics.quantiles(flat, n=100, method="inclusive")
     return {
         "api": api,
+        "shards": 1 if plan is None else plan.shards,
         "clients": clients,
         "client_procs": procs,
         "mode": f"paced {paced_s * 1e3:g} ms" if paced_s else "closed",
@@ -179,6 +205,10 @@ def main() -> None:
     parser.add_argument("--paced-ms", type=float, default=0.0,
                         help="also run every client count with each worker asking once per this period")
     parser.add_argument("--generator", default="smart")
+    parser.add_argument("--shards", default="1",
+                        help="comma-separated shard counts (above 1: the ready generator in that many services)")
+    parser.add_argument("--epoch-steps", type=int, default=10, help="with shards: the parts are drawn again every "
+                        "this many requests of a worker")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gg.json"))
     args = parser.parse_args()
     apis = args.api.split(",")
@@ -189,33 +219,22 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for api in apis:
-            for clients in (int(c) for c in args.clients.split(",")):
-                for paced_s in (0.0, args.paced_ms / 1e3) if args.paced_ms else (0.0,):
-                    proc, address = start_service(clients, args.generator, Path(tmp))
-                    try:
-                        row = run_clients(address, proc.pid, api, clients, args.client_procs, args.seconds,
-                                          args.warmup, paced_s)
-                    finally:
-                        proc.terminate()
-                        try:
-                            proc.wait(timeout=30)
-                        except subprocess.TimeoutExpired:
-                            proc.kill()
-                            proc.wait()
-                    rows.append(row)
-                    print(f"  {api} {clients} clients {row['mode']}: {row['requests_per_s']:.0f} req/s, "
-                          f"p99 {row['p99_ms']:.2f} ms", file=sys.stderr)
+            for shards in (int(c) for c in args.shards.split(",")):
+                for clients in (int(c) for c in args.clients.split(",")):
+                    for paced_s in (0.0, args.paced_ms / 1e3) if args.paced_ms else (0.0,):
+                        rows.append(_one(args, api, shards, clients, paced_s, Path(tmp)))
 
     print(f"Group Generator service, {args.generator} policy, server in its own process, 127.0.0.1, "
           f"{os.cpu_count()} CPUs, clients in {args.client_procs} processes, {args.seconds:g} s per run")
-    print(f"{'api':>6} {'clients':>7} {'mode':>12} {'requests':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'srv us/req':>10}")
+    print(f"{'api':>6} {'shards':>6} {'clients':>7} {'mode':>12} {'requests':>9} {'req/s':>8} {'p50 ms':>8} "
+          f"{'p99 ms':>8} {'srv us/req':>10}")
     for r in rows:
-        print(f"{r['api']:>6} {r['clients']:>7} {r['mode']:>12} {r['requests']:>9} {r['requests_per_s']:>8.0f} "
-              f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['server_cpu_us_per_request']:>10.1f}")
+        print(f"{r['api']:>6} {r['shards']:>6} {r['clients']:>7} {r['mode']:>12} {r['requests']:>9} "
+              f"{r['requests_per_s']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+              f"{r['server_cpu_us_per_request']:>10.1f}")
     headline: dict[str, Any] = {}
     for api in apis:
-        closed = {r["clients"]: r for r in rows if r["api"] == api and r["mode"] == "closed"}
+        closed = {r["clients"]: r for r in rows if r["api"] == api and r["mode"] == "closed" and r["shards"] == 1}
         h: dict[str, float] = {}
         if 64 in closed:
             h.update(p50_ms_at_64=closed[64]["p50_ms"], p99_ms_at_64=closed[64]["p99_ms"])
@@ -244,6 +263,32 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _one(args: argparse.Namespace, api: str, shards: int, clients: int, paced_s: float, tmp: Path) -> dict[str, Any]:
+    """One row: the service (or its shards) started, the clients run, the service stopped."""
+    generator, nodes, plan = args.generator, 1, None
+    if shards > 1:
+        if clients % 4:
+            raise SystemExit(f"--shards {shards} puts the workers on nodes of 4: use client counts divisible by 4")
+        generator, nodes = "ready", clients // 4
+        plan = ShardPlan(Topology(nodes, 4), shards, args.epoch_steps)
+    started = [start_service(clients, generator, tmp, (s, shards), nodes) for s in range(shards)]
+    try:
+        row = run_clients([a for _, a in started], [p.pid for p, _ in started], api, clients, args.client_procs,
+                          args.seconds, args.warmup, paced_s, plan)
+    finally:
+        for proc, _ in started:
+            proc.terminate()
+        for proc, _ in started:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print(f"  {api} {shards} shard(s) {clients} clients {row['mode']}: {row['requests_per_s']:.0f} req/s, "
+          f"p99 {row['p99_ms']:.2f} ms", file=sys.stderr)
+    return row
 
 
 if __name__ == "__main__":
