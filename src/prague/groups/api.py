@@ -73,6 +73,16 @@ class Group:
             raise ConfigError(f"group members must be sorted and distinct, got {self.members!r}")
         object.__setattr__(self, "members", members)
 
+    @classmethod
+    def formed(cls, seq: int, members: tuple[int, ...]) -> Group:
+        """A group a policy formed itself: ``members`` already a sorted tuple of distinct ranks, ``seq`` >= 0,
+        so the checks of a group that arrives from outside (a message, a file) are skipped: a policy forms
+        one per decision, and the simulator makes millions."""
+        group = object.__new__(cls)
+        object.__setattr__(group, "seq", seq)
+        object.__setattr__(group, "members", members)
+        return group
+
     @property
     def size(self) -> int:
         return len(self.members)

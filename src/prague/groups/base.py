@@ -83,7 +83,7 @@ class PolicyBase:
     def _form(self, members: list[int] | tuple[int, ...], requester: int | None, kind: str,
               conflict: bool = False) -> Group:
         """Give ``members`` the next global sequence number and report the new group."""
-        group = Group(self._next_seq, tuple(sorted(members)))
+        group = Group.formed(self._next_seq, tuple(sorted(members)))
         self._next_seq += 1
         self._record(group, requester, kind, conflict)
         return group

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
 from typing import Any
 
 from prague.errors import ConfigError
@@ -62,7 +61,7 @@ class ShardPlan:
         if not isinstance(epoch_steps, int) or isinstance(epoch_steps, bool) or epoch_steps < 1:
             raise ConfigError(f"--gg-epoch-steps must be an integer >= 1, got {epoch_steps!r}")
         self.topology, self.shards, self.epoch_steps, self.seed = topology, shards, epoch_steps, seed
-        self._orders: OrderedDict[int, list[int]] = OrderedDict()  # epoch -> shard of each node
+        self._orders: dict[int, list[int]] = {}  # epoch -> shard of each node
 
     def epoch(self, iteration: int) -> int:
         """The epoch of a request made after step ``iteration``."""
@@ -70,7 +69,7 @@ class ShardPlan:
 
     def _shard_of_node(self, epoch: int) -> list[int]:
         table = self._orders.get(epoch)
-        if table is None:
+        if table is None:  # kept: the newest epochs asked for (workers at different steps ask in turn)
             nodes = self.topology.nodes
             order = list(range(nodes))
             if self.shards > 1:
@@ -80,9 +79,7 @@ class ShardPlan:
                 table[node] = position * self.shards // nodes
             self._orders[epoch] = table
             if len(self._orders) > _ORDERS_KEPT:
-                self._orders.popitem(last=False)
-        else:
-            self._orders.move_to_end(epoch)
+                del self._orders[min(self._orders)]
         return table
 
     def shard_of(self, worker: int, iteration: int) -> int:
@@ -109,9 +106,16 @@ class ShardView:
         self.policy = ReadyGenerator(shard_config(config, shard), observer=observer)
 
     def _global(self, answers: list[Answer]) -> list[Answer]:
-        if self.count == 1:
+        if self.count == 1 or not answers:
             return answers
-        return [(w, Group(g.seq * self.count + self.shard, g.members)) for w, g in answers]
+        renamed: dict[int, Group] = {}  # one group object per group, as every member gets the same one
+        out = []
+        for w, g in answers:
+            group = renamed.get(g.seq)
+            if group is None:
+                group = renamed[g.seq] = Group.formed(g.seq * self.count + self.shard, g.members)
+            out.append((w, group))
+        return out
 
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
         return self._global(self.policy.request(worker, now_s, iteration))

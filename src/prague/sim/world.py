@@ -182,6 +182,8 @@ class World:
         self.batch_index: list[list[int]] = [[] for _ in range(self.n)]  # claimed: each step's job-wide batch
         self._out_of_batches = [False] * self.n
         self._slow = not scenario.is_homogeneous
+        self._slowdown_at = [(-1, 1.0)] * self.n  # per rank: (step, its slowdown), from compute_s
+        self.faulty = bool(scenario.faults)  # some worker crashes or hangs (fault_at)
         self._math_on = self.math.enabled
         if self._math_on:
             self.math.attach(self.engine, lambda: all(self.finished(w) for w in range(self.n)))
@@ -232,7 +234,9 @@ class World:
         """This worker's compute time at ``step`` (0 <= step < steps), slowdowns included."""
         t = self._base_s[rank]
         if self._slow:
-            t *= self.scenario.slowdown(rank, step, self.n)
+            factor = self.scenario.slowdown(rank, step, self.n)
+            self._slowdown_at[rank] = (step, factor)  # :meth:`record` logs it
+            t *= factor
         t += self._overhead_s
         jitter = self._jitter[rank]
         return t if jitter is None else t * jitter[step]
@@ -250,7 +254,12 @@ class World:
         step = len(self.end_s[rank])
         self.end_s[rank].append(self.engine.now)
         self.compute_log[rank].append(compute_s)
-        self.slowdown_log[rank].append(self.scenario.slowdown(rank, step, self.n) if self._slow else 1.0)
+        factor = 1.0
+        if self._slow:
+            at, factor = self._slowdown_at[rank]
+            if at != step:
+                factor = self.scenario.slowdown(rank, step, self.n)
+        self.slowdown_log[rank].append(factor)
         self.comm_log[rank].append(comm_s)
         self.wait_log[rank].append(wait_s)
         if self._math_on:
@@ -318,6 +327,8 @@ class World:
     # -- failures -----------------------------------------------------------------------------------------
     def fault_at(self, rank: int, step: int) -> str | None:
         """``crash`` or ``hang`` when the scenario stops ``rank`` as it reaches ``step``, else None."""
+        if not self.faulty:
+            return None
         if self.scenario.crashes_at(rank, step):
             return "crash"
         if self.scenario.hangs_at(rank, step):

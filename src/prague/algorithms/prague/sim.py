@@ -23,8 +23,9 @@ With a decision log each worker logs every group it executes, as the runtime doe
 ``static``, which has no service) the Group Generator's calls go to ``gg.jsonl`` in the service's format
 (:class:`~prague.groups.trace.PolicyCall`, simulated time as ``now_s``).
 
-* ``--overlap on`` (the default): the runtime's background averaging thread is one chain of processes per
-  worker: each submitted snapshot's request starts when the one before it has finished, asks, meets
+* ``--overlap on`` (the default): the runtime's background averaging thread is one process per worker
+  (:meth:`SimPrague._averager`, waiting for work when there is none): each submitted snapshot's request
+  starts when the one before it has finished, asks, meets
   its group and stores the correction (average of the members' snapshots minus this member's, computed
   from the snapshots in real-arithmetic mode, each first caught up on the earlier corrections it lacked
   by the runtime's :class:`~.overlap.Backlog`); the worker applies finished corrections after its next
@@ -102,7 +103,8 @@ class SimPrague(SimMethod):
         self._submitted = [0] * world.n
         self._in_flight = [0] * world.n
         self._finished: list[deque[tuple[int, Group, Any]]] = [deque() for _ in range(world.n)]
-        self._tail: list[Signal | None] = [None] * world.n
+        self._jobs: list[deque[tuple[int, int, Any, int]]] = [deque() for _ in range(world.n)]
+        self._idle: list[Signal | None] = [None] * world.n  # an averaging thread waiting for work
         self._wake: list[Signal | None] = [None] * world.n
         self._snapshots: dict[int, dict[int, Any]] = {}
         self._corrections: dict[tuple[int, int], Any] = {}
@@ -224,6 +226,12 @@ class SimPrague(SimMethod):
         if self.world.decisions is not None:
             self.world.decisions[w].write(Decision.of_group(step, group.members, group.seq))
 
+    def start(self) -> None:
+        super().start()
+        if self.options.overlap == "on":
+            for w in range(self.world.n):
+                self.world.engine.process(self._averager(w))
+
     def worker(self, w: int) -> Process:
         return self._overlapped(w) if self.options.overlap == "on" else self._blocking(w)
 
@@ -265,8 +273,9 @@ class SimPrague(SimMethod):
         :meth:`prague.algorithms.prague.runtime.Prague.after_step` performs it on real threads."""
         world, o = self.world, self.options
         engine, math = world.engine, world.math
+        in_flight, most, busy, counts = (lambda: self._in_flight[w]), o.max_in_flight, o.busy_policy, self.counts
         for k in world.steps_of(w):
-            fault = world.fault_at(w, k)
+            fault = world.fault_at(w, k) if world.faulty else None
             if fault is not None:  # crash or hang: this worker's processes end here
                 world.stop_here(w, k, fault)
                 return
@@ -274,7 +283,7 @@ class SimPrague(SimMethod):
             yield compute
             math.local_step(w, k)
             t0 = engine.now
-            for effect in overlapped_step(lambda: self._in_flight[w], o.max_in_flight, o.busy_policy, self.counts):
+            for effect in overlapped_step(in_flight, most, busy, counts):
                 if effect == TAKE_READY:
                     self._take_ready(w)
                 elif effect == TAKE_OLDEST:
@@ -294,44 +303,52 @@ class SimPrague(SimMethod):
                 yield from self._finish(w)
 
     def _submit(self, w: int, snapshot: Any, step: int) -> None:
-        """Hand ``snapshot`` to ``w``'s averaging thread: it runs after the requests before it."""
+        """Hand ``snapshot`` to ``w``'s averaging thread (:meth:`_averager`): it runs after the requests
+        before it."""
         index = self._submitted[w]
         taken = index - self._in_flight[w]  # corrections applied, oldest first: the snapshot holds these
         self._submitted[w] += 1
         self._in_flight[w] += 1
-        done = Signal(self.world.engine)
-        previous, self._tail[w] = self._tail[w], done
-        self.world.engine.process(self._average(w, index, taken, snapshot, previous, done, step))
+        self._jobs[w].append((index, taken, snapshot, step))
+        idle, self._idle[w] = self._idle[w], None
+        if idle is not None:  # the thread waits for work: it starts on this one now
+            idle.fire()
 
-    def _average(self, w: int, index: int, taken: int, snapshot: Any, previous: Signal | None,
-                 done: Signal, step: int) -> Process:
-        engine, stopped = self.world.engine, self.world.stopped
-        if previous is not None:
-            yield previous
-        if w in stopped:  # its worker failed: the averages it had in flight end with it
-            return
-        t0 = engine.now
-        group = yield self._ask(w, "request", step)
-        if w in stopped:
-            return
-        correction = None
-        if group.is_local:
-            self.local_steps += 1
-        else:
-            seq = group.seq
-            if self._math_on:
-                self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
-            yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq, members), rank=w)
+    def _averager(self, w: int) -> Process:
+        """``w``'s averaging thread, the runtime's :class:`~.overlap.BackgroundAverager`: the submitted
+        snapshots one after another, each asking for its group and meeting it; it waits for work when
+        there is none (and simply never wakes once its worker is done)."""
+        engine, stopped, jobs = self.world.engine, self.world.stopped, self._jobs[w]
+        while True:
+            if not jobs:
+                idle = self._idle[w] = Signal(engine)
+                yield idle
+                continue
+            index, taken, snapshot, step = jobs.popleft()
+            if w in stopped:  # its worker failed: the averages it had in flight end with it
+                return
+            t0 = engine.now
+            group = yield self._ask(w, "request", step)
             if w in stopped:
                 return
-            correction = self._corrections.pop((seq, w), None)
-        self._backlogs[w].finished(index, correction)
-        self.averaging_s += engine.now - t0
-        self._finished[w].append((index, group, correction))
-        wake, self._wake[w] = self._wake[w], None
-        if wake is not None:
-            wake.fire()
-        done.fire()
+            correction = None
+            if group.is_local:
+                self.local_steps += 1
+            else:
+                seq = group.seq
+                if self._math_on:
+                    self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
+                yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq, members),
+                                      rank=w)
+                if w in stopped:
+                    return
+                correction = self._corrections.pop((seq, w), None)
+            self._backlogs[w].finished(index, correction)
+            self.averaging_s += engine.now - t0
+            self._finished[w].append((index, group, correction))
+            wake, self._wake[w] = self._wake[w], None
+            if wake is not None:
+                wake.fire()
 
     def _correct(self, seq: int, members: tuple[int, ...]) -> None:
         """A group's P-Reduce completed over ``members`` (its live ones): each one's correction, from the
