@@ -4,6 +4,8 @@ members, the Group Generator excludes it, and the record lists it as a real run'
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from prague.errors import ConfigError
@@ -79,3 +81,29 @@ def test_methods_whose_failures_are_not_modelled_are_refused_with_the_reason() -
     with pytest.raises(ConfigError, match="plays failures out for prague only; drop the crash and hang terms for "
                                           "allreduce"):
         SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
+
+
+def test_a_failure_rate_draws_one_seeded_failure_time_per_rank() -> None:
+    scenario = parse_scenario("failures:0.5", seed=3)
+    times = [scenario.failure_time_s(r) for r in range(4000)]
+    assert times == [parse_scenario("failures:0.5", seed=3).failure_time_s(r) for r in range(4000)]
+    mean = 3600.0 / -math.log(0.5)  # exponential: half the workers fail within the first hour
+    assert abs(sum(times) / len(times) - mean) < 0.06 * mean
+    assert abs(sum(t < 3600.0 for t in times) / len(times) - 0.5) < 0.03
+    assert parse_scenario("homogeneous").failure_time_s(0) == math.inf
+    for bad in ("failures:0", "failures:1", "failures:nan", "failures:x"):
+        with pytest.raises(ConfigError, match="failures"):
+            parse_scenario(bad)
+
+
+def test_under_a_failure_rate_each_rank_crashes_at_the_first_step_after_its_failure_time() -> None:
+    scenario = "failures:0.999+paper:5"
+    record = simulate(SimConfig.of(algorithm="prague", scenario=scenario, nproc=64, nodes=16, steps=400,
+                                   model="mlp", seed=2)).to_dict()
+    drawn = parse_scenario(scenario, seed=2)
+    failed = {f["rank"]: f["step"] for f in record["failures"]}
+    assert failed, "some worker must fail at this rate (about 2 per minute among 64)"
+    assert all(f["kind"] == "crash" for f in record["failures"])
+    assert record["completed_steps"] == [failed.get(r, 400) for r in range(64)]
+    # the ranks that ran to the end failed after their end, those that failed before
+    assert all(drawn.failure_time_s(r) <= record["wall_s"] for r in failed)

@@ -22,7 +22,7 @@ links among concurrent transfers and, with ``cross_traffic`` (``--cross-traffic`
 that cross nodes while the seeded bursts of :mod:`prague.sim.traffic` (:attr:`World.bursts`) occupy
 their nodes' links.
 
-Failures (``crash:R:S``, ``hang:R:S``, for a method whose model says it survives them,
+Failures (``crash:R:S``, ``hang:R:S``, ``failures:P``, for a method whose model says it survives them,
 :attr:`~prague.sim.method.SimMethod.models_failures`): a worker that reaches its fault's step stops there
 (:meth:`World.stop_here`; its processes end, and a group it had joined but that had not started no longer
 counts it). It is declared failed as the runtime's launcher would: a crash at the launcher's next look
@@ -183,7 +183,8 @@ class World:
         self._out_of_batches = [False] * self.n
         self._slow = not scenario.is_homogeneous
         self._slowdown_at = [(-1, 1.0)] * self.n  # per rank: (step, its slowdown), from compute_s
-        self.faulty = bool(scenario.faults)  # some worker crashes or hangs (fault_at)
+        self.faulty = scenario.has_faults  # some worker crashes or hangs (fault_at)
+        self._fail_at_s = [scenario.failure_time_s(w) for w in range(self.n)] if scenario.rates else None
         self._math_on = self.math.enabled
         if self._math_on:
             self.math.attach(self.engine, lambda: all(self.finished(w) for w in range(self.n)))
@@ -326,9 +327,12 @@ class World:
 
     # -- failures -----------------------------------------------------------------------------------------
     def fault_at(self, rank: int, step: int) -> str | None:
-        """``crash`` or ``hang`` when the scenario stops ``rank`` as it reaches ``step``, else None."""
+        """``crash`` or ``hang`` when the scenario stops ``rank`` as it reaches ``step`` now, else None (a
+        failure rate's crash: the first step ``rank`` starts once its failure time has passed)."""
         if not self.faulty:
             return None
+        if self._fail_at_s is not None and self.engine.now >= self._fail_at_s[rank]:
+            return "crash"
         if self.scenario.crashes_at(rank, step):
             return "crash"
         if self.scenario.hangs_at(rank, step):

@@ -106,7 +106,7 @@ class SimConfig:
             raise unknown_choice("math mode", self.math, MATH_MODES)
         if self.math == "real":
             run.check_data_source()
-        if parse_scenario(run.scenario).faults and \
+        if parse_scenario(run.scenario).has_faults and \
                 not self.method.sim_class(self.method.variant_of(self.options)).models_failures:
             from prague.algorithms.registry import METHODS
 

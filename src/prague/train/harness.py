@@ -8,7 +8,9 @@ None of this is in the library's training API: :class:`Harness` is a
   freezes the process there (SIGSTOP: it neither exits nor beats its heartbeat until someone kills or
   continues it). Each fires once per job: it is written down (``fired``, a file of this rank's) before
   it fires, and a job that goes on after it (resumed from a checkpoint, or restarted by torchrun) reads
-  the file and does not fire it again;
+  the file and does not fire it again; ``failures:P`` crashes the rank at the first step it starts once its
+  seeded failure time (:meth:`~prague.hetero.spec.Scenario.failure_time_s`) has passed on the job's clock
+  (:attr:`Harness.clock`), also once per job;
 * the scenario's slowdown factor f makes the step longer: under emulated or real compute by a sleep of
   (f - 1) x the nominal compute time (the emulated model's, ``compute_ms``, or else this rank's running
   average of its measured compute), before the forward pass;
@@ -24,6 +26,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,9 @@ class Harness(StepHooks):
         self._t0 = 0.0
         self._real_end = 0.0
         self._fired_path = fired
+        self._fail_at_s = scenario.failure_time_s(rank)  # failures:P: when this rank fails on the job's clock
+        #: The job's clock, s (the loop sets it to its common clock; a failure rate's crash reads it).
+        self.clock: Callable[[], float] = lambda: 0.0
         self.fired: set[tuple[str, int]] = set()
         if fired is not None and continued and fired.exists():
             self.fired = {(str(kind), int(step)) for kind, step in json.loads(fired.read_text())}
@@ -104,6 +110,9 @@ class Harness(StepHooks):
         rank = self.rank
         if self.scenario.crashes_at(rank, step) and self._fires("crash", step):
             raise InjectedCrash(f"injected crash of rank {rank} at step {step} (scenario {self.scenario.text!r})")
+        if self.clock() >= self._fail_at_s and self._fires("failure", 0):
+            raise InjectedCrash(f"injected failure of rank {rank} at step {step}, {self.clock():.1f} s into the job "
+                                f"(its failure time under scenario {self.scenario.text!r})")
         if self.scenario.hangs_at(rank, step) and self._fires("hang", step):
             os.kill(os.getpid(), signal.SIGSTOP)
         self._t0 = time.perf_counter()

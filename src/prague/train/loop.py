@@ -250,6 +250,7 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
     ctx.store.set(progress, progress_text(trainer.steps_done, work.expected))
     start_together(ctx.store, ctx.rank, ctx.world_size)
     clock = TrainClock(resumed.wall_s if resumed else 0.0)
+    harness.clock = clock.now  # a failure rate (failures:P) fires on the job's clock
     keep = snapshots is not None
     writers = Writers(Path(cfg.out), ctx.rank, parse_report_to(cfg.report_to))  # --report-to
     with trainer, writers, open(metrics_dir / f"rank{ctx.rank}.jsonl", "w", buffering=1) as log:
