@@ -4,6 +4,7 @@ members, the Group Generator excludes it, and the record lists it as a real run'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -77,10 +78,10 @@ def test_prague_survivors_still_average_real_models() -> None:
     assert record["test_accuracy"] > 0.5
 
 
-def test_methods_whose_failures_are_not_modelled_are_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="plays failures out for prague only; drop the crash and hang terms for "
-                                          "allreduce"):
-        SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
+def test_methods_that_survive_failures_at_run_time_but_not_yet_here_are_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="adpsgd goes on without it at run time, and the simulator plays that out "
+                                          "for prague only so far"):
+        SimConfig.of(algorithm="adpsgd", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
 
 
 def test_a_failure_rate_draws_one_seeded_failure_time_per_rank() -> None:
@@ -107,3 +108,30 @@ def test_under_a_failure_rate_each_rank_crashes_at_the_first_step_after_its_fail
     assert record["completed_steps"] == [failed.get(r, 400) for r in range(64)]
     # the ranks that ran to the end failed after their end, those that failed before
     assert all(drawn.failure_time_s(r) <= record["wall_s"] for r in failed)
+
+
+def test_a_method_that_restarts_is_charged_detection_restart_and_the_steps_since_its_checkpoint() -> None:
+    from prague.sim.restarts import charge
+
+    ends = [0.1 * (k + 1) for k in range(100)]  # step k ends at 0.1 (k + 1) s: 10 s in all
+    crash = parse_scenario("crash:3:50")  # fires when the run reaches step 50, at 5.0 s
+    got = charge(ends, crash, 8, restart_s=20.0, lease_s=2.0, checkpoint_every=20)
+    assert [f.summary() for f in got.failures] == [{"rank": 3, "step": 50, "kind": "crash"}]
+    # seen at the launcher's next look (5.2 s), 20 s to restart, back to the checkpoint at step 40 (4.0 s)
+    assert got.restarts == 1 and got.extra_s == pytest.approx(5.2 + 20.0 - 4.0)
+    hang = charge(ends, parse_scenario("hang:3:50"), 8, 20.0, 2.0, None)  # the lease, and no checkpoint
+    assert hang.extra_s == pytest.approx(5.2 + 2.0 + 20.0 - 0.0)
+    late = charge(ends, parse_scenario("crash:3:100"), 8, 20.0, 2.0, 20)  # a step the run never starts
+    assert late.restarts == 0 and late.extra_s == 0.0
+
+
+def test_allreduce_under_a_failure_rate_restarts_and_takes_longer() -> None:
+    base = SimConfig.of(algorithm="allreduce", scenario="paper:5", nproc=64, nodes=16, steps=300, model="mlp",
+                        seed=2, checkpoint_every=50)
+    clean = simulate(base).to_dict()
+    failing = simulate(dataclasses.replace(base, run=dataclasses.replace(
+        base.run, scenario="paper:5+failures:0.999"))).to_dict()
+    assert failing["restarts"] == len(failing["failures"]) > 0
+    assert failing["job_s"] > clean["job_s"] + failing["restarts"] * PAPER.restart_s
+    with pytest.raises(ConfigError, match="charges as time"):
+        SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp", math="real")

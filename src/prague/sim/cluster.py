@@ -125,7 +125,9 @@ class Cluster:
     The scenario's extra time is not in it (the runtime sleeps it before forward), nor is the overhead.
     ``allreduce_ring_factor`` scales the alpha-beta ring time of the all-reduces of ``allreduce``,
     ``eager-sgd``, ``lossy``, ``localsgd`` and ``diloco`` (the collective's measured distance from the ideal
-    ring; calibration fits it).
+    ring; calibration fits it). ``restart_s``: what a restart from a checkpoint costs a method that cannot
+    go on without a failed worker (every process started again, the rendezvous, the checkpoint read; an
+    assumption, :mod:`prague.sim.restarts`).
     """
 
     name: str = "custom"
@@ -145,6 +147,7 @@ class Cluster:
     ps_apply_s: float = 0.0
     ps_full_duplex: bool = True
     contention: bool = True
+    restart_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -170,7 +173,7 @@ class Cluster:
         object.__setattr__(self, "backward_share", share)
         object.__setattr__(self, "allreduce_ring_factor",
                            _positive("allreduce ring_factor", self.allreduce_ring_factor, allow_zero=True))
-        for name in ("compute_overhead_s", "preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s"):
+        for name in ("compute_overhead_s", "preduce_setup_s", "gg_rtt_s", "gg_service_s", "ps_apply_s", "restart_s"):
             object.__setattr__(self, name, _positive(name, getattr(self, name), allow_zero=True))
         if not isinstance(self.ps_full_duplex, bool):
             raise ConfigError(f"cluster ps full_duplex must be true or false, got {self.ps_full_duplex!r}")

@@ -30,6 +30,7 @@ from prague.net.hosts import DEFAULT_LINK_RATE, parse_rate
 from prague.net.traffic import CrossTraffic, parse_cross_traffic
 from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
+from prague.sim.restarts import charge as restarts_charge
 from prague.sim.world import World
 from prague.train.config import RunConfig
 from prague.workload.budget import EqualShares, parse_budget
@@ -104,21 +105,32 @@ class SimConfig:
                               "are the hosts: drop --nodes")
         if self.math not in MATH_MODES:
             raise unknown_choice("math mode", self.math, MATH_MODES)
+        if self.math == "real" and self.charged_restarts:
+            raise ConfigError(f"{self.method.name} restarts from its last checkpoint after a failure, which the "
+                              "simulator charges as time, not as a training curve: drop --math real, or the "
+                              "failure terms")
         if self.math == "real":
             run.check_data_source()
-        if parse_scenario(run.scenario).has_faults and \
+        if parse_scenario(run.scenario).has_faults and self.method.survives_failures and \
                 not self.method.sim_class(self.method.variant_of(self.options)).models_failures:
             from prague.algorithms.registry import METHODS
 
             modelled = sorted(m.name for m in METHODS.values() if m.sim_class().models_failures)
-            raise ConfigError(f"scenario {run.scenario!r} crashes or freezes a worker, and the simulator plays "
-                              f"failures out for {', '.join(modelled)} only; drop the crash and hang terms for "
+            raise ConfigError(f"scenario {run.scenario!r} crashes or freezes a worker: {self.method.name} goes on "
+                              f"without it at run time, and the simulator plays that out for "
+                              f"{', '.join(modelled)} only so far; drop the crash, hang and failures terms for "
                               f"{self.method.name}")
         self.method.check_job(self.options, run.nproc)
 
     @property
     def method(self) -> Method:
         return self.run.method
+
+    @property
+    def charged_restarts(self) -> bool:
+        """Failures of a method that cannot go on without a worker: restarts from the last checkpoint,
+        charged on the run without them (:mod:`prague.sim.restarts`)."""
+        return parse_scenario(self.run.scenario).has_faults and not self.method.survives_failures
 
     @property
     def options(self) -> Any:
@@ -193,8 +205,10 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
         momentum=run.momentum, seed=run.seed, eval_every_s=run.eval_every_s, target_accuracy=run.target_accuracy,
         target_loss=run.target_loss,
     ))
-    world = World(cluster=cluster, topology=config.topology,
-                  scenario=parse_scenario(run.scenario, seed=run.seed), steps=steps,
+    scenario = parse_scenario(run.scenario, seed=run.seed)
+    if config.charged_restarts:  # run without its failures; they are charged afterwards (restarts.charge)
+        scenario = dataclasses.replace(scenario, crashes=(), hangs=(), rates=())
+    world = World(cluster=cluster, topology=config.topology, scenario=scenario, steps=steps,
                   state_bytes=state_bytes, seed=run.seed, math=math, trace=trace, decisions=config.decisions,
                   cross_traffic=config.traffic, gradient_bytes=gradient_sizes(run.model, run.data),
                   claimed=claimed, lease_s=run.lease_s)
@@ -234,6 +248,13 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
             trace: list[tuple[Any, ...]] | None) -> RunRecord:
     run = config.run
     ran = max((len(ends) for ends in world.end_s), default=0)  # under a budget: the most any worker ran
+    failures = [f.summary() for f in world.declared.values()]
+    restarts, extra_s = None, 0.0
+    if config.charged_restarts:
+        ends = [max(e[k] for e in world.end_s if len(e) > k) for k in range(ran)]  # the slowest rank's steps
+        charged = restarts_charge(ends, parse_scenario(run.scenario, seed=run.seed), run.nproc,
+                                  world.cluster.restart_s, run.lease_s, run.checkpoint_every)
+        failures, restarts, extra_s = [f.summary() for f in charged.failures], charged.restarts, charged.extra_s
     warmup = warmup_steps(ran, run.warmup_steps)
     parameters, state_bytes = model_size(run.model, run.data)
     results = world.math.results()
@@ -264,12 +285,12 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         steps=ran, seed=run.seed, backend="sim", lr=run.lr,
         budget=None if run.budget is None else parse_budget(run.budget).text,
         shares=config.shares(method.options)[0],
-        wall_s=max((e[-1] for e in world.end_s if e), default=0.0),
-        job_s=max((e[-1] for e in world.end_s if e), default=0.0),  # the clock starts at 0 for every worker
+        wall_s=max((e[-1] for e in world.end_s if e), default=0.0) + extra_s,
+        job_s=max((e[-1] for e in world.end_s if e), default=0.0) + extra_s,  # the clock starts at 0 for every worker
         samples=sum(worker_samples), worker_samples=worker_samples,
         target_accuracy=run.target_accuracy, target_loss=run.target_loss, **results,
         algorithm_stats=[stats], simulated=True, sim=sim,
-        failures=[f.summary() for f in world.declared.values()],
+        failures=failures, restarts=restarts,
         completed_steps=[len(ends) for ends in world.end_s],
     )
 
