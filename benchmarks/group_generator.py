@@ -209,8 +209,24 @@ def main() -> None:
                         help="comma-separated shard counts (above 1: the ready generator in that many services)")
     parser.add_argument("--epoch-steps", type=int, default=10, help="with shards: the parts are drawn again every "
                         "this many requests of a worker")
+    parser.add_argument("--simulate", default="", help="comma-separated worker counts to simulate instead (one "
+                        "service and the default shards; e.g. 1024,4096,16384,65536)")
+    parser.add_argument("--sim-steps", type=int, default=30, help="iterations per simulated worker")
+    parser.add_argument("--service-us", type=float, default=None,
+                        help="with --simulate: the service's CPU per request, us (default: the simulator's)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gg.json"))
     args = parser.parse_args()
+    if args.simulate:
+        rows = simulate_curve([int(n) for n in args.simulate.split(",")], args.sim_steps, args.service_us)
+        print("| workers | shards | p50 (ms) | p99 (ms) | busiest shard | local steps |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['workers']} | {r['shards']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                  f"{100 * r['busiest_shard']:.0f}% | {100 * r['local_step_share']:.1f}% |")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "group_generator", "simulated": rows}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     apis = args.api.split(",")
     for api in apis:
         if api not in APIS:
@@ -263,6 +279,31 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def simulate_curve(sizes: list[int], steps: int, service_us: float | None = None) -> list[dict[str, Any]]:
+    """The curve beyond this machine: ``prague:ready`` (overlap on, ``paper:5``, 100 ms steps, 4 workers per
+    node) simulated at each size with one service and with the default shards (one per 256 workers), the
+    service's cost per request ``service_us`` (default: the simulator's, measured by this benchmark)."""
+    from prague.groups.shards import auto_shards
+    from prague.sim.cluster import PAPER
+    from prague.simulate.run import SimConfig, simulate
+
+    cluster = PAPER if service_us is None else PAPER.replace_fields(gg_service_s=service_us * 1e-6)
+    rows = []
+    for n in sizes:
+        for shards in (1, 0) if auto_shards(n, n // 4) > 1 else (1,):
+            t = time.process_time()
+            r = simulate(SimConfig.of(algorithm="prague:ready", scenario="paper:5", nproc=n, nodes=n // 4, steps=steps,
+                                      model="resnet18", data="synthetic", cluster=cluster,
+                                      options={"gg_shards": shards})).to_dict()
+            st = r["algorithm_stats"][0]
+            rows.append({"workers": n, "shards": st["gg_shards"], "p50_ms": 1e3 * st["gg_latency_p50_s"],
+                         "p99_ms": 1e3 * st["gg_latency_p99_s"], "busiest_shard": st["gg_utilization"],
+                         "local_step_share": st["local_step_share"], "sim_cpu_s": time.process_time() - t})
+            print(f"  simulated {n} workers, {st['gg_shards']} shard(s): p50 {rows[-1]['p50_ms']:.2f} ms, "
+                  f"p99 {rows[-1]['p99_ms']:.2f} ms, busiest {100 * rows[-1]['busiest_shard']:.0f}%", file=sys.stderr)
+    return rows
 
 
 def _one(args: argparse.Namespace, api: str, shards: int, clients: int, paced_s: float, tmp: Path) -> dict[str, Any]:

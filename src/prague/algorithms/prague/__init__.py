@@ -227,6 +227,8 @@ METHOD = Method(
         "gg_utilization": "share of the run the Group Generator's thread was busy (the busiest shard's)",
         "gg_utilization_per_shard": "each shard's share of the run busy",
         "gg_mean_queue_s": "mean seconds a request queued in front of the Group Generator (its shard)",
+        "gg_latency_p50_s": "median seconds from a request to its answer (its group formed), sampled",
+        "gg_latency_p99_s": "99th percentile of the same",
         "policy_us_per_call": "CPU microseconds of one decision of the real policy code, timed while simulating",
         "policy_core_share": "share of one core the policy would need at the simulated request rate",
     },

@@ -38,6 +38,7 @@ average and ``comm_s`` is 0 (the averaging ran beside compute).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
@@ -111,6 +112,8 @@ class SimPrague(SimMethod):
         self._backlogs = [Backlog() for _ in range(world.n)]
         self._math_on = world.math.enabled
         self.counts = OverlapCounts()
+        self._asked = 0
+        self._latencies: list[float] = []  # sampled request latencies (:meth:`_latency`)
         self.averaging_s = 0.0  # asking plus P-Reduce, summed over workers
         self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
         self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
@@ -222,6 +225,13 @@ class SimPrague(SimMethod):
             return None
         return self.world.meet(group.seq, group.members, on_done=self.world.math.average, rank=w)
 
+    def _latency(self, seconds: float) -> None:
+        """Keep one request's latency, from asking to the answer (its group formed), every
+        :data:`_SAMPLE_EVERY`-th: their quantiles are the Group Generator's latency curve."""
+        self._asked += 1
+        if self._asked % _SAMPLE_EVERY == 0:
+            self._latencies.append(seconds)
+
     def _log(self, w: int, step: int, group: Group) -> None:
         if self.world.decisions is not None:
             self.world.decisions[w].write(Decision.of_group(step, group.members, group.seq))
@@ -249,6 +259,7 @@ class SimPrague(SimMethod):
             asked = engine.now
             group = yield self._ask(w, "request", k)
             answered = engine.now
+            self._latency(answered - asked)
             self._log(w, k, group)
             sig = self._run(w, group)
             if sig is not None:
@@ -331,6 +342,7 @@ class SimPrague(SimMethod):
             group = yield self._ask(w, "request", step)
             if w in stopped:
                 return
+            self._latency(engine.now - t0)
             correction = None
             if group.is_local:
                 self.local_steps += 1
@@ -398,6 +410,9 @@ class SimPrague(SimMethod):
             "gg_utilization": max(shares) if shares else 0.0,
             "gg_utilization_per_shard": shares,
             "gg_mean_queue_s": sum(q.queued_s for q in self.queues) / jobs if jobs else 0.0,
+            # a request's latency, asking to the answer (the group formed), sampled: p50 and p99
+            "gg_latency_p50_s": _quantile(self._latencies, 0.50),
+            "gg_latency_p99_s": _quantile(self._latencies, 0.99),
             # The real decision code, timed while simulating: its CPU per call, and the share of one
             # core it would need at the simulated request rate.
             "policy_us_per_call": 1e6 * per_call_s,
@@ -412,3 +427,11 @@ class SimPrague(SimMethod):
                               busy_local_steps=self.counts.busy_local_steps,
                               average_waits=self.counts.average_waits,
                               averaging_s=self.averaging_s, exposed_s=exposed)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; 0.0 when empty)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
