@@ -216,3 +216,15 @@ def test_a_real_job_asks_the_shard_the_plan_names_and_survives_a_shard_killed(tm
 
 def _services(out: Path) -> list[dict]:
     return json.loads((out / "services.json").read_text())["services"]
+
+
+def test_the_parts_mix_the_replicas_about_as_well_as_one_generator() -> None:
+    """--math mixing: each local step adds unit noise to every worker's vector; averaging keeps them
+    together. Without averaging they would spread about sqrt(8 x 100) = 28 apart; one generator and 4
+    shards keep them within a few steps' noise, the shards within 1.5x of one generator."""
+    got = {}
+    for shards in (1, 4):
+        record = simulate(SimConfig.of(algorithm="prague:ready", scenario="paper:5", nproc=64, nodes=16, steps=100,
+                                       model="mlp", math="mixing", seed=1, options={"gg_shards": shards})).to_dict()
+        got[shards] = record["consensus_distance"]
+    assert 0 < got[1] < 6 and 0 < got[4] < 1.5 * got[1], got

@@ -49,7 +49,7 @@ from prague.optim import SGDRule
 from prague.workload.data import Dataset, GlobalBatches, ShardLoader, load_dataset
 from prague.workload.models import build_model
 
-MATH_MODES = ("none", "real")
+MATH_MODES = ("none", "real", "mixing")
 _DATA_STREAM = 11  # stream of hetero.spec.uniform used for batch draws (the paper slowdowns use 1)
 
 
@@ -325,10 +325,57 @@ class RealMath(NoMath):
         }
 
 
+class MixingMath(NoMath):
+    """How well a method's averaging mixes the replicas, at any scale: each worker holds a vector of
+    :data:`MIXING_DIM` numbers, all equal at the start; each local step adds independent unit Gaussian noise to
+    it (the replicas' drift apart), each average pulls the members together, by the method's own groups and
+    corrections. The run's ``consensus_distance`` is the mean distance of the workers' vectors from their
+    mean at the end: the noise it has not yet averaged away. A random walk spreads the replicas by about
+    sqrt(steps) each; a method that mixes well keeps them within a few steps' noise of each other, whatever
+    the number of workers (a mixing time that grows slowly with it). Seeded by (seed, rank, step)."""
+
+    enabled = True
+
+    def __init__(self, nproc: int, seed: int) -> None:
+        self.n, self.seed = nproc, seed
+        self.X = torch.zeros(nproc, MIXING_DIM, dtype=torch.float64)
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def local_step(self, w: int, step: int, scale: float = 1.0) -> None:
+        self.X[w] += torch.randn(MIXING_DIM, generator=self._gen, dtype=torch.float64) * scale
+
+    def average(self, members: Sequence[int]) -> None:
+        rows = list(members)
+        self.X[rows] = self.X[rows].mean(dim=0)
+
+    def values(self, w: int) -> torch.Tensor:
+        return self.X[w].clone()
+
+    def corrections(self, snapshots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        mean = torch.stack(list(snapshots.values())).mean(dim=0)
+        return {w: mean - s for w, s in snapshots.items()}
+
+    def add(self, w: int, delta: torch.Tensor | None) -> None:
+        if delta is not None:
+            self.X[w] += delta
+
+    def results(self) -> dict[str, Any]:
+        mean = self.X.mean(dim=0)
+        consensus = float(torch.linalg.vector_norm(self.X - mean, dim=1).mean())
+        return {"test_accuracy": None, "eval_history": [], "consensus_distance": consensus}
+
+
+#: The length of each worker's vector under ``--math mixing``.
+MIXING_DIM = 8
+
+
 def make_math(mode: str, nproc: int, steps: int, config: MathConfig) -> NoMath:
-    """``none`` (timing only) or ``real`` (real parameters); an unknown mode lists the valid ones."""
+    """``none`` (timing only), ``real`` (real parameters) or ``mixing`` (a noise vector per worker: how well
+    the averaging mixes, at any scale); an unknown mode lists the valid ones."""
     if mode == "none":
         return NoMath()
     if mode == "real":
         return RealMath(nproc, steps, config)
+    if mode == "mixing":
+        return MixingMath(nproc, config.seed)
     raise unknown_choice("math mode", mode, MATH_MODES)

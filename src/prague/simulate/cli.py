@@ -67,7 +67,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "without it, leave-one-scenario-out on the --calibrate benchmark")
     p.add_argument("--math", default="none",
                    help="none (default): timing only; real: every simulated worker trains real parameters "
-                        "(accuracy against simulated time)")
+                        "(accuracy against simulated time); mixing: a noise vector per worker, how well the "
+                        "averaging keeps the replicas together at any scale (consensus_distance)")
     c = p.add_argument_group("cluster (override single values of --cluster)")
     c.add_argument("--cluster", default=None,
                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file (default paper; the base "

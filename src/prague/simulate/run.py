@@ -280,7 +280,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
     return RunRecord.from_timings(
         world.timings(), batch_size=run.batch_size, warmup=warmup,
         algorithm=spec.name, variant=spec.variant_of(method.options), nproc=run.nproc,
-        compute_mode="real" if world.math.enabled else "emulated", compute_ms=cluster.compute_s * 1e3,
+        compute_mode="real" if config.math == "real" else "emulated", compute_ms=cluster.compute_s * 1e3,
         scenario=world.scenario.text, model=run.model, parameters=parameters, data=run.data,
         steps=ran, seed=run.seed, backend="sim", lr=run.lr,
         budget=None if run.budget is None else parse_budget(run.budget).text,
