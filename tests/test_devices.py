@@ -74,6 +74,7 @@ def test_device_cuda_shares_the_gpus_among_gloo_ranks_and_cpu_refuses_nccl() -> 
     assert device_for("gloo", 3, "cuda", 1) == CUDA0
     assert device_for("nccl", 1, "cuda", 2) == CUDA1
     assert device_for("gloo", 5, "cpu", 8) == CPU
+    assert pick_backend("auto", 8, 2, "cpu") == "gloo" and pick_backend("auto", 8, 2, "cuda") == "nccl"
     with pytest.raises(ConfigError, match="none is visible here; use --device cpu"):
         device_for("gloo", 0, "cuda", 0)
     with pytest.raises(ConfigError, match="use --backend gloo with --device cpu"):

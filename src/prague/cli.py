@@ -95,7 +95,7 @@ def check_backend(cfg: Any) -> None:
 
     gpus = torch.cuda.device_count()
     device = getattr(cfg, "device", "auto")
-    backend = pick_backend("gloo" if cfg.backend == "auto" and device == "cpu" else cfg.backend, gpus, cfg.nproc)
+    backend = pick_backend(cfg.backend, gpus, cfg.nproc, device)
     device_for(backend, 0, device, gpus)
 
 

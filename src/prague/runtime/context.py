@@ -49,10 +49,10 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
+def pick_backend(requested: str, gpu_count: int, local_world_size: int, device: str = "auto") -> str:
     """The job's backend: ``requested``, or for ``"auto"`` NCCL when this machine has a GPU for each of
     its ``local_world_size`` ranks and gloo otherwise (NCCL cannot put two ranks of one communicator on
-    one GPU). Raises :class:`ConfigError` for an unknown name, and for ``"nccl"`` with fewer GPUs than
+    one GPU), and gloo for the ``"cpu"`` device. Raises :class:`ConfigError` for an unknown name, and for ``"nccl"`` with fewer GPUs than
     local ranks (none included)."""
     if requested not in BACKENDS:
         raise ConfigError(f"unknown backend {requested!r}; valid choices: {', '.join(BACKENDS)}")
@@ -60,7 +60,7 @@ def pick_backend(requested: str, gpu_count: int, local_world_size: int) -> str:
         raise ConfigError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
     enough = gpu_count >= local_world_size
     if requested == "auto":
-        return "nccl" if gpu_count > 0 and enough else "gloo"
+        return "nccl" if gpu_count > 0 and enough and device != "cpu" else "gloo"
     if requested == "nccl" and gpu_count == 0:
         raise ConfigError("backend 'nccl' needs CUDA, which is not available here; use --backend gloo")
     if requested == "nccl" and not enough:
@@ -201,7 +201,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: st
     if job.launched:  # torchrun and our launcher set LOCAL_WORLD_SIZE; else assume one machine
         local_world_size = job.local_world_size or job.need("world_size")
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = pick_backend("gloo" if backend == "auto" and device == "cpu" else backend, gpu_count, local_world_size)
+    backend = pick_backend(backend, gpu_count, local_world_size, device)
 
     set_parent_death_signal()
     timeout = timedelta(seconds=timeout_s)
