@@ -518,3 +518,66 @@ def test_a_collective_half_done_by_a_freezing_peer_is_retried_by_every_survivor(
     for r in (0, 1, 3):
         assert outs[r]["second"] == (0, 1, 3)
         assert torch.equal(outs[r]["after_second"], full(4.0)), r
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compressed P-Reduce (8-bit codes, error feedback)
+
+
+_COMPRESSED_GROUPS = ((0, 1, 2), (0, 2), (0, 1, 2))
+
+
+def _compressed_rank(ctx: DistContext, transport: str, numel: int) -> dict[str, Any]:
+    from prague.comm.compress import ErrorFeedback
+    from prague.comm.preduce import preduce_compressed
+
+    comms = GroupCommunicators(ctx, capacity=4, transport=transport)
+    comms.start()
+    feedback = ErrorFeedback()
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    rounds = []
+    for members in _COMPRESSED_GROUPS:
+        values = torch.randn(numel, generator=gen) * (1 + ctx.rank)
+        if ctx.rank not in members:
+            continue
+        residual = feedback.residual.clone() if feedback.residual is not None else torch.zeros(numel)
+        before = values.clone()
+        preduce_compressed(values, members, comms, feedback)
+        assert feedback.sent is not None
+        sent = feedback.sent.clone()
+        feedback.commit()
+        rounds.append({"members": members, "before": before, "after": values, "residual_in": residual,
+                       "sent": sent, "residual_out": feedback.residual.clone()})
+    comms.close()
+    return {"rounds": rounds, "reduces": comms.stats.reduces}
+
+
+@pytest.mark.parametrize("transport", ["groups", "world"])
+def test_compressed_groups_keep_their_mean_and_carry_what_the_codes_left_out(transport: str) -> None:
+    from prague.comm.compress import decode, encode
+
+    numel = 1000  # four blocks, the last one partial
+    outs = run_ranks(_compressed_rank, 3, transport, numel, deadline_s=60)
+    taken = {r: iter(outs[r]["rounds"]) for r in range(3)}  # each rank's rounds, in the order it joined them
+    for members in _COMPRESSED_GROUPS:
+        rounds = {r: next(taken[r]) for r in members}
+        for r, x in rounds.items():
+            carried = x["before"] + x["residual_in"]
+            # what the member sent is the code of its values plus its residual ...
+            expected_sent = decode(encode(carried), numel, torch.empty(numel))
+            assert torch.equal(x["sent"], expected_sent)
+            # ... and what the code left out is its residual now: carried, not lost
+            torch.testing.assert_close(x["residual_out"], carried - x["sent"], rtol=0, atol=1e-6)
+            assert x["residual_out"].abs().max() > 0
+        mean_sent = sum(x["sent"] for x in rounds.values()) / len(members)
+        for r, x in rounds.items():
+            torch.testing.assert_close(x["after"], x["before"] + mean_sent - x["sent"], rtol=0, atol=1e-5)
+        # the group's mean of the values is what it was
+        before = sum(x["before"] for x in rounds.values())
+        after = sum(x["after"] for x in rounds.values())
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+        # every member moved to the same average of what was sent, plus its own untransmitted part
+        common = [x["after"] - (x["before"] - x["sent"]) for x in rounds.values()]
+        for c in common[1:]:
+            torch.testing.assert_close(c, common[0], rtol=0, atol=1e-6)
+    assert outs[1]["reduces"] == 2 and outs[0]["reduces"] == 3

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from prague.comm.cache import CommunicatorCache
+from prague.comm.compress import ErrorFeedback, decode
 from prague.comm.owned import shutdown_group
 from prague.comm.transports import pick_transport
 from prague.errors import CommError, ConfigError
@@ -348,18 +349,68 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
     comms.stats.reduces += 1
 
 
-def exchange_average(buffer: torch.Tensor, members: tuple[int, ...], rank: int, scratch: list[torch.Tensor]) -> None:
-    """Average ``buffer`` over ``members`` point to point on the world communicator: send it to every
-    other member, receive theirs (one batch, so NCCL neither orders nor deadlocks the pairs), then add
-    the buffers in member order, so that every member computes the same sum in the same order and gets
-    the same bits. ``scratch``: ``len(members)`` buffers shaped as ``buffer`` (received ones and the sum)."""
+def exchange(buffer: torch.Tensor, members: tuple[int, ...], rank: int,
+             scratch: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every member's ``buffer``, by member, exchanged point to point on the world communicator: send it
+    to every other member and receive theirs in one batch (so NCCL neither orders nor deadlocks the
+    pairs). ``scratch``: at least ``len(members) - 1`` buffers shaped as ``buffer``, which receive."""
     peers = [m for m in members if m != rank]
     incoming = dict(zip(peers, scratch))
     ops = [dist.P2POp(dist.isend, buffer, peer) for peer in peers]
     ops += [dist.P2POp(dist.irecv, incoming[peer], peer) for peer in peers]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    total = scratch[len(peers)].zero_()
+    incoming[rank] = buffer
+    return incoming
+
+
+def exchange_average(buffer: torch.Tensor, members: tuple[int, ...], rank: int, scratch: list[torch.Tensor]) -> None:
+    """Average ``buffer`` over ``members`` point to point (:func:`exchange`), adding the buffers in member
+    order, so that every member computes the same sum in the same order and gets the same bits.
+    ``scratch``: ``len(members)`` buffers shaped as ``buffer`` (received ones and the sum)."""
+    received = exchange(buffer, members, rank, scratch)
+    total = scratch[len(members) - 1].zero_()
     for member in members:
-        total.add_(buffer if member == rank else incoming[member])
+        total.add_(received[member])
     buffer.copy_(total).div_(len(members))
+
+
+def preduce_compressed(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators,
+                       feedback: ErrorFeedback) -> None:
+    """P-Reduce in 8 bits with error feedback (:mod:`prague.comm.compress`): every member sends the code of
+    its values plus its residual, decodes every member's in member order (the same bits everywhere),
+    and adds to ``buffer`` the group's mean of what was sent minus what it sent itself. The group's mean
+    of ``buffer`` is unchanged (up to float rounding). The new residual is kept aside in ``feedback``:
+    the caller commits it once the group's outcome is settled. Called as :func:`preduce`, with the same
+    failure behaviour (``buffer`` unchanged on failure)."""
+    if len(members) == 1:
+        return
+    rank = comms.ctx.rank
+    payload = feedback.encode(buffer)
+    try:
+        if comms.transport == WORLD:
+            comms.meet(members)
+            received = exchange(payload, members, rank, comms.scratch(payload, len(members) - 1))
+        else:
+            pg = comms.get(members)
+            try:
+                gathered = comms.scratch(payload, len(members))
+                pg.allgather([gathered], [payload]).wait()
+            except RuntimeError:
+                del pg
+                comms.discard(members)
+                raise
+            received = dict(zip(members, gathered))
+    except RuntimeError as exc:
+        if comms.transport == WORLD:
+            comms.stats.failed += 1
+        raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {rank}: {exc}") from exc
+    numel = buffer.numel()
+    mean = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
+    one = torch.empty_like(mean)
+    for member in members:
+        mean.add_(decode(received[member], numel, one, feedback.block))
+    mean.div_(len(members))
+    assert feedback.sent is not None
+    buffer.add_(mean.sub_(feedback.sent.float()).to(buffer.dtype))
+    comms.stats.reduces += 1

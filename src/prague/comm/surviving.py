@@ -23,7 +23,7 @@ each waiting for the other in different groups).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +31,11 @@ from prague.comm.preduce import GroupCommunicators, preduce
 from prague.errors import CommError
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import DECLARE_WAIT_S, Membership, PeerFailed
+
+#: One attempt at a group's average: ``(buffer, live members, communicators)``, in place, raising
+#: :class:`CommError` when a member fails (:func:`~prague.comm.preduce.preduce` is the plain one).
+Averaging = Callable[[torch.Tensor, tuple[int, ...], GroupCommunicators], None]
+
 
 class LiveGroups:
     """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
@@ -48,9 +53,11 @@ class LiveGroups:
         self._before: torch.Tensor | None = None  # the buffer's values before an attempt, to restore a broken one
         self.current: tuple[int, ...] | None = None  # the members of the latest reduction (stall warnings)
 
-    def reduce(self, members: Sequence[int], buffer: torch.Tensor) -> tuple[int, ...]:
-        """Average ``buffer`` in place over the live ``members`` (this rank among them); returns the
-        members it averaged with (just this rank: nothing to do)."""
+    def reduce(self, members: Sequence[int], buffer: torch.Tensor,
+               average: Averaging = preduce) -> tuple[int, ...]:
+        """Average ``buffer`` in place over the live ``members`` (this rank among them) with ``average``
+        (:func:`~prague.comm.preduce.preduce`, or a compressed form of it); returns the members it
+        averaged with (just this rank: nothing to do; ``buffer`` is then as it was)."""
         live = self._live(members)
         self.current = live
         if len(live) < len(members):
@@ -62,7 +69,7 @@ class LiveGroups:
         while len(live) > 1:
             error: CommError | None = None
             try:
-                preduce(buffer, live, self.comms)
+                average(buffer, live, self.comms)
             except CommError as exc:
                 error = exc
             if self.membership is None:

@@ -118,6 +118,20 @@ def ring_allreduce_s(members: int, size_bytes: float, link: Link, bandwidth_shar
     return steps * link.latency_s + steps * size_bytes / (members * link.bandwidth_bytes_per_s * bandwidth_share)
 
 
+def ring_allgather_s(members: int, size_bytes: float, link: Link, bandwidth_share: float = 1.0) -> float:
+    """Time of a ring all-gather of one message of ``size_bytes`` per member over ``members`` workers on
+    ``link``: ``p - 1`` steps, each moving one message (0 for one member). Compressed P-Reduce
+    (:mod:`prague.comm.compress`) gathers every member's codes this way."""
+    if members <= 1:
+        return 0.0
+    steps = members - 1
+    return steps * link.latency_s + steps * size_bytes / (link.bandwidth_bytes_per_s * bandwidth_share)
+
+
+#: A collective's duration: ``(members, size_bytes, link, bandwidth_share) -> seconds``.
+Collective = Callable[[int, float, Link, float], float]
+
+
 def exchange_s(members: int, size_bytes: float, link: Link, bandwidth_share: float = 1.0) -> float:
     """AD-PSGD's pairwise exchange: the active's values to the passive, then the mean back (two messages
     of ``size_bytes``, one after the other)."""
@@ -215,7 +229,7 @@ class Fabric:
         return Transfer(kind, nodes, link, share, self.clock(), self.bursts)
 
     def start(self, members: tuple[int, ...], size_bytes: float,
-              cost: Callable[[int, float, Link, float], float] | None = None,
+              cost: Collective | None = None,
               ) -> tuple[float, Transfer]:
         """Begin a transfer among ``members``; return its duration and the token for :meth:`end`.
 

@@ -58,7 +58,7 @@ from prague.metrics.summary import WorkerTiming
 from prague.runtime.liveness import HEARTBEAT_S, LAUNCHER_TICK_S, Failure, LeaseWatch
 from prague.net.traffic import CrossTraffic
 from prague.sim.cluster import Cluster
-from prague.sim.costs import Fabric, Transfer
+from prague.sim.costs import Collective, Fabric, Transfer
 from prague.sim.engine import Engine, Signal
 from prague.sim.math import NoMath
 from prague.sim.traffic import Bursts
@@ -290,7 +290,8 @@ class World:
     def meet(self, key: Any, members: tuple[int, ...], size_bytes: float | None = None,
              on_done: Callable[[tuple[int, ...]], None] | None = None,
              cost_s: Callable[[float], float] | None = None, setup: bool = True,
-             exchange_s: Callable[[Transfer], float] | None = None, rank: int | None = None) -> Signal:
+             exchange_s: Callable[[Transfer], float] | None = None, rank: int | None = None,
+             collective: Collective | None = None) -> Signal:
         """Join the ring all-reduce ``key`` over ``members``; the returned signal fires when it completes.
 
         Blocking semantics of the runtime: it starts when the last live member joins (members declared
@@ -298,7 +299,9 @@ class World:
         alpha-beta time on its bottleneck link, shared with groups already running on the same nodes
         and slowed by the cross traffic it meets (:class:`~prague.sim.costs.Fabric`), plus (``setup``)
         communicator set-up for a member set new to a member.
-        ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``exchange_s``, for a
+        ``collective(members, size_bytes, link, share)`` replaces the ring all-reduce's time (a ring
+        all-gather of compressed messages, :func:`~prague.sim.costs.ring_allgather_s`; ``size_bytes`` is
+        then one member's message). ``cost_s`` maps the ring time to the charged time (all-reduce's overlap); ``exchange_s``, for a
         method that plays out a collective of its own, replaces the ring: it gets the group's
         :class:`~prague.sim.costs.Transfer` (link, share, bursts) when the last member joins and returns
         the duration. ``on_done(members)`` runs at completion, before anyone resumes (the group average,
@@ -308,7 +311,7 @@ class World:
         entry = self._meetings.get(key)
         if entry is None:
             entry = self._meetings[key] = [Signal(self.engine), set(), members, size_bytes, on_done, cost_s, setup,
-                                           exchange_s]
+                                           exchange_s, collective]
         arrived: set[Any] = entry[1]
         arrived.add(len(arrived) if rank is None else rank)
         sig: Signal = entry[0]
@@ -317,13 +320,13 @@ class World:
 
     def _try_start(self, key: Any, entry: list[Any]) -> None:
         """Start meeting ``key`` once every live member has joined."""
-        sig, arrived, members, size_bytes, on_done, cost_s, setup, exchange_s = entry
+        sig, arrived, members, size_bytes, on_done, cost_s, setup, exchange_s, collective = entry
         live = members if not self.declared else tuple(m for m in members if m not in self.declared)
         if len(arrived) < len(live) or not live:
             return
         del self._meetings[key]
         self._start_group(live, sig, self.state_bytes if size_bytes is None else size_bytes, on_done, cost_s,
-                          setup, exchange_s)
+                          setup, exchange_s, collective)
 
     # -- failures -----------------------------------------------------------------------------------------
     def fault_at(self, rank: int, step: int) -> str | None:
@@ -375,12 +378,13 @@ class World:
     def _start_group(self, members: tuple[int, ...], sig: Signal, size_bytes: float,
                      on_done: Callable[[tuple[int, ...]], None] | None,
                      cost_s: Callable[[float], float] | None, setup: bool,
-                     exchange_s: Callable[[Transfer], float] | None = None) -> None:
+                     exchange_s: Callable[[Transfer], float] | None = None,
+                     collective: Collective | None = None) -> None:
         if exchange_s is not None:
             token = self.fabric.begin(members)
             ring_s = exchange_s(token)
         else:
-            ring_s, token = self.fabric.start(members, size_bytes)
+            ring_s, token = self.fabric.start(members, size_bytes, collective)
             if cost_s is not None:
                 ring_s = cost_s(ring_s)
         duration = ring_s + (self._setup_s(members) if setup else 0.0)

@@ -13,6 +13,7 @@ from typing import Any
 from prague.algorithms.spec import (
     COMM_REPORTS, Method, Options, check_address, check_group_size, check_seconds, option,
 )
+from prague.comm.codecs import CODECS
 from prague.comm.transports import TRANSPORTS
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
@@ -61,6 +62,10 @@ class PragueOptions(Options):
                             "a block of whole nodes, the blocks drawn again every --gg-epoch-steps steps so that "
                             "the parts mix; 0: one per 256 workers, at most one per node")
     gg_epoch_steps: int = option(10, "with several --gg-shards: the parts are drawn again every this many steps")
+    compress: str = option("none", "what a group exchanges: none (its members' values in full precision, a ring "
+                           "all-reduce), int8 (8-bit codes per block of 256 values, gathered by every member, with "
+                           "error feedback: the part a message does not carry is sent with the next one; "
+                           "DeepSqueeze's rule, about a quarter of the bytes)", choices=CODECS)
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -209,6 +214,9 @@ METHOD = Method(
         "local_steps": "groups of one: iterations without communication",
         "mean_group_size": "mean size of the groups executed",
         "shrunk_groups": "groups that averaged without members that had failed (crashed or hung; see `failures`)",
+        "compress": "what the groups exchanged: none (full precision) or int8 (8-bit codes, error feedback)",
+        "averaging_sent_bytes": "bytes this worker sent in its group averages (a ring all-reduce's 2 (p - 1) / p of "
+                                "the values; compressed, p - 1 messages)",
         "overlap": "whether averaging ran in the background (on) or blocked the worker (off)",
         "max_in_flight": "overlap: averages a worker could have out at once",
         "when_busy": "overlap: what a worker did with max-in-flight averages out (wait, local)",

@@ -42,7 +42,10 @@ from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.source import (
     GroupSource, ServiceSource, ShardedSource, StaticSource, gg_services,
 )
+from prague.comm.codecs import member_send_bytes
+from prague.comm.compress import ErrorFeedback
 from prague.comm.flat import bind_flat, momentum_bound
+from prague.comm.preduce import preduce_compressed
 from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
@@ -103,6 +106,8 @@ class Prague(Algorithm):
         self.comms = self.groups.comms
         self.resources.callback(self.groups.close)
         self.tally = GroupTally()
+        self.feedback = ErrorFeedback() if self.options.compress == "int8" else None  # the averages' thread's
+        self.sent_bytes = 0.0
         self.steps_done = 0
         self.counts = OverlapCounts()
         self.blocking_s = 0.0  # overlap off: asking plus P-Reduce, all of it on the worker's thread
@@ -140,7 +145,17 @@ class Prague(Algorithm):
         False when nobody was left to average with."""
         if group.is_local:
             return True
-        return len(self.groups.reduce(group.members, buffer)) > 1
+        feedback = self.feedback
+        if feedback is None:
+            live = self.groups.reduce(group.members, buffer)
+        else:
+            live = self.groups.reduce(group.members, buffer,
+                                      lambda values, members, comms: preduce_compressed(values, members, comms,
+                                                                                         feedback))
+            if len(live) > 1:  # the message was used: what it did not carry waits for the next one
+                feedback.commit()
+        self.sent_bytes += member_send_bytes(buffer.numel(), len(live), self.options.compress, buffer.element_size())
+        return len(live) > 1
 
     def _record(self, group: Group, step: int) -> None:
         self.tally.add(group)
@@ -222,6 +237,8 @@ class Prague(Algorithm):
             "local_steps": self.tally.local_steps,
             "mean_group_size": self.tally.mean_group_size,
             "shrunk_groups": self.groups.shrunk,
+            "compress": self.options.compress,
+            "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
             **self.comms.stats.report(),
             "generator_stats": self.source.stats(),

@@ -53,7 +53,8 @@ from prague.groups.api import Answer
 from prague.groups.shards import ShardedGenerator, ShardPlan
 from prague.groups.trace import PolicyCall, call_policy
 from prague.metrics.decisions import Decision, gg_trace_path
-from prague.sim.costs import Queue
+from prague.comm.codecs import member_send_bytes, payload_bytes
+from prague.sim.costs import Queue, ring_allgather_s
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
 from prague.sim.world import World
@@ -86,6 +87,11 @@ class SimPrague(SimMethod):
         else:
             self.policy = make_generator(o.base_generator, self.config)
         self.remote = not o.is_static
+        # Compressed groups gather one message per member (the runtime's byte count); the values' math
+        # stays the exact average (the residual a message leaves is carried to the next, not lost).
+        self._numel = int(world.state_bytes // 4)
+        self._message_bytes = None if o.compress == "none" else float(payload_bytes(self._numel, o.compress))
+        self.sent_bytes = 0.0  # summed over workers
         # Policies that never set a deadline (the buffered ones) need no poll timer.
         self._timers = not isinstance(self.policy, (BufferedPolicy, StaticGenerator))
         self.queues = [Queue() for _ in range(shards)]
@@ -223,7 +229,11 @@ class SimPrague(SimMethod):
         if group.is_local:
             self.local_steps += 1
             return None
-        return self.world.meet(group.seq, group.members, on_done=self.world.math.average, rank=w)
+        self.sent_bytes += member_send_bytes(self._numel, group.size, self.options.compress)
+        if self._message_bytes is None:
+            return self.world.meet(group.seq, group.members, on_done=self.world.math.average, rank=w)
+        return self.world.meet(group.seq, group.members, self._message_bytes, on_done=self.world.math.average,
+                               rank=w, collective=ring_allgather_s)
 
     def _latency(self, seconds: float) -> None:
         """Keep one request's latency, from asking to the answer (its group formed), every
@@ -401,6 +411,8 @@ class SimPrague(SimMethod):
             "groups_run": executed,
             "local_steps": self.local_steps,
             "mean_group_size": executed / (world.groups_run + self.local_steps) if executed else 0.0,
+            "compress": self.options.compress,
+            "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
             **world.comm_stats(),
             "generator_stats": dict(self.policy.stats()),
