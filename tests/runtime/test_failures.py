@@ -20,7 +20,8 @@ from prague.algorithms.registry import METHODS
 from prague.groups import GeneratorConfig, Group, make_generator
 from prague.runtime import liveness
 from prague.runtime.liveness import (
-    Failure, Heartbeat, LeaseWatch, Membership, PeerFailed, declare_failure, mark_done, read_counters, wait_settled,
+    Failure, Heartbeat, LeaseWatch, Membership, PeerFailed, declare_failure, mark_done, read_counters, read_progress,
+    wait_settled,
 )
 from prague_testing import run_cli, wait_gone
 
@@ -58,6 +59,21 @@ def test_a_worker_that_left_has_no_lease_and_counts_on_if_it_joins_again() -> No
         assert read_counters(store, [1])[1] >= 0
     finally:
         again.leave()
+
+
+def test_a_worker_that_leaves_publishes_the_steps_it_did_since_its_last_beat() -> None:
+    """The job's summary reads each rank's steps from its progress: a worker that finishes and leaves
+    within one heartbeat of its last step still has every step counted."""
+    store = _store()
+    beat = Heartbeat(store.clone(), 2, interval_s=60.0)  # no beat falls between the steps and the leave
+    try:
+        deadline = time.monotonic() + 10
+        while not read_counters(store, [2]) and time.monotonic() < deadline:  # its first beat, at once
+            time.sleep(0.01)
+        beat.steps = 240
+    finally:
+        beat.leave()
+    assert read_progress(store, [2]) == {2: 240}
 
 
 def test_first_declaration_wins_and_moves_the_epoch() -> None:

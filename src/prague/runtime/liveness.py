@@ -334,19 +334,25 @@ class Heartbeat(PeriodicWork):
     def tick(self) -> bool:
         try:
             self.store.add(self.key, 1)
-            steps = self.steps
-            if steps is not None and steps != self._published:
-                self.store.set(self.progress_key, progress_text(steps))
-                self._published = steps
+            self._publish()
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending
             return False
         return True
 
+    def _publish(self) -> None:
+        steps = self.steps
+        if steps is not None and steps != self._published:
+            self.store.set(self.progress_key, progress_text(steps))
+            self._published = steps
+
     def leave(self) -> None:
         """Stop beating and say this worker left (``prague.shutdown``): its lease ends, so the seconds its
-        interpreter takes to exit (gloo's and gRPC's teardown) are never taken for a hang."""
+        interpreter takes to exit (gloo's and gRPC's teardown) are never taken for a hang. The steps done
+        since the last beat are published first, so the job's summary has every step of a worker that
+        finished (one that is killed is known as of its last beat, at most :data:`HEARTBEAT_S` earlier)."""
         self.shutdown(failed=False, timeout_s=2 * self.interval_s + 1.0)
         try:
+            self._publish()
             self.store.set(self.key, LEFT)
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending
             pass
