@@ -224,7 +224,8 @@ def main() -> None:
             print(f"| {r['workers']} | {r['shards']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                   f"{100 * r['busiest_shard']:.0f}% | {100 * r['local_step_share']:.1f}% |")
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"benchmark": "group_generator", "simulated": rows}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"benchmark": "group_generator", "command": _command(), "simulated": rows},
+                                       indent=2) + "\n")
         print(f"wrote {args.out}")
         return
     apis = args.api.split(",")
@@ -264,6 +265,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "group_generator",
+        "command": _command(),
         "generator": args.generator,
         "server": "subprocess",
         "host": "127.0.0.1",
@@ -279,6 +281,11 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _command() -> str:
+    """This run's command line, as the docs show it (``prague report`` prints it above the table)."""
+    return "python benchmarks/group_generator.py " + " ".join(sys.argv[1:])
 
 
 def simulate_curve(sizes: list[int], steps: int, service_us: float | None = None) -> list[dict[str, Any]]:

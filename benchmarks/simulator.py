@@ -23,6 +23,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -250,7 +251,8 @@ def main() -> None:
     args = p.parse_args()
     if not (args.engine or args.paper or args.scale or args.timing or args.failures or args.all):
         p.error("choose at least one of --engine, --paper, --scale, --timing, --failures, --all")
-    results: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version()}
+    results: dict[str, Any] = {"benchmark": "simulator", "command": "python benchmarks/simulator.py " + " ".join(sys.argv[1:]),
+                               "machine": platform.platform(), "python": platform.python_version()}
     if args.engine or args.all:
         results["engine"] = bench_engine()
     if args.paper or args.all:

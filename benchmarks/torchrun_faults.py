@@ -96,8 +96,8 @@ def main() -> int:
             print(f"{method:15} {fault:12} {'ok' if row['ok'] else 'FAILED':6} exit {row['exit_codes']} "
                   f"{row['seconds']:6.1f} s  failures {row['failures']}  steps {row['completed_steps']}"
                   + (f"  restarts {row['restarts']}" if row["restarts"] else ""), flush=True)
-    atomic_write_json(args.out, {"machine": platform.node(), "nodes": NODES, "per_node": PER_NODE, "steps": STEPS,
-                                 "command": " ".join(sys.argv), "cases": rows})
+    atomic_write_json(args.out, {"benchmark": "torchrun_faults", "machine": platform.node(), "nodes": NODES, "per_node": PER_NODE, "steps": STEPS,
+                                 "command": "python benchmarks/torchrun_faults.py " + " ".join(sys.argv[1:]), "cases": rows})
     passed = sum(r["ok"] for r in rows)
     print(f"\n{passed} of {len(rows)} cases as expected; wrote {args.out}")
     return 0 if passed == len(rows) else 1

@@ -321,7 +321,8 @@ def test_generated_tables_in_the_docs_are_current() -> None:
 
 
 #: A generated report: `<!-- prague report [--tta] FILE -->`, a blank line, what `prague report [--tta] FILE`
-#: prints (FILE: a bench.json, from the repository root), a blank line, `<!-- end report -->`.
+#: prints (FILE: a bench.json or a benchmark's JSON, from the repository root), a blank line,
+#: `<!-- end report -->`.
 REPORT_START = re.compile(r"^<!-- prague report (?:--tta )?(?P<path>\S+) -->$", re.M)
 REPORT_BLOCK = re.compile(r"^<!-- prague report (?P<tta>--tta )?(?P<path>\S+) -->\n(?P<text>.*?)^<!-- end report -->$",
                           re.M | re.S)
@@ -331,8 +332,9 @@ UPDATE_REPORTS = "PRAGUE_UPDATE_REPORTS"
 
 def test_generated_reports_in_the_docs_are_current() -> None:
     """Every generated report in README.md and docs/ holds exactly what `prague report FILE` prints today
-    (the function that writes a bench's bench.md): a table cannot drift from the bench it names."""
-    from prague.metrics.report import read_bench, report_markdown
+    (for a bench.json the function that writes its bench.md; for another benchmark's JSON its table): a
+    table cannot drift from the data it names."""
+    from prague.metrics.tables import report_file
 
     problems, stale, found = [], [], 0
     for page in pages():
@@ -344,8 +346,7 @@ def test_generated_reports_in_the_docs_are_current() -> None:
         fresh = text
         for block in reversed(blocks):
             found += 1
-            bench = read_bench(ROOT / block["path"])
-            expected = f"\n{report_markdown(bench.records, bench.command, tta_only=bool(block['tta']))}\n"
+            expected = f"\n{report_file(ROOT / block['path'], tta_only=bool(block['tta']))}\n"
             if block["text"] != expected:
                 stale.append(f"{rel(page)}:{text.count(chr(10), 0, block.start()) + 1}: the report of "
                              f"{block['path']} is not what `prague report {block['path']}` prints")

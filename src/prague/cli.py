@@ -705,9 +705,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     tl.add_argument("out", type=Path, help="the run's output folder")
     tl.add_argument("--slowest", type=int, default=5, help="how many of the longest steps to list (default 5)")
 
-    rp = sub.add_parser("report", help="print a bench's tables from its bench.json (what bench.md holds)")
+    rp = sub.add_parser("report", help="print a bench's tables from its bench.json (what bench.md holds), or the "
+                        "table of another benchmark's JSON (benchmarks/*.py)")
     rp.add_argument("bench", type=Path, metavar="BENCH_JSON",
-                    help="the bench.json a `prague bench` or `prague simulate` wrote (or the folder holding it)")
+                    help="the bench.json a `prague bench` or `prague simulate` wrote (or the folder holding it), or "
+                         "the JSON of benchmarks/group_generator.py, torchrun_faults.py or simulator.py --failures")
     rp_fmt = rp.add_mutually_exclusive_group()
     rp_fmt.add_argument("--markdown", action="store_true", help="the tables, as bench.md holds them (the default)")
     rp_fmt.add_argument("--json", action="store_true", help="per (method, scenario): medians, ranges, bootstrap "
@@ -770,13 +772,14 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from prague.metrics.report import read_bench, report_json, report_markdown
+    from prague.metrics.report import read_bench, report_json
+    from prague.metrics.tables import report_file
 
-    bench = read_bench(args.bench)
     if args.json:
+        bench = read_bench(args.bench)
         print(json.dumps(report_json(bench.records, bench.command), indent=2))
     else:
-        sys.stdout.write(report_markdown(bench.records, bench.command, tta_only=args.tta))
+        sys.stdout.write(report_file(args.bench, tta_only=args.tta))
     return 0
 
 
