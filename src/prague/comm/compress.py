@@ -38,10 +38,16 @@ from prague.comm.codecs import BLOCK, META_PER_BLOCK, blocks, payload_bytes
 
 _LEVELS = 255  # codes 0..255 per block
 
+def _parts(numel: int, block: int) -> tuple[int, int]:
+    """``(whole blocks, values in the partial last block)`` of ``numel`` values."""
+    return numel // block, numel % block
+
+
 def encode(values: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
     """The int8 message of the flat tensor ``values``: a uint8 tensor of :func:`payload_bytes` bytes,
     the blocks' float32 offsets and steps first (so that they stay aligned), then one code per value.
-    ``out`` (that size, uint8) is reused when given."""
+    ``out`` (that size, uint8) is reused when given. The whole blocks are coded as one (blocks x
+    ``block``) view, the partial last block apart, so no padded copy of the values is made."""
     numel = values.numel()
     nb = blocks(numel, block)
     size = payload_bytes(numel, "int8", block=block)
@@ -49,33 +55,44 @@ def encode(values: torch.Tensor, out: torch.Tensor | None = None, block: int = B
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     meta = out[: 4 * META_PER_BLOCK * nb].view(torch.float32).view(META_PER_BLOCK, nb)
     codes = out[4 * META_PER_BLOCK * nb:]
-    v = values.detach().reshape(-1).float()
-    pad = nb * block - numel
-    if pad:  # the last block is padded with its own last value, which leaves its range as it is
-        v = torch.cat((v, v[-1:].expand(pad)))
-    grid = v.view(nb, block)
-    lo = grid.amin(dim=1)
-    step = (grid.amax(dim=1) - lo) / _LEVELS
-    meta[0].copy_(lo)
-    meta[1].copy_(step)
+    v = values.detach().reshape(-1).float()  # no copy for float32 values
+    whole, tail = _parts(numel, block)
+    lo, hi = meta[0], meta[1]  # the step is written over the maximum below
+    if whole:
+        grid = v[: whole * block].view(whole, block)
+        torch.amin(grid, dim=1, out=lo[:whole])
+        torch.amax(grid, dim=1, out=hi[:whole])
+    if tail:
+        rest = v[whole * block:]
+        lo[whole], hi[whole] = rest.min(), rest.max()
+    step = hi.sub_(lo).div_(_LEVELS)
     scale = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))  # a constant block codes as zeros
-    q = ((grid - lo[:, None]) * scale[:, None]).round_().clamp_(0, _LEVELS)
-    codes.copy_(q.reshape(-1)[:numel].to(torch.uint8))
+    q = torch.empty(numel, dtype=torch.float32, device=v.device)
+    if whole:
+        q[: whole * block].view(whole, block).copy_(v[: whole * block].view(whole, block)) \
+            .sub_(lo[:whole, None]).mul_(scale[:whole, None])
+    if tail:
+        q[whole * block:].copy_(v[whole * block:]).sub_(lo[whole]).mul_(scale[whole])
+    codes.copy_(q.round_().clamp_(0, _LEVELS))
     return out
 
 
 def decode(payload: torch.Tensor, numel: int, out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """The values a message of :func:`encode` carries, written into ``out`` (flat, ``numel`` values, any
-    float dtype); returns ``out``. ValueError for a payload of the wrong size."""
+    float dtype) in place; returns ``out``. ValueError for a payload of the wrong size."""
     nb = blocks(numel, block)
     if payload.numel() != payload_bytes(numel, "int8", block=block) or payload.dtype != torch.uint8:
         raise ValueError(f"an int8 message of {numel} values has {payload_bytes(numel, 'int8', block=block)} "
                          f"bytes of uint8, got {payload.numel()} of {payload.dtype}")
     meta = payload[: 4 * META_PER_BLOCK * nb].view(torch.float32).view(META_PER_BLOCK, nb)
+    lo, step = meta[0].to(out.dtype), meta[1].to(out.dtype)
     codes = payload[4 * META_PER_BLOCK * nb:]
-    index = torch.arange(numel, device=payload.device) // block
-    values = codes.float() * meta[1][index] + meta[0][index]
-    out.copy_(values)
+    whole, tail = _parts(numel, block)
+    if whole:
+        out[: whole * block].view(whole, block).copy_(codes[: whole * block].view(whole, block)) \
+            .mul_(step[:whole, None]).add_(lo[:whole, None])
+    if tail:
+        out[whole * block:].copy_(codes[whole * block:]).mul_(step[whole]).add_(lo[whole])
     return out
 
 
@@ -93,6 +110,16 @@ class ErrorFeedback:
         self._pending: torch.Tensor | None = None
         self._payload: torch.Tensor | None = None
         self.sent: torch.Tensor | None = None  # the values the latest message carries, decoded
+        self._sums: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two float32 buffers shaped as the values (after :meth:`encode`): a group's mean of the decoded
+        messages and one decoded message, kept for the next group."""
+        assert self.residual is not None, "sums() after encode()"
+        if self._sums is None or self._sums[0].shape != self.residual.shape \
+                or self._sums[0].device != self.residual.device:
+            self._sums = (torch.empty_like(self.residual), torch.empty_like(self.residual))
+        return self._sums
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """The message for ``values`` (flat) plus the residual; :attr:`sent` holds what it carries."""

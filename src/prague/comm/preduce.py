@@ -406,8 +406,8 @@ def preduce_compressed(buffer: torch.Tensor, members: tuple[int, ...], comms: Gr
             comms.stats.failed += 1
         raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {rank}: {exc}") from exc
     numel = buffer.numel()
-    mean = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
-    one = torch.empty_like(mean)
+    mean, one = feedback.sums()
+    mean.zero_()
     for member in members:
         mean.add_(decode(received[member], numel, one, feedback.block))
     mean.div_(len(members))
