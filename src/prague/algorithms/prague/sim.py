@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from prague.algorithms.prague import overlap_report
@@ -229,11 +230,16 @@ class SimPrague(SimMethod):
         if group.is_local:
             self.local_steps += 1
             return None
+        return self._meet(w, group, self.world.math.average)
+
+    def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None]) -> Signal:
+        """``w`` joins ``group``'s average (blocking, or on its averaging thread): a ring all-reduce of the
+        state, or with ``--compress`` a ring all-gather of every member's message of the runtime's size."""
         self.sent_bytes += member_send_bytes(self._numel, group.size, self.options.compress)
         if self._message_bytes is None:
-            return self.world.meet(group.seq, group.members, on_done=self.world.math.average, rank=w)
-        return self.world.meet(group.seq, group.members, self._message_bytes, on_done=self.world.math.average,
-                               rank=w, collective=ring_allgather_s)
+            return self.world.meet(group.seq, group.members, on_done=on_done, rank=w)
+        return self.world.meet(group.seq, group.members, self._message_bytes, on_done=on_done, rank=w,
+                               collective=ring_allgather_s)
 
     def _latency(self, seconds: float) -> None:
         """Keep one request's latency, from asking to the answer (its group formed), every
@@ -360,8 +366,7 @@ class SimPrague(SimMethod):
                 seq = group.seq
                 if self._math_on:
                     self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
-                yield self.world.meet(seq, group.members, on_done=lambda members: self._correct(seq, members),
-                                      rank=w)
+                yield self._meet(w, group, lambda members: self._correct(seq, members))
                 if w in stopped:
                     return
                 correction = self._corrections.pop((seq, w), None)
