@@ -88,26 +88,31 @@ def test_several_averages_in_flight_train_digits(tmp_path: Path) -> None:
     assert all(w["communicators_created"] == 0 and w["preduces"] > 0 for w in s["algorithm_stats"])
 
 
-def test_compressed_averages_train_digits_on_a_quarter_of_the_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [["--compress", "int8"], ["--average-by", "samples"]], ids=["int8", "weighted"])
+def test_compressed_or_weighted_averages_train_digits(tmp_path: Path, flags: list[str]) -> None:
     """``--compress int8``: the groups gather 8-bit codes with error feedback (overlap on, so each snapshot
-    is coded on the averaging thread); the replicas still agree and train, on about a quarter of the
-    bytes a full-precision ring all-reduce of the same groups would send."""
+    is coded on the averaging thread), a whole number of messages of the runtime's size per group.
+    ``--average-by samples``: each member weighs its steps since its last average. Either way the replicas
+    still agree and train."""
     from prague.comm.codecs import payload_bytes
     from prague.simulate.run import model_size
 
-    out = tmp_path / "int8"
-    res = run_cli("run", "--algorithm", "prague", "--nproc", "3", "--steps", "120", "--model", "mlp",
-                  "--compress", "int8", "--out", str(out), "--quiet")
+    out = tmp_path / "run"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "3", "--steps", "120", "--model", "mlp", *flags,
+                  "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
     assert s["test_accuracy"] > 0.9
     assert s["consensus_distance"] < 2.5
-    message = payload_bytes(model_size("mlp", s["data"])[1] // 4, "int8")
     for w in s["algorithm_stats"]:
-        assert w["compress"] == "int8" and w["preduces"] > 0
-        # p - 1 messages of the model's codes per group of p: a whole number of messages, at least one a group
-        messages = w["averaging_sent_bytes"] / message
-        assert messages == int(messages) and messages >= w["preduces"] > 0
+        assert w["preduces"] > 0 and w["averaging_sent_bytes"] > 0
+        assert (w["compress"], w["average_by"]) == (("int8", "equal") if flags[0] == "--compress" else ("none", "samples"))
+    if flags[0] == "--compress":
+        message = payload_bytes(model_size("mlp", s["data"])[1] // 4, "int8")
+        for w in s["algorithm_stats"]:
+            # p - 1 messages of the model's codes per group of p: a whole number, at least one a group
+            messages = w["averaging_sent_bytes"] / message
+            assert messages == int(messages) and messages >= w["preduces"]
 
 
 def test_dssync_trains_and_partitions_are_shared() -> None:

@@ -581,3 +581,34 @@ def test_compressed_groups_keep_their_mean_and_carry_what_the_codes_left_out(tra
         for c in common[1:]:
             torch.testing.assert_close(c, common[0], rtol=0, atol=1e-6)
     assert outs[1]["reduces"] == 2 and outs[0]["reduces"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weighted P-Reduce (prague --average-by samples)
+
+
+def _weighted_rank(ctx: DistContext, transport: str) -> dict[str, Any]:
+    from prague.comm.preduce import preduce_weighted
+
+    comms = GroupCommunicators(ctx, capacity=4, transport=transport)
+    comms.start()
+    values = torch.arange(6, dtype=torch.float32) * (ctx.rank + 1)  # rank r holds (r + 1) * [0..5]
+    work = torch.empty(7)
+    out = {}
+    for members, weights in (((0, 1, 2), {0: 1.0, 1: 2.0, 2: 5.0}), ((1, 2), {1: 3.0, 2: 1.0})):
+        if ctx.rank in members:
+            buf = values.clone()
+            preduce_weighted(buf, members, comms, weights[ctx.rank], work)
+            out[members] = buf
+    comms.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["groups", "world"])
+def test_weighted_groups_give_every_member_the_weighted_mean(transport: str) -> None:
+    outs = run_ranks(_weighted_rank, 3, transport, deadline_s=60)
+    base = torch.arange(6, dtype=torch.float32)
+    # (1*1 + 2*2 + 5*3) / 8 = 2.5 and (3*2 + 1*3) / 4 = 2.25 times [0..5], on every member
+    for members, factor in (((0, 1, 2), 2.5), ((1, 2), 2.25)):
+        for r in members:
+            torch.testing.assert_close(outs[r][members], base * factor, rtol=0, atol=1e-6)

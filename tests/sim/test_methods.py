@@ -133,3 +133,15 @@ def _compare_codecs(slow: Cluster, overlap: str) -> None:
     assert per_group["int8"] < 0.6 * per_group["none"]  # groups of 2-3: 0.26-0.52 of the ring's bytes
     numel = model_size("resnet18", "synthetic")[1] // 4
     assert per_group["int8"] >= member_send_bytes(numel, 2, "int8") / 2  # each member sends a message
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_weighted_groups_in_the_simulator_weigh_each_member_by_its_steps(overlap: str) -> None:
+    """``prague --average-by samples`` in the simulator: each member of a group weighs its steps since its
+    last average (the runtime's rule), so with a straggler the replicas mix differently than under the
+    equal mean; without a straggler every group's members weigh about alike."""
+    runs = {by: _sim("prague:ready", scenario="straggler:1:4", nproc=8, nodes=2, steps=60, math="mixing",
+                     options={"average_by": by, "overlap": overlap}) for by in ("equal", "samples")}
+    assert runs["samples"]["algorithm_stats"][0]["average_by"] == "samples"
+    assert runs["samples"]["consensus_distance"] != runs["equal"]["consensus_distance"]
+    assert runs["samples"]["consensus_distance"] < 3 * runs["equal"]["consensus_distance"]

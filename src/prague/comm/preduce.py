@@ -316,8 +316,9 @@ def _set_name(members: tuple[int, ...]) -> str:
     return "-".join(map(str, members))
 
 
-def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators) -> None:
-    """Average ``buffer`` in place over ``members`` (sorted ranks, this rank among them).
+def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators, divide: bool = True) -> None:
+    """Average ``buffer`` in place over ``members`` (sorted ranks, this rank among them); ``divide`` False:
+    leave the members' sum (what :func:`preduce_weighted` divides by the weights' sum itself).
 
     Called by every member, at the same point of the global group order. A group of one returns at once.
     If a member does not arrive within the communicators' timeout, or the operation fails or times out,
@@ -329,7 +330,7 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
     if comms.transport == WORLD:
         comms.meet(members)
         try:
-            exchange_average(buffer, members, comms.ctx.rank, comms.scratch(buffer, len(members)))
+            exchange_average(buffer, members, comms.ctx.rank, comms.scratch(buffer, len(members)), divide)
         except RuntimeError as exc:
             comms.stats.failed += 1
             raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {comms.ctx.rank}: {exc}") from exc
@@ -345,8 +346,24 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
         del pg
         comms.discard(members)
         raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {comms.ctx.rank}: {exc}") from exc
-    buffer.div_(len(members))
+    if divide:
+        buffer.div_(len(members))
     comms.stats.reduces += 1
+
+
+def preduce_weighted(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators, weight: float,
+                     work: torch.Tensor) -> None:
+    """The group's mean of ``buffer`` weighted by each member's ``weight`` (> 0): ``sum_j w_j x_j / sum_j w_j``,
+    in place, in one collective: each member reduces ``[w x, w]`` (in ``work``, one value longer than
+    ``buffer``, the caller's to keep) and divides the values by the weights' sum. Called as :func:`preduce`,
+    with its failure behaviour (``buffer`` unchanged on failure)."""
+    if len(members) == 1:
+        return
+    n = buffer.numel()
+    work[:n].copy_(buffer.reshape(-1)).mul_(weight)
+    work[n] = weight
+    preduce(work, members, comms, divide=False)
+    buffer.reshape(-1).copy_(work[:n].div_(work[n]))
 
 
 def exchange(buffer: torch.Tensor, members: tuple[int, ...], rank: int,
@@ -364,15 +381,18 @@ def exchange(buffer: torch.Tensor, members: tuple[int, ...], rank: int,
     return incoming
 
 
-def exchange_average(buffer: torch.Tensor, members: tuple[int, ...], rank: int, scratch: list[torch.Tensor]) -> None:
+def exchange_average(buffer: torch.Tensor, members: tuple[int, ...], rank: int, scratch: list[torch.Tensor],
+                     divide: bool = True) -> None:
     """Average ``buffer`` over ``members`` point to point (:func:`exchange`), adding the buffers in member
-    order, so that every member computes the same sum in the same order and gets the same bits.
-    ``scratch``: ``len(members)`` buffers shaped as ``buffer`` (received ones and the sum)."""
+    order, so that every member computes the same sum in the same order and gets the same bits (``divide``
+    False: the sum). ``scratch``: ``len(members)`` buffers shaped as ``buffer`` (received ones and the sum)."""
     received = exchange(buffer, members, rank, scratch)
     total = scratch[len(members) - 1].zero_()
     for member in members:
         total.add_(received[member])
-    buffer.copy_(total).div_(len(members))
+    buffer.copy_(total)
+    if divide:
+        buffer.div_(len(members))
 
 
 def preduce_compressed(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators,

@@ -32,7 +32,7 @@ Every worker's final row is scored on its own too (``best_replica_accuracy``, ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +73,15 @@ def _dataset(name: str, seed: int, data_dir: Path | None = None) -> Dataset:
     return load_dataset(name, data_dir, seed=seed)
 
 
+def group_mean(rows: torch.Tensor, members: Sequence[int], weights: Mapping[int, float] | None) -> torch.Tensor:
+    """The mean of ``rows`` (one per member, in ``members``' order): equal, or weighted by ``weights``
+    (by member), as the runtime's P-Reduce computes it (:func:`prague.comm.preduce.preduce_weighted`)."""
+    if weights is None:
+        return rows.mean(dim=0)
+    w = torch.as_tensor([weights[m] for m in members], dtype=rows.dtype)
+    return (rows * w.view(-1, *([1] * (rows.dim() - 1)))).sum(dim=0) / w.sum()
+
+
 class NoMath:
     """Timing only: every hook is a no-op and there is nothing to report."""
 
@@ -89,7 +98,7 @@ class NoMath:
 
     def apply(self, w: int, grad: Any, scale: float = 1.0) -> None: ...
 
-    def average(self, members: Sequence[int]) -> None: ...
+    def average(self, members: Sequence[int], weights: Mapping[int, float] | None = None) -> None: ...
 
     def allreduce_step(self, members: Sequence[int], step: int, scale: float = 1.0) -> None: ...
 
@@ -97,9 +106,10 @@ class NoMath:
         """A copy of x_w as it is now (a snapshot handed to a background average)."""
         return None
 
-    def corrections(self, snapshots: dict[int, Any]) -> dict[int, Any]:
+    def corrections(self, snapshots: dict[int, Any], weights: Mapping[int, float] | None = None) -> dict[int, Any]:
         """The delayed-averaging corrections of one group: ``avg - s_w`` for each member's snapshot (as
-        caught up on the corrections it lacked: :class:`prague.algorithms.prague.overlap.Backlog`)."""
+        caught up on the corrections it lacked: :class:`prague.algorithms.prague.overlap.Backlog`); ``avg``
+        weighted by ``weights`` (by member) when given (``prague --average-by samples``)."""
         return {}
 
     def add(self, w: int, delta: Any) -> None: ...
@@ -232,11 +242,11 @@ class RealMath(NoMath):
             buf = self._bufs[w] = torch.zeros_like(self.X[w])
         return buf
 
-    def average(self, members: Sequence[int]) -> None:
+    def average(self, members: Sequence[int], weights: Mapping[int, float] | None = None) -> None:
         idx = torch.as_tensor(list(members))
-        self.X[idx] = self.X[idx].mean(dim=0)
+        self.X[idx] = group_mean(self.X[idx], members, weights)
         if self.share_momentum:
-            mean = torch.stack([self._momentum(w) for w in members]).mean(dim=0)
+            mean = group_mean(torch.stack([self._momentum(w) for w in members]), members, weights)
             for w in members:
                 self._bufs[w] = mean.clone()
 
@@ -245,8 +255,9 @@ class RealMath(NoMath):
             return torch.cat([self.X[w], self._momentum(w)])
         return self.X[w].clone()
 
-    def corrections(self, snapshots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        mean = torch.stack(list(snapshots.values())).mean(dim=0)
+    def corrections(self, snapshots: dict[int, torch.Tensor],
+                    weights: Mapping[int, float] | None = None) -> dict[int, torch.Tensor]:
+        mean = group_mean(torch.stack(list(snapshots.values())), list(snapshots), weights)
         return {w: mean - snap for w, snap in snapshots.items()}
 
     def add(self, w: int, delta: torch.Tensor | None) -> None:
@@ -344,15 +355,16 @@ class MixingMath(NoMath):
     def local_step(self, w: int, step: int, scale: float = 1.0) -> None:
         self.X[w] += torch.randn(MIXING_DIM, generator=self._gen, dtype=torch.float64) * scale
 
-    def average(self, members: Sequence[int]) -> None:
+    def average(self, members: Sequence[int], weights: Mapping[int, float] | None = None) -> None:
         rows = list(members)
-        self.X[rows] = self.X[rows].mean(dim=0)
+        self.X[rows] = group_mean(self.X[rows], rows, weights)
 
     def values(self, w: int) -> torch.Tensor:
         return self.X[w].clone()
 
-    def corrections(self, snapshots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        mean = torch.stack(list(snapshots.values())).mean(dim=0)
+    def corrections(self, snapshots: dict[int, torch.Tensor],
+                    weights: Mapping[int, float] | None = None) -> dict[int, torch.Tensor]:
+        mean = group_mean(torch.stack(list(snapshots.values())), list(snapshots), weights)
         return {w: mean - s for w, s in snapshots.items()}
 
     def add(self, w: int, delta: torch.Tensor | None) -> None:

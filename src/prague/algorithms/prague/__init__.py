@@ -13,6 +13,7 @@ from typing import Any
 from prague.algorithms.spec import (
     COMM_REPORTS, Method, Options, check_address, check_group_size, check_seconds, option,
 )
+from prague.algorithms.prague.weights import AVERAGE_BY
 from prague.comm.codecs import CODECS
 from prague.comm.transports import TRANSPORTS
 from prague.errors import ConfigError
@@ -66,6 +67,9 @@ class PragueOptions(Options):
                            "all-reduce), int8 (8-bit codes per block of 256 values, gathered by every member, with "
                            "error feedback: the part a message does not carry is sent with the next one; "
                            "DeepSqueeze's rule, about a quarter of the bytes)", choices=CODECS)
+    average_by: str = option("equal", "the group's mean: equal (P-Reduce's), or samples (each member weighted by the "
+                             "samples it processed since its own last average, so that a fast worker is not pulled "
+                             "back toward a slow one's older values)", choices=AVERAGE_BY)
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -94,6 +98,9 @@ class PragueOptions(Options):
             raise ConfigError(f"--gg-shards {self.gg_shards} needs the ready generator (--generator ready): "
                               f"{self.generator} fixes groups ahead of time, which a worker moving between "
                               "shards would leave behind")
+        if self.average_by != "equal" and self.compress != "none":
+            raise ConfigError(f"--average-by {self.average_by} weighs full-precision values; with --compress "
+                              f"{self.compress} the members' codes are averaged equally: drop one of the two")
         if self.gg_epoch_steps < 1:
             raise ConfigError(f"--gg-epoch-steps must be >= 1, got {self.gg_epoch_steps}")
 
@@ -215,6 +222,7 @@ METHOD = Method(
         "mean_group_size": "mean size of the groups executed",
         "shrunk_groups": "groups that averaged without members that had failed (crashed or hung; see `failures`)",
         "compress": "what the groups exchanged: none (full precision) or int8 (8-bit codes, error feedback)",
+        "average_by": "the group's mean: equal, or weighted by each member's samples since its last average",
         "averaging_sent_bytes": "bytes this worker sent in its group averages (a ring all-reduce's 2 (p - 1) / p of "
                                 "the values; compressed, p - 1 messages)",
         "overlap": "whether averaging ran in the background (on) or blocked the worker (off)",

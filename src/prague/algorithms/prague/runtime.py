@@ -39,13 +39,14 @@ from prague.algorithms.prague.flow import (
     COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
 )
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
+from prague.algorithms.prague.weights import SinceAverage
 from prague.algorithms.prague.source import (
     GroupSource, ServiceSource, ShardedSource, StaticSource, gg_services,
 )
 from prague.comm.codecs import member_send_bytes
 from prague.comm.compress import ErrorFeedback
 from prague.comm.flat import bind_flat, momentum_bound
-from prague.comm.preduce import preduce_compressed
+from prague.comm.preduce import preduce_compressed, preduce_weighted
 from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
@@ -106,7 +107,11 @@ class Prague(Algorithm):
         self.comms = self.groups.comms
         self.resources.callback(self.groups.close)
         self.tally = GroupTally()
-        self.feedback = ErrorFeedback() if self.options.compress == "int8" else None  # the averages' thread's
+        # owned by whoever runs this worker's groups: the averaging thread, or this thread with overlap off
+        self.feedback = ErrorFeedback() if self.options.compress == "int8" else None
+        self.since = SinceAverage() if self.options.average_by == "samples" else None
+        self._weighted: torch.Tensor | None = None  # preduce_weighted's work buffer
+        self._group_step = -1  # the step the group being run was asked after (the averaging thread's)
         self.sent_bytes = 0.0
         self.steps_done = 0
         self.counts = OverlapCounts()
@@ -131,9 +136,14 @@ class Prague(Algorithm):
             rank = self.ctx.rank
             # each request says after which step it comes, so the generator counts iterations (smart's threshold)
             self.averager = self.in_background(BackgroundAverager(
-                lambda step: self._checked(self.source.next_group(rank, step)), self._reduce,
+                lambda step: self._ask(rank, step), self._reduce,
                 name=f"prague-averager-{rank}", streams=streams_for(self.flat.device)))
         return model
+
+    def _ask(self, rank: int, step: int) -> Group:
+        """The averaging thread's request: the group after ``step``, which it then runs (:meth:`_reduce`)."""
+        self._group_step = step
+        return self._checked(self.source.next_group(rank, step))
 
     def _checked(self, group: Group) -> Group:
         if self.ctx.rank not in group.members:
@@ -145,8 +155,19 @@ class Prague(Algorithm):
         False when nobody was left to average with."""
         if group.is_local:
             return True
-        feedback = self.feedback
-        if feedback is None:
+        feedback, since, step = self.feedback, self.since, self._group_step
+        if since is not None:
+            weight = since.weight(step)
+            if self._weighted is None or self._weighted.numel() != buffer.numel() + 1 \
+                    or self._weighted.dtype != buffer.dtype or self._weighted.device != buffer.device:
+                self._weighted = buffer.new_empty(buffer.numel() + 1)
+            work = self._weighted
+            live = self.groups.reduce(group.members, buffer,
+                                      lambda values, members, comms: preduce_weighted(values, members, comms, weight,
+                                                                                       work))
+            if len(live) > 1:
+                since.averaged(step)
+        elif feedback is None:
             live = self.groups.reduce(group.members, buffer)
         else:
             live = self.groups.reduce(group.members, buffer,
@@ -166,6 +187,7 @@ class Prague(Algorithm):
         """Execute ``group`` on the live parameters, on this thread (overlap off, and the committed
         groups after the last step)."""
         self._record(self._checked(group), step)
+        self._group_step = step
         self._reduce(group, self.flat)
 
     def _apply(self, done: Averaged) -> None:
@@ -238,6 +260,7 @@ class Prague(Algorithm):
             "mean_group_size": self.tally.mean_group_size,
             "shrunk_groups": self.groups.shrunk,
             "compress": self.options.compress,
+            "average_by": self.options.average_by,
             "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
             **self.comms.stats.report(),

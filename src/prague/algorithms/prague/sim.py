@@ -49,12 +49,13 @@ from prague.algorithms.prague.flow import (
     COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
 )
 from prague.algorithms.prague.overlap import Backlog
+from prague.algorithms.prague.weights import SinceAverage
+from prague.comm.codecs import member_send_bytes, payload_bytes
 from prague.groups import BufferedPolicy, GeneratorConfig, Group, StaticGenerator, make_generator
 from prague.groups.api import Answer
 from prague.groups.shards import ShardedGenerator, ShardPlan
 from prague.groups.trace import PolicyCall, call_policy
 from prague.metrics.decisions import Decision, gg_trace_path
-from prague.comm.codecs import member_send_bytes, payload_bytes
 from prague.sim.costs import Queue, ring_allgather_s
 from prague.sim.engine import Process, Signal
 from prague.sim.method import SimMethod
@@ -93,6 +94,9 @@ class SimPrague(SimMethod):
         self._numel = int(world.state_bytes // 4)
         self._message_bytes = None if o.compress == "none" else float(payload_bytes(self._numel, o.compress))
         self.sent_bytes = 0.0  # summed over workers
+        # --average-by samples: each worker's steps since its last average, and each open group's weights
+        self._since = [SinceAverage() for _ in range(world.n)] if o.average_by == "samples" else None
+        self._group_weights: dict[int, dict[int, float]] = {}
         # Policies that never set a deadline (the buffered ones) need no poll timer.
         self._timers = not isinstance(self.policy, (BufferedPolicy, StaticGenerator))
         self.queues = [Queue() for _ in range(shards)]
@@ -226,11 +230,24 @@ class SimPrague(SimMethod):
         return sig
 
     # -- the worker -----------------------------------------------------------------------------------
-    def _run(self, w: int, group: Group) -> Signal | None:
+    def _run(self, w: int, group: Group, step: int) -> Signal | None:
         if group.is_local:
             self.local_steps += 1
             return None
-        return self._meet(w, group, self.world.math.average)
+        seq = group.seq
+        self._weigh(w, seq, step)
+        return self._meet(w, group, lambda members: self.world.math.average(members, self._weights_of(seq)))
+
+    def _weigh(self, w: int, seq: int, step: int) -> None:
+        """``--average-by samples``: ``w``'s weight in group ``seq``, asked after ``step`` (the runtime's
+        rule, :class:`~.weights.SinceAverage`), kept until the group completes; it then starts again."""
+        if self._since is not None:
+            self._group_weights.setdefault(seq, {})[w] = self._since[w].weight(step)
+            self._since[w].averaged(step)
+
+    def _weights_of(self, seq: int) -> dict[int, float] | None:
+        """The weights of group ``seq`` by member (None: the equal mean), forgotten once read."""
+        return self._group_weights.pop(seq, None) if self._since is not None else None
 
     def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None]) -> Signal:
         """``w`` joins ``group``'s average (blocking, or on its averaging thread): a ring all-reduce of the
@@ -277,7 +294,7 @@ class SimPrague(SimMethod):
             answered = engine.now
             self._latency(answered - asked)
             self._log(w, k, group)
-            sig = self._run(w, group)
+            sig = self._run(w, group, k)
             if sig is not None:
                 yield sig
             self.averaging_s += engine.now - asked
@@ -288,8 +305,9 @@ class SimPrague(SimMethod):
         """After the last step: the groups ``w`` is still committed to, blocking, as the runtime does."""
         remaining = yield self._ask(w, "finish")
         for group in remaining:
-            self._log(w, len(self.world.end_s[w]), group)
-            sig = self._run(w, group)
+            steps = len(self.world.end_s[w])
+            self._log(w, steps, group)
+            sig = self._run(w, group, steps)
             if sig is not None:
                 yield sig
 
@@ -364,6 +382,7 @@ class SimPrague(SimMethod):
                 self.local_steps += 1
             else:
                 seq = group.seq
+                self._weigh(w, seq, step)
                 if self._math_on:
                     self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
                 yield self._meet(w, group, lambda members: self._correct(seq, members))
@@ -381,10 +400,11 @@ class SimPrague(SimMethod):
         """A group's P-Reduce completed over ``members`` (its live ones): each one's correction, from the
         snapshots they sent."""
         snapshots = self._snapshots.pop(seq, None)
+        weights = self._weights_of(seq)
         if snapshots and len(snapshots) > len(members):
             snapshots = {m: v for m, v in snapshots.items() if m in members}
         if snapshots:
-            for member, delta in self.world.math.corrections(snapshots).items():
+            for member, delta in self.world.math.corrections(snapshots, weights).items():
                 self._corrections[(seq, member)] = delta
 
     def _apply(self, w: int) -> None:
@@ -417,6 +437,7 @@ class SimPrague(SimMethod):
             "local_steps": self.local_steps,
             "mean_group_size": executed / (world.groups_run + self.local_steps) if executed else 0.0,
             "compress": self.options.compress,
+            "average_by": self.options.average_by,
             "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
             **world.comm_stats(),
