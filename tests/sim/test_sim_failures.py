@@ -71,6 +71,22 @@ def test_prague_survivors_finish_and_the_record_lists_the_failures(generator: st
     assert record["completed_steps"] == [5, 40, 40, 40, 40, 40, 30, 40]
 
 
+@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd"])
+def test_other_survivors_finish_and_the_record_lists_the_failures(algorithm: str) -> None:
+    record = simulate(SimConfig.of(algorithm=algorithm, scenario="crash:0:5+hang:6:30+paper:5", nproc=8, steps=40,
+                                   model="mlp", lease_s=2.0)).to_dict()
+    assert record["failures"] == [{"rank": 0, "step": 5, "kind": "crash"}, {"rank": 6, "step": 30, "kind": "hang"}]
+    assert record["completed_steps"] == [5, 40, 40, 40, 40, 40, 30, 40]
+
+
+@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd"])
+def test_other_survivors_still_average_real_models(algorithm: str) -> None:
+    record = simulate(SimConfig.of(algorithm=algorithm, scenario="crash:3:10", nproc=4, steps=60, model="mlp",
+                                   data="digits", math="real", lease_s=2.0)).to_dict()
+    assert record["failures"] == [{"rank": 3, "step": 10, "kind": "crash"}]
+    assert record["test_accuracy"] > 0.5
+
+
 def test_prague_survivors_still_average_real_models() -> None:
     record = simulate(SimConfig.of(algorithm="prague", scenario="crash:3:10", nproc=4, steps=60, model="mlp",
                                    data="digits", math="real", lease_s=2.0)).to_dict()
@@ -79,9 +95,9 @@ def test_prague_survivors_still_average_real_models() -> None:
 
 
 def test_methods_that_survive_failures_at_run_time_but_not_yet_here_are_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="adpsgd goes on without it at run time, and the simulator plays that out "
-                                          "for prague only so far"):
-        SimConfig.of(algorithm="adpsgd", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
+    with pytest.raises(ConfigError, match="eager-sgd goes on without it at run time, and the simulator plays that "
+                                          "out for adpsgd, dssync, prague only so far"):
+        SimConfig.of(algorithm="eager-sgd", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
 
 
 def test_a_failure_rate_draws_one_seeded_failure_time_per_rank() -> None:
@@ -135,3 +151,21 @@ def test_allreduce_under_a_failure_rate_restarts_and_takes_longer() -> None:
     assert failing["job_s"] > clean["job_s"] + failing["restarts"] * PAPER.restart_s
     with pytest.raises(ConfigError, match="charges as time"):
         SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp", math="real")
+
+
+def test_adpsgd_actives_stop_drawing_a_failed_passive_once_it_is_declared(tmp_path) -> None:
+    """Ranks 1 and 3 are the passives of 4 workers; rank 1 crashes at step 5. Exchanges queued at it break
+    once it is declared, the actives draw again, and from then on they only pick rank 3."""
+    from prague.metrics.decisions import rank_path, read_decisions
+
+    record = simulate(SimConfig.of(algorithm="adpsgd", scenario="crash:1:5", nproc=4, steps=40, model="mlp",
+                                   lease_s=2.0, decisions=tmp_path)).to_dict()
+    assert record["failures"] == [{"rank": 1, "step": 5, "kind": "crash"}]
+    assert record["completed_steps"] == [40, 5, 40, 40]
+    for active in (0, 2):
+        partners = [(d.step, d.partner) for d in read_decisions(rank_path(tmp_path, active)) if d.kind == "partner"]
+        assert {p for _, p in partners} == {1, 3}  # rank 1 was drawn before it failed
+        last_with_1 = max(i for i, (_, p) in enumerate(partners) if p == 1)
+        assert all(p == 3 for _, p in partners[last_with_1 + 1:]) and len(partners) - last_with_1 > 20
+        steps = [s for s, _ in partners]
+        assert sorted(set(steps)) == list(range(40))  # every step averaged (a broken one drew again)

@@ -3,6 +3,11 @@
 The groups are :func:`prague.algorithms.dssync.decisions.dssync_groups` itself (the runtime's partition, from the
 shared ``shuffle_seed``), so a simulated worker meets exactly the partners a real one would. No Group
 Generator and no round trip; a group waits for its slowest member (blocking P-Reduce).
+
+Failures (``crash``, ``hang``, ``failures:P``): as the runtime's surviving P-Reduce
+(:class:`~prague.comm.surviving.LiveGroups`) does, a failed member's group waits for it until it is declared
+failed, then averages over its live members (:meth:`~prague.sim.world.World.meet`); the partitions stay
+the runtime's, failed ranks and all.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from prague.sim.method import SimMethod
 
 class SimDSSync(SimMethod):
     """``dssync`` in simulated time; see the module docstring."""
+
+    models_failures = True
 
     def __init__(self, world: Any, options: Any) -> None:
         super().__init__(world, options)
@@ -35,7 +42,7 @@ class SimDSSync(SimMethod):
                     by_rank[r] = g
             self._users[step] = 0
         self._users[step] += 1
-        if self._users[step] == self.world.n:
+        if self._users[step] == self.world.n - len(self.world.stopped):  # every worker still running
             del self._by_rank[step], self._users[step]
         return by_rank[rank]
 
@@ -44,6 +51,10 @@ class SimDSSync(SimMethod):
         engine, math = world.engine, world.math
         log = None if world.decisions is None else world.decisions[w]
         for k in range(world.steps):
+            fault = world.fault_at(w, k)
+            if fault is not None:  # crash or hang: this worker stops here
+                world.stop_here(w, k, fault)
+                return
             compute = world.compute_s(w, k)
             yield compute
             math.local_step(w, k)
