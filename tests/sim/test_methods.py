@@ -99,7 +99,6 @@ def test_large_runs_finish_for_every_generator() -> None:
     ({"nproc": 10, "nodes": 4}, "not a multiple of --nodes"),
     ({"scenario": "straggler:99:2"}, "names rank 99"),
     ({"math": "imaginary"}, "valid choices: mixing, none, real"),
-    ({"algorithm": "eager-sgd", "scenario": "paper:5+crash:1:3"}, "plays that out for adpsgd, dssync, prague only"),
 ])
 def test_bad_configs_are_config_errors(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -71,7 +71,7 @@ def test_prague_survivors_finish_and_the_record_lists_the_failures(generator: st
     assert record["completed_steps"] == [5, 40, 40, 40, 40, 40, 30, 40]
 
 
-@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd"])
+@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd", "eager-sgd:solo", "eager-sgd:majority"])
 def test_other_survivors_finish_and_the_record_lists_the_failures(algorithm: str) -> None:
     record = simulate(SimConfig.of(algorithm=algorithm, scenario="crash:0:5+hang:6:30+paper:5", nproc=8, steps=40,
                                    model="mlp", lease_s=2.0)).to_dict()
@@ -79,7 +79,7 @@ def test_other_survivors_finish_and_the_record_lists_the_failures(algorithm: str
     assert record["completed_steps"] == [5, 40, 40, 40, 40, 40, 30, 40]
 
 
-@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd"])
+@pytest.mark.parametrize("algorithm", ["dssync", "adpsgd", "eager-sgd:solo", "eager-sgd:majority"])
 def test_other_survivors_still_average_real_models(algorithm: str) -> None:
     record = simulate(SimConfig.of(algorithm=algorithm, scenario="crash:3:10", nproc=4, steps=60, model="mlp",
                                    data="digits", math="real", lease_s=2.0)).to_dict()
@@ -94,10 +94,23 @@ def test_prague_survivors_still_average_real_models() -> None:
     assert record["test_accuracy"] > 0.5
 
 
-def test_methods_that_survive_failures_at_run_time_but_not_yet_here_are_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="eager-sgd goes on without it at run time, and the simulator plays that "
-                                          "out for adpsgd, dssync, prague only so far"):
-        SimConfig.of(algorithm="eager-sgd", scenario="crash:1:3", nproc=4, steps=5, model="mlp")
+def test_every_method_that_survives_failures_at_run_time_plays_them_out_here() -> None:
+    from prague.algorithms.registry import METHODS
+
+    for method in METHODS.values():
+        if method.survives_failures:
+            assert method.sim_class().models_failures, method.name
+
+
+def test_eager_sgd_survivors_recover_as_the_runtime_does() -> None:
+    """A round that waited for the failed worker breaks: its contributions are lost, and the rounds go on
+    over the survivors, one recovery for each failure."""
+    record = simulate(SimConfig.of(algorithm="eager-sgd:majority", scenario="crash:2:10+hang:5:25", nproc=6,
+                                   steps=40, model="mlp", lease_s=2.0)).to_dict()
+    stats = record["algorithm_stats"][0]
+    assert stats["recoveries"] == 2 and stats["lost_gradients"] > 0
+    assert stats["rounds"] == 41
+    assert record["completed_steps"] == [40, 40, 10, 40, 40, 25]
 
 
 def test_a_failure_rate_draws_one_seeded_failure_time_per_rank() -> None:

@@ -61,13 +61,20 @@ class SimRounds(SimMethod):
     def rounds(self) -> Process:
         raise NotImplementedError
 
-    def all_reduce(self, key: Any) -> Any:
-        """The round ``key``'s all-reduce of the model over every worker, joined by each worker's thread
-        (the driver stands for all of them): ``cluster.allreduce_ring_factor`` times the alpha-beta ring
-        time, after backward (nothing to overlap). Returns the signal to wait for."""
+    def all_reduce(self, key: Any, members: tuple[int, ...] | None = None) -> Any:
+        """The round ``key``'s all-reduce of the model over ``members`` (default every worker), joined by
+        each one's thread (the driver stands for all of them): ``cluster.allreduce_ring_factor`` times the
+        alpha-beta ring time, after backward (nothing to overlap). A member that has stopped (failed, not
+        yet declared) never joins: the round waits for its declaration, then runs over the others
+        (:meth:`~prague.sim.world.World.meet`). Returns the signal to wait for."""
         world = self.world
-        everyone = tuple(range(world.n))
+        members = tuple(range(world.n)) if members is None else members
         factor = world.cluster.allreduce_ring_factor
-        for _ in everyone:
-            joined = world.meet(key, everyone, cost_s=lambda ring_s: factor * ring_s, setup=False)
+        joined = None
+        for rank in members:
+            if rank not in world.stopped:
+                joined = world.meet(key, members, cost_s=lambda ring_s: factor * ring_s, setup=False, rank=rank)
+        if joined is None:  # every member has stopped: nothing to reduce
+            joined = world.engine.signal()
+            joined.fire()
         return joined
