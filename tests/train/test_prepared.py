@@ -46,3 +46,18 @@ def test_two_workers_under_prague_launch(algorithm: str, checks: str) -> None:
     res = run_cli("launch", "--nproc", "2", str(CHECKS), checks, algorithm, timeout_s=200)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     assert f"ok {checks}" in res.stdout
+
+
+def test_prepare_before_init_says_to_call_init_first() -> None:
+    """A script that prepares its model before ``prague.init()`` gets one line naming both calls, exit 2."""
+    script = ("import torch, prague\n"
+              "m = torch.nn.Linear(2, 2)\n"
+              "prague.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), 'prague')\n")
+    res = run_command([sys.executable, "-c", script], timeout_s=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines == ["prague: error: prague.init() has not been called in this process; call it first, on every "
+                     "rank, before prague.prepare() or prague.wrap()"], res.stderr[-2000:]
+    other = run_command([sys.executable, "-c", "import prague.runtime.context\nraise RuntimeError('not ours')"],
+                        timeout_s=60)
+    assert other.returncode == 1 and "Traceback" in other.stderr and "RuntimeError: not ours" in other.stderr

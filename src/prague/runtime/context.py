@@ -281,6 +281,23 @@ def _at_exit() -> None:
     os._exit(EXIT_USAGE)
 
 
+def _usage_error_before_init(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` from this module's import on: a script's uncaught usage error raised before
+    :func:`init` (``prague.prepare`` called first) is one line and exit code 2, as after it; anything else
+    goes to the hook that was there before. :func:`init` puts its own hook in front of this one."""
+    if isinstance(exc, ConfigError) and _CONTEXT is None:
+        global _USAGE_FAILED
+        _USAGE_FAILED = True
+        sys.stderr.write(f"prague: error: {exc}\n")
+        return
+    _HOOK_BEFORE_PRAGUE(kind, exc, tb)
+
+
+_HOOK_BEFORE_PRAGUE = sys.excepthook
+sys.excepthook = _usage_error_before_init
+atexit.register(_at_exit)  # the exit code 2 of a usage error raised before init
+
+
 #: What a script whose own collective broke under a failure is told to use instead.
 SURVIVABLE = ("use prague.barrier(), prague.all_reduce(), prague.broadcast() and model.averaged_model(), which go "
               "on over the living ranks, and prague.is_leader() for rank 0's work")
