@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import subprocess
 import sys
@@ -226,3 +227,22 @@ def test_no_module_counts_its_instances_to_name_store_keys() -> None:
     builds every object of the process in the same order."""
     counters = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py") if "itertools.count(" in p.read_text()]
     assert not counters, counters
+
+
+def test_gone_flags_are_parsed_to_say_what_replaced_them_but_not_offered_in_help() -> None:
+    """A flag whose help starts with "gone:" is still parsed (its refusal names the replacement) and left
+    out of every subcommand's --help."""
+    import contextlib
+    import io
+
+    from prague.train.config import RunConfig
+
+    gone = [f.name for f in dataclasses.fields(RunConfig) if str(f.metadata.get("help", "")).startswith("gone:")]
+    assert gone, "no gone flag to check"
+    for command in ("run", "bench", "simulate"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--eval-every-s" in out.getvalue()  # the replacement is offered
+        for name in gone:
+            assert f"--{name.replace('_', '-')} " not in out.getvalue(), (command, name)

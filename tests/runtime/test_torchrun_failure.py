@@ -160,17 +160,30 @@ base = torch.nn.Linear(4, 2)
 prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "prague", group_size="abc")
 """
 USAGE_MESSAGE = "option group_size of method 'prague' takes an int (the CLI's --group-size), got 'abc' (str)"
+#: The same error in a script that shuts prague down in a `finally` block: it reaches the exception hook
+#: after prague.shutdown().
+USAGE_FINALLY_SCRIPT = """
+import torch, prague
+ctx = prague.init()
+try:
+    base = torch.nn.Linear(4, 2)
+    prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "prague", group_size="abc")
+finally:
+    prague.shutdown()
+"""
 
 
-@pytest.mark.parametrize("how", ["alone", "launch", "guard"])
+@pytest.mark.parametrize("how", ["alone", "launch", "launch-finally", "guard"])
 def test_a_usage_error_in_a_script_is_one_line_and_exit_2(tmp_path: Path, how: str) -> None:
     """A prague.errors ConfigError raised in a script's ranks reaches the console once, as one line,
-    with exit code 2: run alone, under `prague launch`, and under torchrun's `prague guard`."""
+    with exit code 2: run alone, under `prague launch` (also after the script's own `finally:
+    prague.shutdown()`), and under torchrun's `prague guard`."""
     script, case = tmp_path / "usage.py", uuid.uuid4().hex
-    script.write_text(USAGE_SCRIPT)
+    script.write_text(USAGE_FINALLY_SCRIPT if how == "launch-finally" else USAGE_SCRIPT)
+    how, launch = ("launch", [sys.executable, "-m", "prague", "launch", "--nproc", "2", "--echo-all", "--log-dir",
+                              str(tmp_path / "logs"), str(script)]) if how.startswith("launch") else (how, [])
     cmd = {"alone": [sys.executable, str(script)],
-           "launch": [sys.executable, "-m", "prague", "launch", "--nproc", "2", "--echo-all", "--log-dir",
-                      str(tmp_path / "logs"), str(script)],
+           "launch": launch,
            "guard": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                      "-m", "prague", "guard", "--out", str(tmp_path / "out"), str(script)]}[how]
     res = run_command(cmd, timeout_s=120, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})

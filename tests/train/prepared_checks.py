@@ -297,9 +297,31 @@ def check_compiled(algorithm: str, opts: dict[str, object]) -> None:
 
 LAST: list[torch.optim.Optimizer] = []  # an optimizer whose method has ended, for the check after shutdown
 
+def check_module_everywhere(algorithm: str, opts: dict[str, object]) -> None:
+    """DDP's contract under every method and variant of the registry, one after the other in one job
+    (``algorithm`` is ignored): ``model.module`` is the user's model, its parameters counted once, and a
+    step trains it; each method is closed before the next is prepared."""
+    from prague.algorithms.registry import METHODS
+
+    ctx = prague.context()
+    names = [name for m in METHODS.values() for name in (m.name, *(f"{m.name}:{v}" for v in m.variants))]
+    # A script's job runs one parameter server (its shards are started once, by rank 0): the first only.
+    servers = [name for name in names if name.startswith("ps")]
+    names = [name for name in names if name not in servers[1:]]
+    for name in names:
+        base = net()
+        before = [p.detach().clone() for p in base.parameters()]
+        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), name)
+        assert model.module is base, (name, type(model.module))
+        assert [id(p) for p in model.parameters()] == [id(p) for p in base.parameters()], name
+        train(model, opt, ctx.rank, 3)
+        assert any(not torch.equal(a, b) for a, b in zip(before, base.parameters())), name  # it trained
+        model.close()
+
+
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
           "scaler_refused": check_scaler_refused, "rounds": check_rounds, "unused": check_unused,
-          "compiled": check_compiled}
+          "compiled": check_compiled, "module_everywhere": check_module_everywhere}
 
 
 def main() -> int:

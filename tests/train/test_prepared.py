@@ -48,6 +48,15 @@ def test_two_workers_under_prague_launch(algorithm: str, checks: str) -> None:
     assert f"ok {checks}" in res.stdout
 
 
+@pytest.mark.slow
+def test_the_users_model_is_the_module_under_every_method() -> None:
+    """Every method and variant prepared in turn in one job of two workers (prepared_checks.py's
+    module_everywhere): model.module is the user's model, its parameters once, and it trains."""
+    res = run_cli("launch", "--nproc", "2", str(CHECKS), "module_everywhere", "allreduce", timeout_s=200)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
+    assert "ok module_everywhere" in res.stdout
+
+
 def test_prepare_before_init_says_to_call_init_first() -> None:
     """A script that prepares its model before ``prague.init()`` gets one line naming both calls, exit 2."""
     script = ("import torch, prague\n"

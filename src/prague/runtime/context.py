@@ -137,6 +137,7 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+_LEFT: DistContext | None = None  # the context shutdown() ended: where a later uncaught error is still reported
 _OWNS_WORLD = False  # whether init() created the default process group (shutdown destroys only that one)
 _HEARTBEAT: Heartbeat | None = None  # this worker's, from init() to shutdown()
 
@@ -238,7 +239,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: st
 
     def _report_then_print(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         after = _failed_before() if isinstance(exc, RuntimeError) else []
-        report_failure(exc, after)
+        published = report_failure(exc, after)
         if after:  # a torch.distributed call of the script's broke under another rank's failure: one line
             sys.stderr.write(f"prague: error: rank {_CONTEXT.rank if _CONTEXT else '?'}'s torch.distributed call "
                              f"broke: rank {after[0]} failed; {SURVIVABLE}\n")
@@ -249,10 +250,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: st
             return
         # A usage error in a script: one line, as the CLI gives it, and exit code 2 once the script's own
         # exit handlers have run. Under a launcher or guard the line is theirs to print (once for the
-        # job, from the traceback published above), so the rank prints nothing.
+        # job, from the traceback published above), so the rank prints nothing, unless nothing could be
+        # published (the store is gone).
         global _USAGE_FAILED
         _USAGE_FAILED = True
-        if not under_launcher:
+        if not under_launcher or not published:
             sys.stderr.write(f"prague: error: {exc}\n")
 
     sys.excepthook = _report_then_print
@@ -314,24 +316,28 @@ def _failed_before() -> list[int]:
     return sorted(r for r in failed if r != _CONTEXT.rank)
 
 
-def report_failure(exc: BaseException, after: list[int] | None = None) -> None:
+def report_failure(exc: BaseException, after: list[int] | None = None) -> bool:
     """Publish ``exc``'s traceback in the job store so the launcher can name the rank that failed first;
     ``after``: the ranks whose failure broke this one (its collective's peers), so that the launcher
-    counts it as their consequence, not a failure of its own.
+    counts it as their consequence, not a failure of its own. Returns whether it was published.
 
     Best effort: the store may be what failed. Installed as ``sys.excepthook`` by :func:`init`, so an
-    uncaught exception in a user's script is reported too."""
-    if _CONTEXT is None:
-        return
+    uncaught exception in a user's script is reported too, also one that reaches the hook after the
+    script's ``finally: prague.shutdown()`` (the job's store, which the launcher keeps until the job
+    ends, is still known then)."""
+    ctx = _CONTEXT or _LEFT
+    if ctx is None:
+        return False
     text = "".join(traceback.format_exception(exc))
     try:
         report = {"time": time.time(), "traceback": text, **({"after": after} if after else {})}
-        _CONTEXT.store.set(f"{ERROR_KEY}{_CONTEXT.rank}", json.dumps(report))
+        ctx.store.set(f"{ERROR_KEY}{ctx.rank}", json.dumps(report))
         steps = _HEARTBEAT.steps if _HEARTBEAT is not None else None
         if steps is not None:  # a script's steps, which its heartbeat may not have published yet
-            _CONTEXT.store.set(f"{PROGRESS_KEY}{_CONTEXT.rank}", progress_text(steps))
+            ctx.store.set(f"{PROGRESS_KEY}{ctx.rank}", progress_text(steps))
     except Exception:  # noqa: BLE001
-        pass
+        return False
+    return True
 
 
 def context() -> DistContext:
@@ -380,7 +386,7 @@ def shutdown() -> None:
     A process group lives as long as something references it, and its gloo worker threads with it; one
     still running when the interpreter finalises can abort the process at exit. So this collects
     garbage after destroying the group, and warns when worker threads survive."""
-    global _CONTEXT, _HEARTBEAT, _OWNS_WORLD
+    global _CONTEXT, _HEARTBEAT, _OWNS_WORLD, _LEFT
     while _ON_SHUTDOWN:
         _ON_SHUTDOWN.pop()()
     if _HEARTBEAT is not None:
@@ -389,6 +395,7 @@ def shutdown() -> None:
     owned, _OWNS_WORLD = _OWNS_WORLD, False
     if owned and dist.is_initialized():
         dist.destroy_process_group()
+    _LEFT = _CONTEXT or _LEFT
     _CONTEXT = None
     gc.collect()
     left = communication_threads()
