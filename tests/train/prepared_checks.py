@@ -256,6 +256,28 @@ def check_unused(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
+def check_ddp_options(algorithm: str, opts: dict[str, object]) -> None:
+    """DDP's static_graph and gradient_as_bucket_view reach allreduce's DDP, as given, and train: with
+    bucket views the gradients live in DDP's buckets (parameters of one bucket share its storage),
+    without them each parameter has its own."""
+    assert algorithm.startswith("allreduce"), "check_ddp_options is allreduce's"
+    ctx = prague.context()
+    for static, views in ((True, True), (False, False)):
+        base = net()
+        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm,
+                                    static_graph=static, gradient_as_bucket_view=views, **opts)
+        ddp = model._session.algorithm._ddp
+        assert (ddp.static_graph, ddp.gradient_as_bucket_view) == (static, views), (static, views)
+        losses = train(model, opt, ctx.rank, 12)
+        assert sum(losses[-3:]) < sum(losses[:3]), losses
+        x, y = data(ctx.rank, 99)
+        F.cross_entropy(model(x), y).backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in base.parameters()}
+        assert (len(storages) < len(list(base.parameters()))) == views, (views, len(storages))
+        opt.zero_grad()
+        model.close()
+
+
 class Net(nn.Module):
     """:func:`net` as a model class of one's own (torch.compile compiles its forward as a frame)."""
 
@@ -321,7 +343,8 @@ def check_module_everywhere(algorithm: str, opts: dict[str, object]) -> None:
 
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,
           "scaler_refused": check_scaler_refused, "rounds": check_rounds, "unused": check_unused,
-          "compiled": check_compiled, "module_everywhere": check_module_everywhere}
+          "compiled": check_compiled, "module_everywhere": check_module_everywhere,
+          "ddp_options": check_ddp_options}
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ def test_a_job_of_one_compiles_the_prepared_model_without_a_graph_break() -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,checks", [
-    ("allreduce", "order,accumulation,features,unused"),  # a gradient method: DDP inside backward
+    ("allreduce", "order,accumulation,features,unused,ddp_options"),  # a gradient method: DDP inside backward
     ("prague", "order,features,unused,compiled"),  # an averaging method: a Group Generator and background averages
     ("eager-sgd", "order,scaler_refused"),  # a lockstep method whose gradients travel in the step
     ("ps-eager", "order"),  # a parameter server: rank 0 starts the shards, the model installs their values
