@@ -243,3 +243,34 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
     assert summary["exit_codes"][2] == 0 and all(summary["exit_codes"][r] != 0 for r in (0, 1, 3)), summary
     assert len(list((folder / "metrics").glob("rank*.jsonl"))) == 4  # each rank's steps
     assert processes_of_session(case, within_s=10.0, kill=True) == []
+
+
+BROKEN_CALL_SCRIPT = """
+import os, signal, time, torch, torch.distributed as dist, prague
+ctx = prague.init()
+base = torch.nn.Linear(4, 2)
+model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "prague")
+prague.barrier()
+if ctx.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(1.0)
+dist.all_reduce(torch.ones(1))  # the script's own collective: rank 1 is gone
+"""
+
+
+def test_a_scripts_own_collective_broken_by_a_failure_ends_its_rank_with_one_line(tmp_path: Path) -> None:
+    """A plain torch.distributed call that a failed peer breaks: the rank ends with one line naming the
+    failed rank and the calls that survive, and the launcher counts it as the failure's consequence."""
+    script, case = tmp_path / "broken.py", uuid.uuid4().hex
+    script.write_text(BROKEN_CALL_SCRIPT)
+    res = run_command([sys.executable, "-m", "prague", "launch", "--nproc", "3", "--echo-all", "--log-dir",
+                       str(tmp_path / "logs"), str(script)], timeout_s=120,
+                      env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "torch.distributed call broke: rank 1 failed" in line]
+    assert lines and all("prague.barrier()" in line and "model.averaged_model()" in line for line in lines), out
+    assert "failed for the same reason as rank 1" in out, out[-3000:]
+    assert "every other rank failed after it, its own torch.distributed call broken by that failure" in res.stderr
+    assert "Traceback" not in out, out[-3000:]  # kept in the ranks' logs
+    assert processes_of_session(case, within_s=10.0, kill=True) == []

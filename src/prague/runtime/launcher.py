@@ -273,7 +273,8 @@ class Job:
         leader = self.leader()
         after = self.reported_after(rank) if kind == "crash" and self.failures else []
         if after:
-            detail = f"failed for the same reason as rank {after[0]}: its torch.distributed call broke when that rank failed"
+            detail = (f"failed for the same reason as rank {after[0]} (its torch.distributed call broke when that "
+                      "rank failed)")
         failure = Failure(rank, self.steps_done(rank), kind, detail)
         self.failures[rank] = failure
         now = self.leader()
@@ -281,8 +282,8 @@ class Job:
             self.workers[now].echo = True  # the new leader prints once it learns of it reaches the console
         if kind == "hang":
             self.workers[rank].signal_group(signal.SIGKILL)  # fencing: its peers' connections fail now
-        if after:
-            announce_failure(self.store, failure, f"the others go on where they use prague's collectives; {SURVIVABLE}")
+        if after:  # the rank said what to use instead (SURVIVABLE) in its own line
+            announce_failure(self.store, failure, "the others go on where they use prague's collectives")
         else:
             announce_failure(self.store, failure)
         if now != leader and now >= 0:
@@ -373,11 +374,14 @@ class Job:
                 self._lose(rank, "crash", f"crashed (exit code {codes[rank]})")
             if len(self.failures) == len(self.workers):
                 first = next(iter(self.failures.values()))  # the cause; the others failed after it
-                reported = self.first_failure(settle_s=0.0).detail
+                cause = f"rank {first.rank} {first.detail} after {first.step} steps; every other rank failed after it"
+                if all(r == first.rank or self.reported_after(r) for r in self.failures):
+                    # each of them said so (its own torch.distributed call broke): their lines said it all
+                    detail = f"{cause}, its own torch.distributed call broken by that failure; {SURVIVABLE}"
+                else:
+                    detail = f"{cause}:\n{self.first_failure(settle_s=0.0).detail}"
                 self.stop()
-                raise WorkerFailed(first.rank, self.workers[first.rank].poll(),
-                                   f"rank {first.rank} {first.detail} after {first.step} steps; every other rank "
-                                   f"failed after it:\n{reported}")
+                raise WorkerFailed(first.rank, self.workers[first.rank].poll(), detail)
             lost = self.services.watch() if any(c is None for c in codes) else []
             if lost:
                 name, code, output = lost[0]
