@@ -124,9 +124,12 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
 def test_bench_repeat_runs_every_cell_with_each_seed(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     res = run_cli("bench", "--algorithms", "allreduce,prague", "--scenarios", "homogeneous", *TINY, "--steps", "4",
-                  "--seed", "5", "--repeat", "2", "--out", str(out), "--quiet", timeout_s=150)
+                  "--seed", "5", "--repeat", "2", "--report-to", "csv", "--out", str(out), "--quiet", timeout_s=150)
     assert res.returncode == 0, res.stderr
     records = bench_records(out)
+    for run in sorted((out / "runs").iterdir()):  # --report-to csv: each run's ranks' numbers, as they come
+        rows = (run / "metrics" / "rank0.csv").read_text().splitlines()
+        assert rows[0] == "step,time_s,name,value" and any(",time/compute_s," in r for r in rows[1:]), run
     assert [(r["algorithm"], r["seed"]) for r in records] == [("allreduce", 5), ("prague", 5), ("allreduce", 6),
                                                              ("prague", 6)]
     for r in records:
@@ -150,7 +153,7 @@ def test_bench_repeat_runs_every_cell_with_each_seed(tmp_path: Path) -> None:
     stale = out / "runs" / "prague_homogeneous_seed6" / "stale.txt"
     stale.write_text("left by the interrupted run")
     argv = ["bench", "--algorithms", "allreduce,prague", "--scenarios", "homogeneous", *TINY, "--steps", "4",
-            "--seed", "5", "--repeat", "2", "--out", str(out)]
+            "--seed", "5", "--repeat", "2", "--report-to", "csv", "--out", str(out)]
     resumed = run_cli(*argv, "--resume", "--quiet", timeout_s=120)
     assert resumed.returncode == 0, resumed.stderr
     assert re.findall(r"^== .*$", resumed.stdout, re.M) == ["== prague / homogeneous / seed 6"]

@@ -5,8 +5,8 @@ rank 3 right before ``model.averaged_model()`` (the others are in it), rank 1 ri
 ``prague.barrier()`` (the others are in it), and the leader, rank 0, after the barrier, before the epoch's
 metric and its checkpoint (the others are in ``prague.all_reduce``, then the next rank saves). Every
 epoch ends with a metric averaged by ``prague.all_reduce``, a ``prague.broadcast`` from the leader (every
-survivor checks it got the leader's values) and the leader's checkpoint in OUT; every rank that finishes
-prints ``rank R done``."""
+survivor checks it got the leader's values), the epoch's loss given to ``prague.log_metrics`` and the
+leader's checkpoint in OUT; every rank that finishes prints ``rank R done``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def main() -> int:
         live = prague.live_ranks()
         sent = prague.broadcast(torch.tensor([float(ctx.rank), 7.0 * epoch]))  # from the leader, whoever it is
         assert sent.tolist() == [float(prague.leader()), 7.0 * epoch], (sent, prague.leader())
+        prague.log_metrics({"epoch_loss": mean.item()}, step=epoch)
         if prague.is_leader():
             torch.save({"epoch": epoch, "model": base.state_dict()}, out / f"epoch{epoch}.pt")
             print(f"leader {ctx.rank} epoch {epoch} loss {mean.item():.3f} live {live}", flush=True)

@@ -222,7 +222,8 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
                *args]  # echoes the leader's output
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-               "prague", "guard", "--lease-s", "3", "--out", str(tmp_path / "guard"), *args]
+               "prague", "guard", "--lease-s", "3", "--timeline", "--report-to", "csv", "--out",
+               str(tmp_path / "guard"), *args]
     res = run_command(cmd, timeout_s=200, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert "rank 2 done" in res.stdout, res.stdout  # the one survivor (the leader at the end: shown by both)
@@ -242,6 +243,14 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
     assert summary["leaders"] == [0, 2], summary
     assert summary["exit_codes"][2] == 0 and all(summary["exit_codes"][r] != 0 for r in (0, 1, 3)), summary
     assert len(list((folder / "metrics").glob("rank*.jsonl"))) == 4  # each rank's steps
+    user = [json.loads(line) for line in (folder / "metrics" / "user-rank2.jsonl").read_text().splitlines()]
+    assert [u["step"] for u in user] == [0, 1, 2, 3] and all("epoch_loss" in u for u in user), user
+    if launcher == "guard":  # --timeline and --report-to csv under torchrun too
+        trace = json.loads((folder / "timeline.json").read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1, 2, 3}, "a rank's steps missing"
+        rows = (folder / "metrics" / "rank2.csv").read_text().splitlines()
+        assert any(",user/epoch_loss," in r for r in rows) and any(",time/compute_s," in r for r in rows)
     assert processes_of_session(case, within_s=10.0, kill=True) == []
 
 
