@@ -215,7 +215,13 @@ def main() -> None:
     parser.add_argument("--service-us", type=float, default=None,
                         help="with --simulate: the service's CPU per request, us (default: the simulator's)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gg.json"))
+    parser.add_argument("--plot", nargs=3, type=Path, metavar=("MEASURED", "SIMULATED", "PNG"),
+                        help="draw the latency curve of a measured JSON and a --simulate JSON into PNG, and stop")
     args = parser.parse_args()
+    if args.plot:
+        plot_curve(*args.plot)
+        print(f"wrote {args.plot[2]}")
+        return
     if args.simulate:
         rows = simulate_curve([int(n) for n in args.simulate.split(",")], args.sim_steps, args.service_us)
         print("| workers | shards | p50 (ms) | p99 (ms) | busiest shard | local steps |")
@@ -281,6 +287,41 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def plot_curve(measured: Path, simulated: Path, out: Path) -> None:
+    """One picture of the Group Generator's latency against the number of workers: the rows measured with
+    real gRPC clients (``measured``, paced mode: a worker asks once per step) and the simulated curve
+    (``simulated``, from ``--simulate``), p50 and p99, one service against shards."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    real = [r for r in json.loads(measured.read_text())["results"] if r["mode"] != "closed"]
+    sim = json.loads(simulated.read_text())["simulated"]
+    fig = Figure(figsize=(7.5, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for sharded, color in ((False, "tab:red"), (True, "tab:blue")):
+        label = "shards (one per 256 workers)" if sharded else "one service"
+        rows = sorted((r for r in sim if (r["shards"] > 1) == sharded or r["workers"] <= 256 and sharded),
+                      key=lambda r: r["workers"])
+        for q, style in (("p50_ms", "-"), ("p99_ms", ":")):
+            ax.plot([r["workers"] for r in rows], [r[q] for r in rows], style, color=color,
+                    label=f"simulated, {label}, {q[:3]}")
+        got = sorted((r for r in real if (r["shards"] > 1) == sharded), key=lambda r: r["clients"])
+        for q, marker in (("p50_ms", "o"), ("p99_ms", "^")):
+            ax.plot([r["clients"] for r in got], [r[q] for r in got], marker, color=color, linestyle="none",
+                    label=f"measured (real gRPC), {'shards' if sharded else 'one service'}, {q[:3]}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers (each asking once per 100 ms step)")
+    ax.set_ylabel("request to group formed (ms)")
+    ax.set_title("Group Generator latency: measured on this machine, simulated beyond it")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
 
 
 def _command() -> str:
