@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 import tempfile
 from pathlib import Path
 
@@ -358,7 +359,11 @@ def main() -> int:
         for check in checks:
             CHECKS[check](algorithm, opts)
     finally:
-        prague.shutdown()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prague.shutdown()
+    left = [str(w.message) for w in caught if "gloo worker thread" in str(w.message)]
+    assert not left, left  # every method closed lets go of its process groups
     if LAST:  # the order check ended its method before shutdown: using it now is refused
         expect("after prague.shutdown()", LAST[0].step)
     if prague_rank() == 0:

@@ -49,10 +49,19 @@ def test_two_workers_under_prague_launch(algorithm: str, checks: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_users_model_is_the_module_under_every_method() -> None:
+@pytest.mark.parametrize("launcher", ["launch", "guard"])
+def test_the_users_model_is_the_module_under_every_method(launcher: str, tmp_path: Path) -> None:
     """Every method and variant prepared in turn in one job of two workers (prepared_checks.py's
-    module_everywhere): model.module is the user's model, its parameters once, and it trains."""
-    res = run_cli("launch", "--nproc", "2", str(CHECKS), "module_everywhere", "allreduce", timeout_s=200)
+    module_everywhere), under prague launch and under torchrun's prague guard: model.module is the user's
+    model, its parameters once, it trains, and once each is closed prague.shutdown() leaves no process
+    group behind."""
+    args = [str(CHECKS), "module_everywhere", "allreduce"]
+    if launcher == "launch":
+        res = run_cli("launch", "--nproc", "2", *args, timeout_s=200)
+    else:
+        res = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "prague", "guard", "--out", str(tmp_path), *args], timeout_s=200,
+                          env={"OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     assert "ok module_everywhere" in res.stdout
 

@@ -60,6 +60,9 @@ class DropAllReduce(TimedAllReduce):
         return self.front
 
     def _release_group(self) -> None:
+        # the front lets go of DDP, which holds its process group: only dropping a group's last reference
+        # frees it (and its gloo threads) when prague.shutdown() destroys the world's
+        object.__setattr__(self.front, "target", self._model)
         group, self._group = self._group, None
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
