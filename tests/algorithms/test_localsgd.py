@@ -145,18 +145,30 @@ def test_a_paced_epoch_on_digits_trains(tmp_path: Path, algorithm: str) -> None:
 
 
 @pytest.mark.slow
-def test_diloco_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["diloco", "localsgd", "allreduce:balanced", "allreduce:drop"])
+def test_the_baselines_under_torchrun(tmp_path: Path, algorithm: str) -> None:
+    """The practitioners' baselines in the built-in loop under torchrun (prague worker), as under prague
+    run: Local SGD and DiLoCo average every --sync-every-steps, balanced batches rebalance every
+    --rebalance-every steps, drop watches every --drop-window steps (no straggler here: nobody leaves)."""
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("torchrun not installed beside this Python")
     out = tmp_path / "torchrun"
-    cmd = [exe, "--standalone", "--nproc-per-node", "2", "-m", "prague", "worker", "--algorithm", "diloco",
-           "--sync-every-steps", "3", "--steps", "8", "--data", "synthetic", "--out", str(out)]
+    knobs = {"diloco": ["--sync-every-steps", "3"], "localsgd": ["--sync-every-steps", "3"],
+             "allreduce:balanced": ["--rebalance-every", "3"], "allreduce:drop": ["--drop-window", "3"]}[algorithm]
+    cmd = [exe, "--standalone", "--nproc-per-node", "2", "-m", "prague", "worker", "--algorithm", algorithm,
+           *knobs, "--steps", "8", "--data", "synthetic", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["nproc"] == 2 and summary["steps"] == 8
-    assert [s["averages"] for s in summary["algorithm_stats"]] == [3, 3]  # after steps 3 and 6, then the last two
+    assert summary["nproc"] == 2 and summary["completed_steps"] == [8, 8]
+    stats = summary["algorithm_stats"]
+    if algorithm in ("diloco", "localsgd"):
+        assert [s["averages"] for s in stats] == [3, 3]  # after steps 3 and 6, then the last two
+    elif algorithm == "allreduce:balanced":
+        assert all(s["rebalances"] == 2 for s in stats), stats  # after steps 3 and 6
+    else:
+        assert all(s["left"] == {} for s in stats) and summary["ranks"] == [0, 1], stats
 
 
 def test_the_simulator_runs_both_with_real_arithmetic(tmp_path: Path) -> None:
