@@ -116,13 +116,18 @@ def test_simulated_drop_lets_the_persistent_straggler_go_and_keeps_the_transient
 
 
 @pytest.mark.slow
-def test_a_persistent_straggler_leaves_a_real_job_and_the_others_finish_the_budget(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scenario", ["straggler:2:4", "straggler:2:4:0-5"], ids=["persistent", "transient"])
+def test_a_persistent_straggler_leaves_a_real_job_and_a_transient_one_stays(tmp_path: Path, scenario: str) -> None:
     out = tmp_path / "drop"
     res = run_cli("run", "--algorithm", "allreduce:drop", "--drop-window", "5", "--nproc", "3", "--model", "mlp",
                   "--data", "digits", "--budget", "epochs:1", "--compute", "paced", "--compute-ms", "15",
-                  "--slowdown", "straggler:2:4", "--out", str(out), "--quiet", timeout_s=150)
+                  "--slowdown", scenario, "--out", str(out), "--quiet", timeout_s=150)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    if scenario.endswith("0-5"):  # slow in the first window only: it stays, and every rank takes a third
+        assert summary["ranks"] == [0, 1, 2] and [s["left"] for s in summary["algorithm_stats"]] == [{}] * 3
+        assert len(set(summary["completed_steps"])) == 1 and summary["test_accuracy"] > 0.6
+        return
     assert summary["ranks"] == [0, 1]  # the run closed without the leaver
     assert [s["left"] for s in summary["algorithm_stats"]] == [{"2": 10}] * 2
     done = summary["completed_steps"]
