@@ -2,13 +2,14 @@
 the others go on as a smaller DDP job and take the leaver's batches; the summary names who left and when.
 
 The rule and the budget's regrouping are checked on every case (hypothesis), the simulator model on a
-straggler, real workers under ``prague run`` with the job-wide budget. Through ``prague.prepare``:
-tests/train/test_prepared.py.
+straggler, real workers under ``prague run`` with the job-wide budget, and a slow rank leaving a script's
+job through ``prague.prepare`` (the order checks: tests/train/test_prepared.py).
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,48 @@ def test_a_persistent_straggler_leaves_a_real_job_and_a_transient_one_stays(tmp_
     total = dataset_info("digits").train_samples // 32
     assert summary["samples"] == 32 * sum(done) and total - 2 < sum(done) <= total
     assert summary["test_accuracy"] > 0.6
+
+
+DROP_SCRIPT = textwrap.dedent('''
+    """allreduce:drop through prague.prepare: rank 2 is 0.15 s slower a step in its compute; it leaves."""
+    import json, sys, time
+    import torch
+    from torch import nn
+    import prague
+
+    out = sys.argv[1]
+    ctx = prague.init()
+    torch.manual_seed(0)
+    base = nn.Linear(4, 2)
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), "allreduce:drop", drop_window=3)
+    weights = []
+    for step in range(12):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + ctx.rank))
+        loss = model(x).pow(2).mean()
+        if ctx.rank == 2:
+            time.sleep(0.15)  # in its compute: forward to backward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        weights.append(base.weight.detach().view(-1).tolist())
+    final = model.averaged_model().weight.detach().view(-1).tolist()  # the ranks still in; a leaver its own
+    json.dump({"weights": weights, "final": final}, open(f"{out}.rank{ctx.rank}", "w"))
+    model.close()
+    prague.shutdown()
+''')
+
+
+@pytest.mark.slow
+def test_a_slow_rank_leaves_a_prepared_job_and_the_others_go_on(tmp_path: Path) -> None:
+    """Under prague.prepare: the slow rank leaves after two slow windows of three steps; from then its
+    steps change nothing, and the others keep one replica between them."""
+    script, out = tmp_path / "drop.py", tmp_path / "result"
+    script.write_text(DROP_SCRIPT)
+    res = run_cli("launch", "--nproc", "3", str(script), str(out), timeout_s=150.0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(3)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # one replica between the two that stayed
+    left = ranks[2]["weights"]
+    assert left[6:] == [left[5]] * 6  # it left after step 6: its replica stays as it was
+    assert ranks[0]["weights"][11] != left[11] and ranks[0]["weights"][5] == left[5]
+    assert ranks[0]["final"] == ranks[0]["weights"][-1] and ranks[2]["final"] == left[-1]
