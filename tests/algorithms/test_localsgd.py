@@ -30,12 +30,15 @@ from prague_testing import bench_records, run_cli
 pytestmark = pytest.mark.timeout(240)
 
 #: Two workers, plain SGD (no momentum: Local SGD with H = 1 is then allreduce's update), 10 steps.
-PLAIN = ["--nproc", "2", "--steps", "10", "--batch-size", "16", "--lr", "0.1", "--momentum", "0", "--seed", "5",
+PLAIN = ["--nproc", "2", "--batch-size", "16", "--lr", "0.1", "--momentum", "0", "--seed", "5",
          "--model", "mlp", "--data", "digits", "--save-model", "--quiet"]
+TEN_STEPS = ("--steps", "10")
+#: The same ten steps as a job-wide budget: 2 workers x 10 steps x 16 samples.
+TEN_STEPS_BUDGET = ("--budget", "samples:320")
 
 
-def _run(out: Path, algorithm: str, *args: str) -> dict[str, torch.Tensor]:
-    res = run_cli("run", "--algorithm", algorithm, *PLAIN, *args, "--out", str(out), timeout_s=120)
+def _run(out: Path, algorithm: str, *args: str, length: tuple[str, str] = TEN_STEPS) -> dict[str, torch.Tensor]:
+    res = run_cli("run", "--algorithm", algorithm, *PLAIN, *length, *args, "--out", str(out), timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     model: dict[str, torch.Tensor] = torch.load(out / "model.pt")
     return model
@@ -59,9 +62,10 @@ def _initial_model() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_localsgd_averaging_every_step_is_allreduce(tmp_path: Path) -> None:
-    reference = _run(tmp_path / "allreduce", "allreduce")
-    local = _run(tmp_path / "localsgd", "localsgd", "--sync-every-steps", "1")
+@pytest.mark.parametrize("length", [TEN_STEPS, TEN_STEPS_BUDGET], ids=["steps", "budget"])
+def test_localsgd_averaging_every_step_is_allreduce(tmp_path: Path, length: tuple[str, str]) -> None:
+    reference = _run(tmp_path / "allreduce", "allreduce", length=length)
+    local = _run(tmp_path / "localsgd", "localsgd", "--sync-every-steps", "1", length=length)
     _assert_same(local, reference, _initial_model())
 
 
@@ -185,3 +189,49 @@ def test_the_simulator_runs_both_with_real_arithmetic(tmp_path: Path) -> None:
         assert record["test_accuracy"] > 0.3
         # one all-reduce every four steps against one every step
         assert sum(record["mean_comm_s"]) < sum(records["allreduce"]["mean_comm_s"])
+
+
+EQUIVALENCE_SCRIPT = """
+import json, sys
+import torch
+from torch import nn
+import prague
+
+out = sys.argv[1]
+ctx = prague.init()
+finals = {}
+for name, opts in (("allreduce", {}), ("localsgd", {"sync_every_steps": 1}),
+                   ("localsgd:3", {"sync_every_steps": 3}),
+                   ("diloco:3", {"sync_every_steps": 3, "outer_lr": 1.0, "outer_momentum": 0.0})):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    method = name.split(":")[0]
+    model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.2), method, **opts)
+    for step in range(10):
+        g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+        x = torch.randn(16, 6, generator=g)
+        loss = nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()  # diloco's and localsgd's last round ends here
+    finals[name] = torch.cat([p.detach().view(-1) for p in base.parameters()]).tolist()
+json.dump(finals, open(f"{out}.rank{ctx.rank}", "w"))
+prague.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_the_equivalences_hold_through_prague_prepare(tmp_path: Path) -> None:
+    """In a script's own loop (prague.prepare, plain SGD): Local SGD averaging every step ends where
+    allreduce does, and DiLoCo with an outer step of lr 1 and no momentum where Local SGD does, on every
+    rank."""
+    script, out = tmp_path / "equivalence.py", tmp_path / "result"
+    script.write_text(EQUIVALENCE_SCRIPT)
+    res = run_cli("launch", "--nproc", "2", str(script), str(out), timeout_s=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in range(2):
+        finals = {k: torch.tensor(v) for k, v in json.loads(Path(f"{out}.rank{rank}").read_text()).items()}
+        torch.testing.assert_close(finals["localsgd"], finals["allreduce"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(finals["diloco:3"], finals["localsgd:3"], rtol=0, atol=1e-5)
+        assert not torch.allclose(finals["localsgd:3"], finals["allreduce"], atol=1e-4)  # H = 3 is another run
