@@ -124,14 +124,17 @@ SCRIPT = textwrap.dedent('''
     import prague
     from prague.metrics.decisions import DecisionLog
 
-    out, sleepy, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, sleepy, steps, api = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     ctx = prague.init()
     model = nn.Linear(8, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     log = DecisionLog(out + ".decisions", ctx.rank)
-    trainer = prague.wrap(model, optimizer, algorithm="allreduce:backup", backup=1, decisions=log)
+    if api == "wrap":
+        trainer = prague.wrap(model, optimizer, algorithm="allreduce:backup", backup=1, decisions=log)
+    else:
+        prepared, opt = prague.prepare(model, optimizer, "allreduce:backup", backup=1, decisions=log)
     rng = random.Random(100 + ctx.rank)
     grads = []
     for step in range(steps):
@@ -141,15 +144,21 @@ SCRIPT = textwrap.dedent('''
 
         def loss(m, c=torch.tensor(c), pause=pause):
             time.sleep(pause)  # random arrival order; one long pause
-            return (m.weight.view(-1) * c).sum()  # its gradient is exactly c
+            return (m(torch.eye(8)).view(-1) * c).sum()  # the forward pass gives w: its gradient is exactly c
 
-        trainer.step(loss)
-    trainer.close()
+        if api == "wrap":
+            trainer.step(loss)
+        else:  # the script's own loop
+            loss(prepared).backward()
+            opt.step()
+            opt.zero_grad()
+    stats = trainer.stats() if api == "wrap" else prepared._session.algorithm.stats()
+    (trainer if api == "wrap" else prepared).close()
     log.close()
     final = model.weight.detach().view(-1).clone()
     finals = [torch.zeros(8) for _ in range(ctx.world_size)]
     dist.all_gather(finals, final)
-    json.dump({"grads": grads, "stats": trainer.stats()}, open(f"{out}.rank{ctx.rank}", "w"))
+    json.dump({"grads": grads, "stats": stats}, open(f"{out}.rank{ctx.rank}", "w"))
     if ctx.rank == 0:
         json.dump([f.tolist() for f in finals], open(out, "w"))
     prague.shutdown()
@@ -157,11 +166,14 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.timeout(200)
-def test_each_round_applies_the_mean_of_exactly_the_gradients_it_took_on_every_replica(tmp_path: Path) -> None:
-    """4 workers, b = 1; rank 2 pauses 1 s in its second step, so that round goes on without it."""
+@pytest.mark.parametrize("api", ["wrap", "prepare"])
+def test_each_round_applies_the_mean_of_exactly_the_gradients_it_took_on_every_replica(tmp_path: Path,
+                                                                                       api: str) -> None:
+    """4 workers, b = 1; rank 2 pauses 1 s in its second step, so that round goes on without it; through
+    prague.wrap's closure and through a script's own loop (prague.prepare)."""
     script, out, nproc, steps = tmp_path / "known.py", tmp_path / "finals.json", 4, 8
     script.write_text(SCRIPT)
-    res = run_cli("launch", "--nproc", str(nproc), str(script), str(out), "2", str(steps), timeout_s=150.0,
+    res = run_cli("launch", "--nproc", str(nproc), str(script), str(out), "2", str(steps), api, timeout_s=150.0,
                   env={"PYTHONPATH": SRC})
     assert res.returncode == 0, res.stderr[-3000:]
     finals = json.loads(out.read_text())

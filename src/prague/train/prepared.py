@@ -63,6 +63,7 @@ from prague.comm.collectives import average_live, pause_while_waiting
 from prague.comm.flat import average_into, consensus_distance
 from prague.errors import ConfigError
 from prague.io import JsonLines
+from prague.metrics.decisions import DecisionLog
 from prague.metrics.timeline import BACKGROUND_DIR, write_background
 from prague.metrics.writers import Writers, parse_report_to
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
@@ -332,20 +333,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str = "allreduce", *,
-            ctx: DistContext | None = None, seed: int | None = None,
+            ctx: DistContext | None = None, seed: int | None = None, decisions: DecisionLog | None = None,
             **options: Any) -> tuple[PreparedModel, PreparedOptimizer]:
     """Wrap ``model`` and ``optimizer`` for ``algorithm`` (any name ``prague methods`` lists, with its
     options as keywords, e.g. ``group_size=2``), after :func:`prague.init`, on every rank, with models of
     the same architecture and initial values. ``model`` is moved to the rank's device. Returns the model
     to train and the optimizer to step (see the module docstring); :func:`prague.shutdown` ends the
     method (or call the model's ``close`` first, on every rank). ``seed``: the method's seed options left
-    at 0 take it (default 0)."""
+    at 0 take it (default 0). ``decisions``: this rank's decision log
+    (:class:`~prague.metrics.decisions.DecisionLog`), where the method writes its groups, partners or
+    rounds as the built-in loop's ``--log-decisions`` does."""
     ctx = ctx or context()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"prague.prepare needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, PreparedOptimizer) or isinstance(model, PreparedModel):
         raise ConfigError("this model or optimizer is already prepared; prepare the originals once")
     method, variant, runtime = make_algorithm(ctx, algorithm, seed, options)
+    runtime.decisions = decisions
     label = method.name + (f":{variant}" if variant else "")
     model = model.to(ctx.device)
     module = setup_algorithm(runtime, model, optimizer)
