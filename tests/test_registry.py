@@ -185,6 +185,27 @@ def test_only_the_job_environment_module_touches_the_environment() -> None:
     assert not touched, f"read or write the environment through prague.jobenv instead: {touched}"
 
 
+#: The process entry points that read the job's environment (``jobenv.current()``): the CLI, a worker's and a
+#: guard's start, the forkserver, the launcher link of a child, the services' mains. Everything below them
+#: gets the value passed down (a worker's in its context, ``DistContext.job``).
+ENVIRONMENT_READERS = {"cli.py", "jobenv.py", "runtime/worker.py", "runtime/forkserver.py", "runtime/guard.py",
+                       "runtime/parent.py", "runtime/context.py", "net/hosts.py", "groups/service.py",
+                       "algorithms/ps/server.py"}
+
+
+def test_the_job_environment_is_read_at_the_entry_points_and_passed_down() -> None:
+    """``jobenv.current()`` (a read of the process environment) is called by the entry points alone; a
+    method, the training loop, the communication layer and the metrics take the value they are given."""
+    readers = set()
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "current" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "jobenv":
+                readers.add(path.relative_to(SRC).as_posix())
+    assert readers <= ENVIRONMENT_READERS, f"pass the JobEnv down instead: {sorted(readers - ENVIRONMENT_READERS)}"
+    assert "train/prepared.py" not in readers and "algorithms/prague/source.py" not in readers
+
+
 def test_every_thread_of_the_package_is_started_by_the_background_work_primitive() -> None:
     """No module but ``prague/runtime/background.py`` makes a thread (``threading.Thread``, a ``Timer``,
     a thread pool, ``_thread``), so every thread has one stop and one error path and shows in

@@ -405,8 +405,9 @@ def _guarded_worker(args: argparse.Namespace) -> int:
     from prague.train.config import worker_argv, write_job
 
     cfg = _worker_job(args)
-    rank0 = jobenv.current().need("rank") == 0
-    resources, survives = method_resources(cfg, host=service_host() if rank0 else "127.0.0.1")
+    env = jobenv.current()  # the torchrun rank's environment, read once here
+    rank0 = env.need("rank") == 0
+    resources, survives = method_resources(cfg, host=service_host(env) if rank0 else "127.0.0.1")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     job = args.job if args.job is not None else write_job(cfg)  # every local rank writes the same description
     guard = Guard(worker_argv(job, resume=cfg.resume), services=resources.services, env=resources.env,

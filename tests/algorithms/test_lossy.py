@@ -197,10 +197,10 @@ SCRIPT = textwrap.dedent('''
     from prague.metrics.decisions import DecisionLog
 
     out, hierarchy = sys.argv[1], sys.argv[2]
-    ctx = prague.init()
     if hierarchy == "hosts":  # two hosts of two ranks: the two-level path (reduce, ring of leaders, broadcast)
-        import os
-        os.environ["PRAGUE_HOST_LABEL"] = f"host{ctx.rank // 2}"
+        import os  # the job's environment is read once, by prague.init()
+        os.environ["PRAGUE_HOST_LABEL"] = f"host{int(os.environ['RANK']) // 2}"
+    ctx = prague.init()
     SIZE = 256  # elements of the gradient
     model = nn.Linear(SIZE, 1, bias=False)
     with torch.no_grad():

@@ -51,23 +51,19 @@ def test_two_machines_train_with_every_service_reached_over_the_links(machines: 
     assert summary["completed_steps"] == [30] * (NODES * PER_NODE) and summary["failures"] == []
 
 
-def test_a_service_listens_on_loopback_only_when_the_job_is_on_one_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_service_listens_on_loopback_only_when_the_job_is_on_one_machine() -> None:
     from prague.errors import ConfigError
+    from prague.jobenv import JobEnv
     from prague.runtime.context import service_host
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert service_host() == "127.0.0.1"  # a job of one
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
-    assert service_host() == "127.0.0.1"  # every rank on this machine
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.2")
-    assert service_host() == "127.0.0.1"  # the address this machine reaches the store from
-    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    assert service_host(JobEnv.read({})) == "127.0.0.1"  # a job of one
+    job = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.7"}
+    assert service_host(JobEnv.read(job)) == "127.0.0.1"  # every rank on this machine
+    job.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.2")
+    assert service_host(JobEnv.read(job)) == "127.0.0.1"  # the address this machine reaches the store from
+    job.update(MASTER_ADDR="no-such-host.invalid")
     with pytest.raises(ConfigError, match="MASTER_ADDR='no-such-host.invalid'"):
-        service_host()
+        service_host(JobEnv.read(job))
 
 
 @needs_netns

@@ -24,7 +24,6 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from prague import jobenv
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
 from prague.runtime.context import DistContext, context, on_shutdown
@@ -40,7 +39,7 @@ class JobCollectives:
         self.ctx = ctx
         self.groups = LiveGroups(ctx, capacity=2, namespace=ctx.namespace("collectives"))
         self._leader = 0  # the leader this rank last saw
-        job = jobenv.current()  # prague's launcher says when the leader moves (a guard's child says it itself)
+        job = ctx.job  # prague's launcher says when the leader moves (a guard's child says it itself)
         self._says_leader = not job.under_launcher or job.guarded
 
     def live_ranks(self) -> list[int]:

@@ -16,13 +16,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from prague import jobenv
+from prague.jobenv import JobEnv
 
 
-def host_label() -> str:
-    """This process's host: ``$PRAGUE_HOST_LABEL`` if set, else its machine's name and the identity of
-    its network namespace."""
-    given = jobenv.current().host_label
+def host_label(job: JobEnv) -> str:
+    """This process's host: ``$PRAGUE_HOST_LABEL`` (of ``job``, the environment its caller read) if set,
+    else its machine's name and the identity of its network namespace."""
+    given = job.host_label
     if given:
         return given
     try:
@@ -32,10 +32,11 @@ def host_label() -> str:
     return f"{socket.gethostname()}/{namespace}"
 
 
-def host_labels(store: dist.Store, prefix: str, rank: int, world_size: int, timeout: timedelta) -> list[str]:
+def host_labels(store: dist.Store, prefix: str, rank: int, world_size: int, timeout: timedelta,
+                job: JobEnv) -> list[str]:
     """Every rank's :func:`host_label`, in rank order; each rank calls it once with the same ``prefix``.
     Blocks until every rank has published (the store's wait raises after ``timeout``)."""
-    store.set(f"{prefix}/{rank}", host_label())
+    store.set(f"{prefix}/{rank}", host_label(job))
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
     return [raw.decode() for raw in store.multi_get(keys)]

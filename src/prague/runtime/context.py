@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from prague import jobenv
+from prague.jobenv import JobEnv
 from prague.errors import EXIT_USAGE, ConfigError
 from prague.runtime.liveness import PROGRESS_KEY, Heartbeat, Membership, progress_text
 from prague.runtime.parent import set_parent_death_signal
@@ -104,6 +105,9 @@ class DistContext:
     device: torch.device
     store: dist.Store
     timeout_s: float
+    #: The job's environment, read once by :func:`init` (:mod:`prague.jobenv`) and passed down with the
+    #: context: the worker's modules read it here, never from the process environment.
+    job: JobEnv = field(default_factory=lambda: JobEnv.read({}), repr=False, compare=False)
     _named: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def namespace(self, kind: str) -> str:
@@ -149,21 +153,21 @@ def report_steps(steps: int) -> None:
         _HEARTBEAT.steps = steps
 
 
-def attempt_store(store: dist.Store) -> dist.Store:
+def attempt_store(store: dist.Store, job: JobEnv) -> dist.Store:
     """The job's store as this attempt of the job sees it. torchrun (``--max-restarts``) starts the workers
     again on the same store, which outlives them: a restart's keys go under a prefix of their own (as
     torch's env:// rendezvous does), so an earlier attempt's (its ranks' addresses, its failed set, its
     services) cannot mislead this one. The first attempt, and every other launch, use the store as is."""
-    attempt = jobenv.current().attempt
+    attempt = job.attempt  # of ``job``, the environment its caller read
     return store if attempt == 0 else dist.PrefixStore(f"prague/attempt{attempt}", store)
 
 
-def service_host() -> str:
+def service_host(job: JobEnv) -> str:
     """The address at which a service this process starts (a rank that hosts the Group Generator under
     torchrun) is reached by every rank of the job: loopback when the whole job runs on this machine
     (``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``, or no job environment), else this machine's address on
-    its route to the job's store (``MASTER_ADDR``), the one the other machines already reach it by."""
-    job = jobenv.current()
+    its route to the job's store (``MASTER_ADDR``), the one the other machines already reach it by.
+    ``job``: the environment the caller read (a worker's is its context's)."""
     world = job.world_size or 1
     if (job.local_world_size or world) >= world:
         return "127.0.0.1"
@@ -216,7 +220,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: st
         store: dist.Store = attempt_store(dist.TCPStore(
             host, port, world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
             multi_tenant=not agent_store,
-        ))
+        ), job)
     else:
         rank, world_size, local_rank = 0, 1, 0
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
@@ -230,7 +234,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: st
             backend, store=dist.PrefixStore("prague/world", store), rank=rank, world_size=world_size,
             timeout=timeout,
         )
-    _CONTEXT = DistContext(rank, world_size, local_rank, backend, where, store, timeout_s)
+    _CONTEXT = DistContext(rank, world_size, local_rank, backend, where, store, timeout_s, job)
     if job.launched:  # the launcher holds this worker's lease
         global _HEARTBEAT
         _HEARTBEAT = Heartbeat(_CONTEXT.private_store(), rank)

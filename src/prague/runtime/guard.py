@@ -108,7 +108,7 @@ class Guard:
         self.rank, self.world_size = job.need("rank"), job.need("world_size")
         self.argv, self.survives, self.lease_s, self.timeout_s = list(argv), survives, lease_s, timeout_s
         self.store = attempt_store(dist.TCPStore(job.master_addr, job.need("master_port"), self.world_size,
-                                                 is_master=False, timeout=timedelta(seconds=timeout_s)))
+                                                 is_master=False, timeout=timedelta(seconds=timeout_s)), job)
         # the services run with the environment the method declared for the job (the generator's token)
         specs = [dataclasses.replace(spec, env={**env, **spec.env}) for spec in services] if self.rank == 0 else []
         self.out = out  # a script's records go there too (its steps, its metrics)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prague import jobenv
+from prague.jobenv import JobEnv
 from prague.errors import CommError
 from prague.io import atomic_write_json
 
@@ -240,15 +241,16 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         proc.wait()
 
 
-def services_managed() -> bool:
-    """Whether this process belongs to a job whose declared services were started by its owner (the
-    launcher, rank 0's guard: ``$PRAGUE_MANAGED_SERVICES`` is "1"), so that a method finds them through
-    the store, not by the method on rank 0 (a script's own method under torchrun or ``prague launch``)."""
-    return jobenv.current().managed_services
+def services_managed(job: JobEnv) -> bool:
+    """Whether ``job`` (a worker's environment, read once) is one whose declared services were started by
+    its owner (the launcher, rank 0's guard: ``$PRAGUE_MANAGED_SERVICES`` is "1"), so that a method finds
+    them through the store, not by the method on rank 0 (a script's own method under torchrun or
+    ``prague launch``)."""
+    return job.managed_services
 
 
-def services_file_from_env() -> Path | None:
-    """The ``services.json`` a service this process starts is listed in (``$PRAGUE_SERVICES_FILE``): a
-    script's own method's services, under ``prague launch --log-dir`` or ``prague guard --out``, go in
-    the job owner's file, which names no service of its own then. None if unset."""
-    return jobenv.current().services_file
+def services_file_from_env(job: JobEnv) -> Path | None:
+    """The ``services.json`` a service this process starts is listed in (``$PRAGUE_SERVICES_FILE`` of
+    ``job``): a script's own method's services, under ``prague launch --log-dir`` or ``prague guard
+    --out``, go in the job owner's file, which names no service of its own then. None if unset."""
+    return job.services_file

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prague import jobenv
 from prague.comm.flat import flatten, state_tensors
 from prague.errors import ConfigError
 from prague.hetero.spec import parse_scenario
@@ -357,7 +356,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
     scenario = parse_scenario(cfg.scenario, seed=cfg.seed)
     model, optimizer, n_params = build(cfg, shape, classes, ctx)
     resumed = None
-    restarts = jobenv.current().attempt  # torchrun's restarts of the job (--max-restarts)
+    restarts = ctx.job.attempt  # torchrun's restarts of the job (--max-restarts)
     # torchrun --max-restarts started this attempt again: it continues from the last complete checkpoint
     restarted = restarts > 0 and checkpoint.latest_complete(Path(cfg.out), ctx.world_size) is not None
     if cfg.resume or restarted:  # before the method's setup, which may publish rank 0's model (DDP, servers)
@@ -367,7 +366,7 @@ def train(cfg: RunConfig, ctx: DistContext) -> RunRecord | None:
             optimizer.load_state_dict(resumed.optimizer)
     files = None
     if cfg.stop_at_target:
-        if not jobenv.current().under_launcher:
+        if not ctx.job.under_launcher:
             raise ConfigError("--stop-at-target needs the evaluator `prague run` starts beside the workers, which "
                               "reads their states from this machine's disk; under torchrun drop it")
         files = StateFiles(Path(cfg.out), ctx.rank)
@@ -435,7 +434,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         completed[rank] = steps
     steps = work.expected if cfg.budget is None else max(completed)
     diverged = work.divergence.read() if work.divergence is not None else None
-    if diverged is not None and not jobenv.current().under_launcher:  # torchrun: nobody else will say it
+    if diverged is not None and not ctx.job.under_launcher:  # torchrun: nobody else will say it
         name = trainer.method.name + (f":{trainer.variant}" if trainer.variant else "")
         print(f"prague worker: {divergence_line(name, diverged.as_dict())}", file=sys.stderr, flush=True)
     record = RunRecord.from_timings(
@@ -452,7 +451,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
         diverged=diverged.as_dict() if diverged is not None else None,
-        restarts=jobenv.current().restart_count,
+        restarts=ctx.job.restart_count,
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     if cfg.report_to and record.eval_history:

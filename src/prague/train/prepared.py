@@ -57,7 +57,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from prague import jobenv
 from prague.algorithms.api import Algorithm, StepTimes
 from prague.comm.collectives import average_live, pause_while_waiting
 from prague.comm.flat import average_into, consensus_distance
@@ -94,9 +93,9 @@ class _Session:
         self.forward_ready = False  # before_compute ran for the coming step
         self.handles: list[Any] = []
         self.t0 = self.step_start = time.perf_counter()
-        out = self.out = jobenv.current().out  # prague launch --log-dir / prague guard --out: the records
+        out = self.out = ctx.job.out  # prague launch --log-dir / prague guard --out: the records
         self.records = JsonLines(out / "metrics" / f"rank{ctx.rank}.jsonl") if out is not None else None
-        self.writers = _writers(out, ctx.rank) if out is not None else None  # and --report-to's
+        self.writers = _writers(out, ctx) if out is not None else None  # and --report-to's
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -379,7 +378,7 @@ def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path
     guard --out``'s folder. ``step``: the step they belong to (default: the steps this rank's prepared
     optimizer has taken). Not collective."""
     ctx = context()
-    folder = Path(out) if out is not None else jobenv.current().out
+    folder = Path(out) if out is not None else ctx.job.out
     if folder is None:
         raise ConfigError("prague.log_metrics has no folder to write to: start the job with prague launch "
                           "--log-dir DIR or torchrun ... prague guard --out DIR, or pass out=DIR")
@@ -402,7 +401,7 @@ def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path
     if key not in _METRICS:
         _METRICS[key] = JsonLines(folder / "metrics" / f"user-rank{ctx.rank}.jsonl", append=True)
     _METRICS[key].write(line)
-    writers = _writers(folder, ctx.rank)
+    writers = _writers(folder, ctx)
     if writers.kinds:
         writers.scalars({f"user/{name}": line[name] for name in values}, line["step"] or 0, line["time_s"])
         writers.flush()
@@ -411,14 +410,14 @@ def log_metrics(values: dict[str, Any], step: int | None = None, out: str | Path
 _WRITERS: dict[tuple[Path, int], Writers] = {}  # one rank's TensorBoard and CSV writers per folder
 
 
-def _writers(folder: Path, rank: int) -> Writers:
-    """The writers ``--report-to`` of ``prague launch`` or ``prague guard`` asks for, for ``rank``'s
+def _writers(folder: Path, ctx: DistContext) -> Writers:
+    """The writers ``--report-to`` of ``prague launch`` or ``prague guard`` asks for, for this rank's
     records in ``folder`` (the steps and :func:`log_metrics` share them)."""
-    key = (folder.resolve(), rank)
+    key = (folder.resolve(), ctx.rank)
     if key not in _WRITERS:
         if not _WRITERS:
             on_shutdown(_close_writers)
-        _WRITERS[key] = Writers(folder, rank, parse_report_to(jobenv.current().report_to))
+        _WRITERS[key] = Writers(folder, ctx.rank, parse_report_to(ctx.job.report_to))
     return _WRITERS[key]
 
 

@@ -331,7 +331,7 @@ class Lossy(Algorithm):
 
         layout = None
         if opts.hierarchy == "hosts":
-            layout = Hierarchy.of(host_labels(ctx.store, f"{prefix}/host", ctx.rank, n, ctx.timeout))
+            layout = Hierarchy.of(host_labels(ctx.store, f"{prefix}/host", ctx.rank, n, ctx.timeout, ctx.job))
         groups: list[dist.ProcessGroup] = []
         collectives: list[Phases] = []
         if layout is not None and layout.two_level:

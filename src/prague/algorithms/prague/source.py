@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from prague import jobenv
+from prague.jobenv import JobEnv
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
 from prague.runtime.context import DistContext, on_shutdown, service_host
@@ -101,9 +102,10 @@ def restore_args(store: dist.Store, nproc: int, folder: Path, held_key: str = HE
 
 
 
-def _launcher_token() -> str:
-    """The token of the Group Generator a job owner (launcher, rank 0's guard) started for this job."""
-    token = jobenv.current().gg_token
+def _launcher_token(job: JobEnv) -> str:
+    """The token of the Group Generator a job owner (launcher, rank 0's guard) started for this job (from
+    ``job``, the worker's environment)."""
+    token = job.gg_token
     if token is None:
         raise CommError(f"${jobenv.GG_TOKEN} is not set, yet the job's owner started its Group Generator; start "
                         "the workers with `prague launch`, `prague run` or `prague guard`")
@@ -193,7 +195,7 @@ class ServiceSource:
         self._leaving = threading.Event()  # set once this rank is closing: its service is not restarted then
         self._watch: ServiceWatch | None = None
         # Under torchrun one rank's service serves every rank: nobody may stop it before all are done.
-        self._shared = options.uses_service and not services_managed()
+        self._shared = options.uses_service and not services_managed(ctx.job)
         store = ctx.store
         self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service rank 0 starts is one of possibly several in the job (a script may prepare the method
@@ -208,9 +210,9 @@ class ServiceSource:
         self._left_key = f"prague/gg/left/{instance}/"  # + rank: done with the service (leave)
         token_key = GG_TOKEN_KEY if instance is None else f"{GG_TOKEN_KEY}/{instance}"
         if options.gg_address:
-            token, address = jobenv.current().gg_token or "", options.gg_address
+            token, address = ctx.job.gg_token or "", options.gg_address
         elif not self._shared:  # started by our launcher
-            token, address = _launcher_token(), store.get(self._address_key).decode()
+            token, address = _launcher_token(ctx.job), store.get(self._address_key).decode()
         elif ctx.is_main:
             token = secrets.token_hex(16)
             store.set(token_key, token)
@@ -239,11 +241,11 @@ class ServiceSource:
         host), publish its address, and watch it (started again if it dies before everyone left)."""
         folder = Path(tempfile.mkdtemp(prefix="prague-gg-"))
         resources.callback(shutil.rmtree, folder, ignore_errors=True)
-        spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host(),
+        spec = dataclasses.replace(gg_service(options, self.ctx.world_size, folder / "address", service_host(self.ctx.job),
                                               self._shard),
                                    env={jobenv.GG_TOKEN: token}, publish_key=self._address_key)
         self._keeper = ServiceKeeper(self._store, [restarted(spec, self._store) if restore else spec],
-                                     services_file=services_file_from_env())
+                                     services_file=services_file_from_env(self.ctx.job))
         self._keeper.start()
         resources.callback(lambda: self._keeper.stop(0.0) if self._keeper else None)  # unless leave() stopped it
         self._watch = ServiceWatch(self._keeper, self._leaving)

@@ -163,7 +163,7 @@ class ParameterServerBase(Algorithm):
         self.pushes = 0
         self.shard_records: list[dict[str, Any]] = []
         self.final_versions: list[int] = []
-        if not services_managed():
+        if not services_managed(self.ctx.job):
             # The shards rank 0 starts find the job through store keys that are the job's, not this
             # object's: a second parameter server in the same job would meet the first one's keys.
             if ctx.namespace("ps-own-shards") != "ps-own-shards/0":
@@ -171,7 +171,7 @@ class ParameterServerBase(Algorithm):
                                   "that manages its shards; a job (a prague launch or torchrun script) runs one: "
                                   "prepare it once, or start each run with prague run")
         if ctx.is_main:
-            if not services_managed():
+            if not services_managed(self.ctx.job):
                 start_own_shards(opts, self.shard_mode(opts), ctx.world_size, self.resources,
                                  lambda: 0.0 if self.failed else 30.0)
             # Before the layout: a shard reads the layout first, then where to write its trace.

@@ -369,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     timeout = timedelta(seconds=args.timeout_s)
     job = jobenv.current()
-    store = attempt_store(dist.TCPStore(job.master_addr, job.need("master_port"), is_master=False, timeout=timeout))
+    store = attempt_store(dist.TCPStore(job.master_addr, job.need("master_port"), is_master=False, timeout=timeout),
+                          job)
     atomic_write_text(args.ready_file, f"ps-shard {args.shard} pid {os.getpid()}\n")
 
     layout = Layout.decode(store.get(LAYOUT_KEY))  # published by worker rank 0 in setup()
