@@ -84,3 +84,35 @@ def test_waiting_workers_name_the_hung_rank(tmp_path: Path, algorithm: str, code
     assert warnings, res.stderr
     assert all(" for rank 2 (" in line for line in warnings), warnings
     assert {line.split()[3].removesuffix("'s") for line in warnings} <= {"0", "1"}  # 'prague: warning: rank R ...'
+
+
+def test_a_watch_warns_of_any_work_of_the_process_that_waits_on_peers() -> None:
+    """Not only the method's works: any background work of the process in a communicating operation (a
+    communicator's rendezvous, say) is watched and named in the warning."""
+    import threading
+
+    from prague.runtime.background import COMMUNICATING, FunctionWork
+
+    store = _store()
+    store.set(f"{PHASE_KEY}1", "2,compute")
+    release = threading.Event()
+    holder: list[FunctionWork] = []
+
+    def body(index: int) -> None:
+        with holder[0].operation(5, COMMUNICATING):
+            release.wait(10)
+
+    rendezvous = FunctionWork("rendezvous of ranks [0, 1]", "test-rendezvous", body, start=False)
+    holder.append(rendezvous)
+    phase, out = Phase(), io.StringIO()
+    watch = StallWatch(store.clone(), 0, 2, phase, lambda: None, warn_s=0.3, out=out)
+    try:
+        phase.compute(5)  # the training thread computes: only the other work waits
+        rendezvous.start()
+        time.sleep(1.2)
+    finally:
+        release.set()
+        rendezvous.stop()
+        watch.stop()
+    assert watch.warnings and all(w["what"] == "rendezvous of ranks [0, 1] " for w in watch.warnings), watch.warnings
+    assert "rendezvous of ranks [0, 1]" in out.getvalue()

@@ -36,7 +36,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from prague.runtime.background import COMMUNICATING, BackgroundWork, PeriodicWork
+from prague.runtime.background import COMMUNICATING, BackgroundWork, PeriodicWork, live_works
 from prague.runtime.liveness import read_keys
 
 PHASE_KEY = "prague/phase/"
@@ -137,10 +137,13 @@ class StallWatch(PeriodicWork):
 
     def _watched(self) -> list[tuple[str, str, int, bool, float]]:
         """What may wait on peers: (key, name in the warning, step, whether it waits now, since): the
-        training thread's phase, then each background thread's operation."""
+        training thread's phase, then each background thread's operation: the method's works given, and
+        every other work of this process still running (a communicator's rendezvous, the Group
+        Generator's watch: any that communicates)."""
         step, kind, since = self.phase.state
         out = [("", "", step, kind == COMM, since)]
-        for work in self.background:
+        works = list(dict.fromkeys([*self.background, *(w for w in live_works() if w is not self)]))
+        for work in works:
             for index, (step, stage, since) in enumerate(work.stages()):
                 out.append((f"{work.what}/{index}", f"{work.what} ", step, stage == COMMUNICATING, since))
         return out
