@@ -58,6 +58,15 @@ MAX_SPANS = 200_000
 J = TypeVar("J")
 _works: weakref.WeakSet[BackgroundWork] = weakref.WeakSet()  # every work this process started
 _works_lock = threading.Lock()
+#: Every work's finished stages, as (the work's name, span), for the timeline: kept here, not only on the
+#: work, so that a work that has ended and been dropped (a communicator's rendezvous) still shows.
+_spans: deque[tuple[str, Span]] = deque(maxlen=MAX_SPANS)
+
+
+def spans_since(start_s: float) -> list[tuple[str, Span]]:
+    """The finished stages of every work of this process that ended after ``start_s``
+    (``time.perf_counter``), oldest first: what a run's timeline shows of its background threads."""
+    return [(what, span) for what, span in list(_spans) if span.end_s >= start_s]
 
 
 def live_works() -> list[BackgroundWork]:
@@ -174,7 +183,9 @@ class BackgroundWork:
     def _record(self, op: Operation) -> None:
         stage, _, start = op.state
         if stage != DONE:
-            self.spans.append(Span(stage, op.step, start, time.perf_counter(), op.thread))
+            span = Span(stage, op.step, start, time.perf_counter(), op.thread)
+            self.spans.append(span)
+            _spans.append((self.what, span))
 
     def stages(self) -> list[tuple[int, str, float]]:
         """Each thread's current operation as (step, stage, since ``time.monotonic``); ``done`` for a

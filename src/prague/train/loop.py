@@ -29,7 +29,7 @@ from prague.metrics.record import RunRecord
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_background, write_timeline
 from prague.metrics.writers import Writers, parse_report_to
-from prague.runtime.background import Span
+from prague.runtime.background import Span, spans_since
 from prague.runtime.context import DistContext
 from prague.runtime.liveness import PROGRESS_KEY, mark_left, progress_text, read_progress
 from prague.train import checkpoint
@@ -298,7 +298,8 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
         if keep:
             training.snapshots.observe(trainer.model, clock.now())
     training.wall_s = clock.now()  # the method's close included: the job ends when its last group is done
-    write_background(metrics_dir / BACKGROUND_DIR / f"rank{ctx.rank}.jsonl", trainer.algorithm.background_spans,
+    # every background thread's stages since the run started: the method's and the process's others
+    write_background(metrics_dir / BACKGROUND_DIR / f"rank{ctx.rank}.jsonl", spans_since(-clock.at(0.0)),
                      clock.at(0.0))
     return training
 

@@ -65,6 +65,7 @@ from prague.io import JsonLines
 from prague.metrics.decisions import DecisionLog
 from prague.metrics.timeline import BACKGROUND_DIR, write_background
 from prague.metrics.writers import Writers, parse_report_to
+from prague.runtime.background import spans_since
 from prague.runtime.context import DistContext, context, on_shutdown, report_steps
 from prague.runtime.every_call import EveryCall
 from prague.train.trainer import StepHooks, StepRecord, make_algorithm, method_step, setup_algorithm
@@ -137,9 +138,9 @@ class _Session:
         for handle in self.handles:
             handle.remove()
         self.algorithm.close(failed=failed)
-        if self.out is not None:  # what the method's background threads did, for the timeline
+        if self.out is not None:  # what the background threads did (the method's and the others), for the timeline
             write_background(self.out / "metrics" / BACKGROUND_DIR / f"rank{self.ctx.rank}.jsonl",
-                             self.algorithm.background_spans, -self.t0)
+                             spans_since(self.t0), -self.t0)
 
 
 class PreparedModel(nn.Module):
