@@ -54,10 +54,11 @@ class LiveGroups:
         self.current: tuple[int, ...] | None = None  # the members of the latest reduction (stall warnings)
 
     def reduce(self, members: Sequence[int], buffer: torch.Tensor,
-               average: Averaging = preduce) -> tuple[int, ...]:
+               average: Averaging | None = None) -> tuple[int, ...]:
         """Average ``buffer`` in place over the live ``members`` (this rank among them) with ``average``
-        (:func:`~prague.comm.preduce.preduce`, or a compressed form of it); returns the members it
-        averaged with (just this rank: nothing to do; ``buffer`` is then as it was)."""
+        (default :func:`~prague.comm.preduce.preduce`; a compressed or weighted form of it); returns the
+        members it averaged with (just this rank: nothing to do; ``buffer`` is then as it was)."""
+        run = average if average is not None else preduce
         live = self._live(members)
         self.current = live
         if len(live) < len(members):
@@ -69,7 +70,7 @@ class LiveGroups:
         while len(live) > 1:
             error: CommError | None = None
             try:
-                average(buffer, live, self.comms)
+                run(buffer, live, self.comms)
             except CommError as exc:
                 error = exc
             if self.membership is None:
