@@ -25,7 +25,7 @@ from prague.algorithms.ps import PSOptions
 from prague.algorithms.ps.protocol import LAYOUT_KEY, PAIR_BACKEND, Layout, shard_bounds
 from prague.algorithms.ps.runtime import ParameterServer
 from prague.algorithms.ps.server import ShardState, serve_worker
-from prague.jobenv import MANAGED_SERVICES
+from prague.jobenv import MANAGED_SERVICES, JobEnv
 from prague.algorithms.ps_eager import PSEagerOptions
 from prague.algorithms.ps_eager.runtime import EagerParameterServer
 from prague.comm.flat import StagingBuffer, staging_device
@@ -217,7 +217,6 @@ def _train_in_process(monkeypatch: pytest.MonkeyPatch, algorithm: type, options:
     """One worker and one shard in this process (the shard's connection served from a thread), the
     runtime's staging decision forced on or off. Returns (the worker's final state, the shard's, the
     runtime)."""
-    monkeypatch.setenv(MANAGED_SERVICES, "1")  # no shard processes: the test serves the shard itself
     if staged:
         monkeypatch.setattr("prague.algorithms.ps.runtime.staging_device", lambda backend, device: CPU)
     store = dist.HashStore()
@@ -232,7 +231,9 @@ def _train_in_process(monkeypatch: pytest.MonkeyPatch, algorithm: type, options:
         serve_worker(shard["state"], store, 0, 0, timedelta(seconds=30))
 
     server = start_thread(serve)
-    ctx = DistContext(rank=0, world_size=1, local_rank=0, backend="gloo", device=CPU, store=store, timeout_s=30)
+    # no shard processes (the job's services are managed): the test serves the shard itself
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, backend="gloo", device=CPU, store=store, timeout_s=30,
+                      job=JobEnv.read({MANAGED_SERVICES: "1"}))
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     runtime = algorithm(ctx, options)
