@@ -333,7 +333,7 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
             exchange_average(buffer, members, comms.ctx.rank, comms.scratch(buffer, len(members)), divide)
         except RuntimeError as exc:
             comms.stats.failed += 1
-            raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {comms.ctx.rank}: {exc}") from exc
+            raise _broken(members, comms.ctx.rank, exc) from exc
         comms.stats.reduces += 1
         return
     pg = comms.get(members)
@@ -345,10 +345,15 @@ def preduce(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunic
         # then fails at once instead of at the timeout. The exception's frames must not keep it.
         del pg
         comms.discard(members)
-        raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {comms.ctx.rank}: {exc}") from exc
+        raise _broken(members, comms.ctx.rank, exc) from exc
     if divide:
         buffer.div_(len(members))
     comms.stats.reduces += 1
+
+
+def _broken(members: tuple[int, ...], rank: int, exc: BaseException) -> CommError:
+    """The error of a group's collective that failed on ``rank`` (every P-Reduce form raises it)."""
+    return CommError(f"P-Reduce over ranks {list(members)} failed on rank {rank}: {exc}")
 
 
 def preduce_weighted(buffer: torch.Tensor, members: tuple[int, ...], comms: GroupCommunicators, weight: float,
@@ -407,24 +412,25 @@ def preduce_compressed(buffer: torch.Tensor, members: tuple[int, ...], comms: Gr
         return
     rank = comms.ctx.rank
     payload = feedback.encode(buffer)
-    try:
-        if comms.transport == WORLD:
-            comms.meet(members)
+    # the transport's steps and failure handling are preduce's: a member declared failed in the handshake
+    # raises PeerFailed as it is (the survivors then know whom to leave out without waiting)
+    if comms.transport == WORLD:
+        comms.meet(members)
+        try:
             received = exchange(payload, members, rank, comms.scratch(payload, len(members) - 1))
-        else:
-            pg = comms.get(members)
-            try:
-                gathered = comms.scratch(payload, len(members))
-                pg.allgather([gathered], [payload]).wait()
-            except RuntimeError:
-                del pg
-                comms.discard(members)
-                raise
-            received = dict(zip(members, gathered))
-    except RuntimeError as exc:
-        if comms.transport == WORLD:
+        except RuntimeError as exc:
             comms.stats.failed += 1
-        raise CommError(f"P-Reduce over ranks {list(members)} failed on rank {rank}: {exc}") from exc
+            raise _broken(members, rank, exc) from exc
+    else:
+        pg = comms.get(members)
+        gathered = comms.scratch(payload, len(members))
+        try:
+            pg.allgather([gathered], [payload]).wait()
+        except RuntimeError as exc:
+            del pg  # as in preduce: only dropping the last reference closes the group's connections
+            comms.discard(members)
+            raise _broken(members, rank, exc) from exc
+        received = dict(zip(members, gathered))
     numel = buffer.numel()
     mean, one = feedback.sums()
     mean.zero_()
