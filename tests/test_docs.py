@@ -320,12 +320,12 @@ def test_generated_tables_in_the_docs_are_current() -> None:
                           "it in sync -->", "<!-- end record fields -->") == fields_markdown()
 
 
-#: A generated report: `<!-- prague report [--tta] FILE -->`, a blank line, what `prague report [--tta] FILE`
-#: prints (FILE: a bench.json or a benchmark's JSON, from the repository root), a blank line,
-#: `<!-- end report -->`.
-REPORT_START = re.compile(r"^<!-- prague report (?:--tta )?(?P<path>\S+) -->$", re.M)
-REPORT_BLOCK = re.compile(r"^<!-- prague report (?P<tta>--tta )?(?P<path>\S+) -->\n(?P<text>.*?)^<!-- end report -->$",
-                          re.M | re.S)
+#: A generated report: `<!-- prague report [--tta] FILE -->` (or `--decide FILE...`), a blank line, what
+#: `prague report` prints with those arguments (FILE: a bench.json or a benchmark's JSON, from the repository
+#: root), a blank line, `<!-- end report -->`.
+REPORT_START = re.compile(r"^<!-- prague report (?:--tta |--decide )?(?P<path>\S+(?: \S+)*?) -->$", re.M)
+REPORT_BLOCK = re.compile(r"^<!-- prague report (?P<flag>--tta |--decide )?(?P<path>\S+(?: \S+)*?) -->\n"
+                          r"(?P<text>.*?)^<!-- end report -->$", re.M | re.S)
 #: Set to 1 to rewrite the generated reports of README.md and docs/ instead of failing on a stale one.
 UPDATE_REPORTS = "PRAGUE_UPDATE_REPORTS"
 
@@ -334,7 +334,14 @@ def test_generated_reports_in_the_docs_are_current() -> None:
     """Every generated report in README.md and docs/ holds exactly what `prague report FILE` prints today
     (for a bench.json the function that writes its bench.md; for another benchmark's JSON its table): a
     table cannot drift from the data it names."""
-    from prague.metrics.tables import report_file
+    from prague.metrics.tables import decision_table, report_file
+
+    def report(block: re.Match[str]) -> str:
+        paths = [ROOT / p for p in block["path"].split()]
+        if block["flag"] == "--decide ":
+            return decision_table(paths)
+        assert len(paths) == 1, f"`prague report` without --decide reads one file: {block['path']}"
+        return report_file(paths[0], tta_only=block["flag"] == "--tta ")
 
     problems, stale, found = [], [], 0
     for page in pages():
@@ -346,7 +353,7 @@ def test_generated_reports_in_the_docs_are_current() -> None:
         fresh = text
         for block in reversed(blocks):
             found += 1
-            expected = f"\n{report_file(ROOT / block['path'], tta_only=bool(block['tta']))}\n"
+            expected = f"\n{report(block)}\n"
             if block["text"] != expected:
                 stale.append(f"{rel(page)}:{text.count(chr(10), 0, block.start()) + 1}: the report of "
                              f"{block['path']} is not what `prague report {block['path']}` prints")

@@ -708,15 +708,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="print a bench's tables from its bench.json (what bench.md holds), or the "
                         "table of another benchmark's JSON (benchmarks/*.py)")
-    rp.add_argument("bench", type=Path, metavar="BENCH_JSON",
+    rp.add_argument("bench", type=Path, metavar="BENCH_JSON", nargs="+",
                     help="the bench.json a `prague bench` or `prague simulate` wrote (or the folder holding it), or "
-                         "the JSON of benchmarks/group_generator.py, torchrun_faults.py or simulator.py --failures")
+                         "the JSON of benchmarks/group_generator.py, torchrun_faults.py or simulator.py --failures; "
+                         "several bench.json with --decide")
     rp_fmt = rp.add_mutually_exclusive_group()
     rp_fmt.add_argument("--markdown", action="store_true", help="the tables, as bench.md holds them (the default)")
     rp_fmt.add_argument("--json", action="store_true", help="per (method, scenario): medians, ranges, bootstrap "
                                                             "intervals and speed-ups; each scenario's best baseline")
     rp_fmt.add_argument("--tta", action="store_true", help="the time-to-accuracy table only, without the throughput "
                                                            "of every run (what README shows)")
+    rp_fmt.add_argument("--decide", action="store_true", help="which method to pick, from one bench or several: per "
+                        "scenario the fastest method, those level with it, and the best baseline (README's table)")
 
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
@@ -774,13 +777,19 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from prague.metrics.report import read_bench, report_json
-    from prague.metrics.tables import report_file
+    from prague.metrics.tables import decision_table, report_file
 
+    if args.decide:
+        sys.stdout.write(decision_table(args.bench))
+        return 0
+    if len(args.bench) > 1:
+        raise ConfigError(f"prague report reads one file, got {len(args.bench)}; pass one, or add --decide to "
+                          "compare several benches")
     if args.json:
-        bench = read_bench(args.bench)
+        bench = read_bench(args.bench[0])
         print(json.dumps(report_json(bench.records, bench.command), indent=2))
     else:
-        sys.stdout.write(report_file(args.bench, tta_only=args.tta))
+        sys.stdout.write(report_file(args.bench[0], tta_only=args.tta))
     return 0
 
 

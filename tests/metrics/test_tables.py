@@ -9,7 +9,7 @@ import pytest
 
 from prague.cli import main
 from prague.errors import ConfigError
-from prague.metrics.tables import report_file
+from prague.metrics.tables import decision_table, report_file
 
 
 def _write(tmp_path: Path, document: dict) -> Path:
@@ -65,3 +65,63 @@ def test_prague_report_prints_a_benchmarks_table(tmp_path: Path, capsys: pytest.
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| workers | shards |") and out == report_file(path)
+
+
+def _bench(tmp_path: Path, name: str, command: str, cells: dict[tuple[str, str], list[float | None]],
+           accuracy: float = 0.985) -> Path:
+    """A bench.json of runs with these times to a 98% target (None: never reached), one seed per time."""
+    records = []
+    for (method, scenario), times in cells.items():
+        algorithm, _, variant = method.partition(":")
+        for seed, t in enumerate(times):
+            records.append({"algorithm": algorithm, "variant": variant or None, "scenario": scenario, "seed": seed,
+                            "nproc": 8, "model": "cnn", "data": "mnist", "throughput_samples_per_s": 100.0,
+                            "target_accuracy": 0.98, "time_to_target_s": t, "test_accuracy": accuracy})
+    path = tmp_path / name
+    path.write_text(json.dumps({"command": command, "records": records}))
+    return path
+
+
+def _decision_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:]]
+
+
+def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_baseline(tmp_path: Path) -> None:
+    one = _bench(tmp_path, "one.json", "prague bench --nproc 8", {
+        ("allreduce", "straggler:3:4"): [100.0, 110.0, 120.0, 105.0, 115.0],
+        ("allreduce:backup", "straggler:3:4"): [60.0, 62.0, 64.0, 61.0, 63.0],
+        ("prague", "straggler:3:4"): [40.0, 41.0, 42.0, 43.0, 44.0],
+        ("adpsgd", "straggler:3:4"): [41.0, 42.0, 43.0, 40.0, 45.0],
+        ("localsgd", "homogeneous"): [30.0, 31.0, 32.0, 30.5, 31.5],
+        ("prague", "homogeneous"): [50.0, 51.0, 52.0, 50.5, 51.5],
+        ("allreduce", "paper:5"): [None, None, None],
+        ("prague", "paper:5"): [None, None, None]})
+    two = _bench(tmp_path, "two.json",
+                 "prague bench --nproc 8 --hosts 4 --link-rate 300mbit --cross-traffic bursts:0.3:20",
+                 {("allreduce", "homogeneous"): [90.0, 92.0], ("prague", "homogeneous"): [45.0, 47.0]})
+    rows = _decision_rows(decision_table([one, two]))
+    assert rows[0][0] == "cnn on mnist, 8 workers, one machine; rank 3 4x slower throughout (`straggler:3:4`)"
+    assert rows[0][1].startswith("`prague` 42 s [")
+    assert rows[0][2] == "`adpsgd`"  # its times overlap prague's: level; the baselines are not
+    assert rows[0][3].startswith("`prague` 1.48x [") and rows[0][3].endswith("over `allreduce:backup` (62 s [60, 64])")
+    assert rows[0][4] == "98.50% / 98.50%" and rows[0][5] == "5"
+    # a baseline can be the fastest: the project's best method is then shown slower than it
+    assert rows[1][1].startswith("`localsgd` 31 s") and rows[1][2] == "none"
+    assert rows[1][3].startswith("`prague` 0.6") and "over `localsgd`" in rows[1][3]
+    assert rows[2][0].endswith("random 5x slowdowns (`paper:5`)") and rows[2][1] == "none reached the target"
+    assert rows[3][0] == ("cnn on mnist, 8 workers on 4 hosts at 300mbit, cross-traffic bursts:0.3:20; "
+                          "equal workers (`homogeneous`)")
+    assert rows[3][3].startswith("`prague` 2.00x") and rows[3][5] == "2"
+
+
+def test_the_decision_table_needs_benches_with_a_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"records": [{"algorithm": "allreduce", "scenario": "homogeneous",
+                                             "throughput_samples_per_s": 1.0}]}))
+    with pytest.raises(ConfigError, match="without --target-accuracy"):
+        decision_table([path])
+    assert main(["report", str(path), str(path)]) == 2
+    assert "add --decide to compare several benches" in capsys.readouterr().err
+    good = _bench(tmp_path, "good.json", "prague bench", {("prague", "homogeneous"): [1.0]})
+    assert main(["report", "--decide", str(good), str(good)]) == 0
+    assert capsys.readouterr().out == decision_table([good, good])

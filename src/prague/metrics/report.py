@@ -489,6 +489,17 @@ def _times(records: Sequence[Record], key: str) -> list[float]:
     return [float(r[key]) if r.get(key) is not None and not r.get("diverged") else math.inf for r in records]
 
 
+def times_to_target(records: Sequence[RecordLike]) -> dict[tuple[str, str], list[float]]:
+    """Each cell's times to the accuracy target over its seeds, keyed ``(method, scenario)`` in first-seen
+    order: what :func:`cells`' figures and speed-ups are computed from (``inf``: a seed that never reached
+    the target, or diverged). Cells without a target are left out."""
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for record in _check_records(list(records), "bench records", _RECORDS_FIX):
+        if record.get("target_accuracy") is not None:
+            groups.setdefault(_label_of_cell(record), []).append(record)
+    return {key: _times(group, "time_to_target_s") for key, group in groups.items()}
+
+
 def _speedup_figure(baseline: list[float], times: list[float]) -> dict[str, float] | None:
     if baseline is times:  # a cell over itself: 1 by definition, not two independent resamplings of one sample
         return {"ratio": 1.0, "ci_low": 1.0, "ci_high": 1.0} if times and math.isfinite(_median(sorted(times))) \

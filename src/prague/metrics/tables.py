@@ -9,6 +9,10 @@ function here that turns it into the table the docs show:
 * ``torchrun_faults`` (``benchmarks/torchrun_faults.py``): the fault matrix on two emulated machines;
 * ``simulator`` (``benchmarks/simulator.py --failures``): time to finish under failure rates.
 
+Several benches together give README's decision table (``prague report --decide FILE...``,
+:func:`decision_table`): per scenario of each, the fastest method, the methods level with it, and the
+fastest of the project's own methods against the scenario's best baseline.
+
 The docs hold each table between ``<!-- prague report FILE -->`` and ``<!-- end report -->``, and a test
 checks that it is exactly what this module prints for FILE, so no table can drift from its data.
 """
@@ -16,6 +20,8 @@ checks that it is exactly what this module prints for FILE, so no table can drif
 from __future__ import annotations
 
 import json
+import math
+import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,3 +150,131 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "torchrun_faults": torchrun_faults,
     "simulator": simulator,
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# Which method to pick: several benches side by side
+
+
+def decision_table(paths: Sequence[Path]) -> str:
+    """README's "which method to pick" from the ``bench.json`` of several benches: one row per scenario
+    of each bench (the cluster in words: workers, network, slowdowns), with
+
+    * the fastest method: the lowest median time to the accuracy target, with its 95% interval;
+    * the methods *level* with it: those whose slowdown against it, the bootstrap ratio of the two
+      cells' median times (:func:`~prague.metrics.report.bootstrap_ratio`), has an interval reaching 1;
+    * the fastest method that is not a baseline against the scenario's best baseline (the fastest of
+      :data:`~prague.metrics.report.BASELINE_METHODS` with any variant), the ratio of the medians and its
+      interval, as the bench's own table gives it;
+    * the final accuracy of those two (median over seeds), and the seeds.
+
+    ConfigError naming the file for one that is not a bench.json with a ``--target-accuracy``."""
+    from prague.metrics.report import BASELINE_METHODS, bootstrap_ratio, cells, read_bench, times_to_target
+
+    if not paths:
+        raise ConfigError("prague report --decide needs the bench.json of one bench or more")
+    rows = []
+    for path in paths:
+        bench = read_bench(path)
+        table = cells(bench.records)
+        times = times_to_target(bench.records)
+        if not times:
+            raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it "
+                              "cannot say which method to pick; pass a bench run with --target-accuracy")
+        where = _network(bench.command, bench.records)
+        for scenario in dict.fromkeys(c["scenario"] for c in table):
+            group = [c for c in table if c["scenario"] == scenario and (c["method"], scenario) in times]
+            rows.append(_decision_row(f"{where}; {_slowdowns(scenario)}", group, times, BASELINE_METHODS,
+                                      bootstrap_ratio))
+    header = ["cluster", "fastest", "level with it", "fastest other than a baseline, against the best baseline",
+              "final accuracy: those two", "seeds"]
+    return _table(header, ["---", "---", "---", "---", "---:", "---:"], rows)
+
+
+def _decision_row(cluster: str, group: list[dict[str, Any]], times: dict[tuple[str, str], list[float]],
+                  baselines: frozenset[str], ratio: Callable[..., Any]) -> list[str]:
+    def median(cell: dict[str, Any]) -> float:
+        spread = cell["time_to_target_s"]
+        return float(spread["median"]) if spread else float("inf")
+
+    def key(cell: dict[str, Any]) -> list[float]:
+        return times[(cell["method"], cell["scenario"])]
+
+    def base(method: str) -> str:
+        return method.split(":", 1)[0]
+
+    seeds = sorted({len(c["seeds"]) for c in group})
+    seeds_text = "-".join(str(n) for n in (seeds[0], seeds[-1]) if n) if seeds[0] != seeds[-1] else str(seeds[0])
+    reached = [c for c in group if median(c) < float("inf")]
+    if not reached:
+        return [cluster, "none reached the target", "-", "-", "-", seeds_text]
+    fastest = min(reached, key=median)
+    level = []
+    for cell in reached:
+        if cell is not fastest:
+            slower = ratio(key(cell), key(fastest))
+            if slower is not None and slower.low <= 1.0:
+                level.append(f"`{cell['method']}`")
+    ours = min((c for c in group if base(c["method"]) not in baselines), key=median, default=None)
+    best = next((c for c in group if c["method"] == fastest["best_baseline"]), None)
+    versus, accuracy = "-", "-"
+    if ours is not None and best is not None:
+        figure = ours["speedup_vs_best_baseline"]
+        spread = best["time_to_target_s"]
+        shown = ("never reached" if not math.isfinite(median(ours)) else "n/a" if figure is None else
+                 _interval(figure["ratio"], figure["ci_low"], figure["ci_high"], "x"))
+        versus = f"`{ours['method']}` {shown} over `{best['method']}` ({_seconds_text(spread)})"
+        accuracy = f"{_percent(ours['test_accuracy'])} / {_percent(best['test_accuracy'])}"
+    return [cluster, f"`{fastest['method']}` {_seconds_text(fastest['time_to_target_s'])}",
+            ", ".join(level) or "none", versus, accuracy, seeds_text]
+
+
+def _interval(value: float, low: float | None, high: float | None, unit: str) -> str:
+    bound = (lambda v: f"{v:.2f}" if v is not None and math.isfinite(v) else "-")
+    return f"{bound(value)}{unit} [{bound(low)}, {bound(high)}]"
+
+
+def _seconds_text(spread: dict[str, float] | None) -> str:
+    if not spread or not math.isfinite(spread["median"]):
+        return "never"
+    low, high = spread.get("ci_low"), spread.get("ci_high")
+    bound = (lambda v: f"{v:.0f}" if v is not None and math.isfinite(v) else "-")
+    return f"{spread['median']:.0f} s" + (f" [{bound(low)}, {bound(high)}]" if low is not None else "")
+
+
+def _percent(spread: dict[str, float] | None) -> str:
+    return "-" if not spread else f"{100 * spread['median']:.2f}%"
+
+
+def _network(command: str | None, records: Sequence[dict[str, Any]]) -> str:
+    """The bench's workers and network in words, from its command line (the records do not say)."""
+    nprocs = sorted({int(r["nproc"]) for r in records})
+    workers = f"{'/'.join(map(str, nprocs))} workers"
+    model = "/".join(sorted({f"{r.get('model')} on {r.get('data')}" for r in records}))
+    flags: dict[str, str] = {}
+    words = shlex.split(command or "")
+    for flag, value in zip(words, words[1:]):
+        if flag in ("--hosts", "--link-rate", "--cross-traffic"):
+            flags[flag] = value
+    if "--hosts" not in flags:
+        return f"{model}, {workers}, one machine"
+    text = f"{model}, {workers} on {flags['--hosts']} hosts at {flags.get('--link-rate', '1gbit')}"
+    return text + (f", cross-traffic {flags['--cross-traffic']}" if "--cross-traffic" in flags else "")
+
+
+def _slowdowns(scenario: str) -> str:
+    """A scenario in words, then as written (`paper:5`)."""
+    from prague.hetero.spec import parse_scenario
+
+    try:
+        parsed = parse_scenario(scenario)
+    except ConfigError:
+        return f"`{scenario}`"
+    words = [f"random {p.factor:g}x slowdowns" for p in parsed.paper]
+    for s in parsed.stragglers:
+        when = "throughout" if s.start == 0 and s.end is None else f"in steps {s.start}-{s.end}"
+        words.append(f"rank {s.rank} {s.factor:g}x slower {when}")
+    words += [f"rank {f.rank} {'crashes' if f.kind == 'crash' else 'hangs'} at step {f.step}" for f in parsed.faults]
+    if parsed.rates:
+        words += [f"crashes at {r.per_hour:g} per worker-hour" for r in parsed.rates]
+    return f"{', '.join(words) or 'equal workers'} (`{scenario}`)"
