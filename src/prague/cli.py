@@ -264,14 +264,16 @@ def resolve_pace(args: argparse.Namespace, nproc: int) -> Any:
                           "of ms")
     from prague.errors import unknown_choice
     from prague.train.probe import probe_pace
-    from prague.workload.catalog import DATASETS, MODELS
+    from prague.workload.catalog import DATASETS, MODELS, OPTIMIZERS
 
-    model, data = args.model or "mlp", args.data or "digits"
+    model, data, optimizer = args.model or "mlp", args.data or "digits", getattr(args, "optimizer", None) or "sgd"
     if model not in MODELS:
         raise unknown_choice("model", model, MODELS)
     if data not in DATASETS:
         raise unknown_choice("data set", data, tuple(DATASETS))
-    probe = probe_pace(model, data, args.batch_size or 32, nproc, seed=args.seed or 0)
+    if optimizer not in OPTIMIZERS:
+        raise unknown_choice("optimizer", optimizer, OPTIMIZERS)
+    probe = probe_pace(model, data, args.batch_size or 32, nproc, seed=args.seed or 0, optimizer=optimizer)
     print(probe.line(), flush=True)
     args.compute_ms = probe.ms
     return probe
@@ -553,8 +555,8 @@ def _lr_list_flag(parser: argparse.ArgumentParser) -> None:
         if action.dest == "lr":
             action.type = str
             action.metavar = "LR[,LR...]"
-            action.help = ("learning rate of SGD (default 0.05); several, comma-separated (0.025,0.05,0.1,0.2): "
-                           "every cell is first run at each on --pilot-budget and the full bench runs each cell "
+            action.help = ("learning rate of the optimizer (default 0.05); several, comma-separated "
+                           "(0.025,0.05,0.1,0.2): every cell is first run at each on --pilot-budget and the full bench runs each cell "
                            "at its best (soonest to --target-accuracy)")
 
 

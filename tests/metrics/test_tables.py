@@ -125,3 +125,18 @@ def test_the_decision_table_needs_benches_with_a_target(tmp_path: Path, capsys: 
     good = _bench(tmp_path, "good.json", "prague bench", {("prague", "homogeneous"): [1.0]})
     assert main(["report", "--decide", str(good), str(good)]) == 0
     assert capsys.readouterr().out == decision_table([good, good])
+
+
+def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(tmp_path: Path) -> None:
+    cells = {("localsgd", "homogeneous"): [50.0, 52.0]}
+    base = "prague bench --algorithms localsgd --nproc 8 --compute-ms 150 --stop-at-target --out runs/h"
+    h4 = _bench(tmp_path, "h4.json", f"{base}4 --sync-every-steps 4 --repeat 2", cells)
+    h8 = _bench(tmp_path, "h8.json", f"{base}8 --sync-every-steps 8 --repeat 3", cells)
+    plain = _bench(tmp_path, "plain.json", "prague bench --algorithms localsgd --nproc 8 --compute-ms 150 --out x", cells)
+    rows = _decision_rows(decision_table([h4, h8, plain]))
+    # the folder and the seeds differ too, but every bench varies those: only the settings are named
+    assert rows[0][0] == ("cnn on mnist, 8 workers, one machine; `--stop-at-target`; `--sync-every-steps 4`; "
+                          "equal workers (`homogeneous`)")
+    assert "; `--sync-every-steps 8`;" in rows[1][0]
+    assert rows[2][0] == "cnn on mnist, 8 workers, one machine; equal workers (`homogeneous`)"
+    assert _decision_rows(decision_table([h4]))[0][0].startswith("cnn on mnist, 8 workers, one machine; equal")

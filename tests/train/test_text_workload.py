@@ -17,10 +17,11 @@ pytestmark = pytest.mark.timeout(150)
 def test_prague_trains_the_transformer_on_text_and_scores_each_next_character(tmp_path: Path) -> None:
     out = tmp_path / "gpt"
     res = run_cli("run", "--nproc", "2", "--model", "gpt", "--data", "pytext", "--steps", "4", "--batch-size", "8",
-                  "--algorithm", "prague", "--lr", "0.05", "--eval-every-s", "0.5", "--report-to", "tensorboard,csv",
-                  "--out", str(out), timeout_s=120)
+                  "--algorithm", "prague", "--optimizer", "adamw", "--lr", "0.002", "--eval-every-s", "0.5",
+                  "--report-to", "tensorboard,csv", "--out", str(out), timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer"] == "adamw" and summary["lr"] == 0.002
     history = summary["eval_history"]
     assert len(history) >= 2
     # scored on 512 held-out windows of 64 characters: an accuracy of k / 32,768, a loss per character
@@ -58,3 +59,28 @@ def test_the_bench_header_names_how_long_an_all_reduce_takes_against_the_backwar
     assert "1.88 MB" in slow and "about 263 ms, 1.32x the backward part of a step (200 ms)" in slow, slow
     assert "0.66x" in fast
     assert line("100mbit", hosts=None) is None  # no emulated links, nothing to say
+
+
+def test_the_optimizer_is_sgd_or_adamw_and_the_methods_that_apply_sgd_themselves_refuse_adamw(tmp_path: Path) -> None:
+    import torch
+
+    from prague.errors import ConfigError
+    from prague.train.config import RunConfig
+    from prague.workload.models import build_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    adamw = build_optimizer("adamw", model, lr=0.002, momentum=0.9)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["lr"] == 0.002
+    sgd = build_optimizer("sgd", model, lr=0.1, momentum=0.5)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.5
+    with pytest.raises(ConfigError, match="unknown optimizer 'adam'; valid choices: adamw, sgd"):
+        build_optimizer("adam", model, lr=0.1, momentum=0.0)
+    for method in ("ps", "ps-eager:none"):  # their servers apply SGD's rule
+        with pytest.raises(ConfigError, match="applies SGD's update rule on its servers; use --optimizer sgd"):
+            RunConfig(algorithm=method, nproc=2, out=tmp_path, optimizer="adamw")
+    assert RunConfig(algorithm="diloco", nproc=2, out=tmp_path, optimizer="adamw").optimizer == "adamw"
+    with pytest.raises(ConfigError, match="unknown --optimizer 'rmsprop'; valid choices: adamw, sgd"):
+        RunConfig(algorithm="allreduce", nproc=2, out=tmp_path, optimizer="rmsprop")
+    res = run_cli("simulate", "--algorithms", "allreduce", "--nproc", "2", "--steps", "2", "--optimizer", "adamw",
+                  "--out", str(tmp_path / "sim"), timeout_s=60)
+    assert res.returncode == 2 and "the simulator's arithmetic applies SGD's rule" in res.stderr, res.stderr

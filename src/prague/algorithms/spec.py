@@ -169,6 +169,8 @@ class Method:
     ``sim_reports``: the fields only the simulator model reports (what it models and a run cannot
     measure, such as a queue's utilisation). ``survives_failures``: the survivors of a crashed or hung
     worker train on without it (:mod:`prague.runtime.liveness`); otherwise the launcher stops the job.
+    ``sgd_only``: the method applies SGD's update rule itself (the parameter servers' shards), so the
+    workers' optimizer must be SGD.
     """
 
     name: str
@@ -184,6 +186,7 @@ class Method:
     variant_runtimes: Mapping[str, str] = field(default_factory=dict)
     variant_sims: Mapping[str, str] = field(default_factory=dict)
     plain_default: bool = False
+    sgd_only: bool = False
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):

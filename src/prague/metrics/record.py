@@ -61,6 +61,7 @@ class RunRecord:
     batch_size: int | None = _doc("per-worker batch size")
     lr: float | None = _doc("the learning rate it trained with (`--lr`; a bench given several picks one per cell "
                             "with its pilot)")
+    optimizer: str | None = _doc("the workers' optimizer (`--optimizer`: `sgd` or `adamw`)")
     lr_pilot: list[dict[str, Any]] = _doc_list(
         "a bench's learning-rate pilot of this cell (`--lr` with several values): `{lr, time_to_target_s, "
         "test_accuracy}` per value, each a run on `--pilot-budget` with the bench's first seed")

@@ -293,6 +293,8 @@ def _header(records: Sequence[Record]) -> str:
         f"data {_distinct(records, 'data')}, compute {modes}"
         + ("" if not pace else f", {'pace' if 'paced' in modes.split('/') else 'nominal step'} {pace}")
         + ("" if budget == "?" else f", budget {budget}")
+        + ("" if not any(r.get("optimizer") not in (None, "sgd") for r in records)
+           else f", optimizer {_distinct(records, 'optimizer')}")
     )
 
 

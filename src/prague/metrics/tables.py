@@ -174,14 +174,14 @@ def decision_table(paths: Sequence[Path]) -> str:
     if not paths:
         raise ConfigError("prague report --decide needs the bench.json of one bench or more")
     rows = []
-    for path in paths:
-        bench = read_bench(path)
+    benches = [read_bench(path) for path in paths]
+    for path, bench, settings in zip(paths, benches, _differing([b.command for b in benches])):
         table = cells(bench.records)
         times = times_to_target(bench.records)
         if not times:
             raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it "
                               "cannot say which method to pick; pass a bench run with --target-accuracy")
-        where = _network(bench.command, bench.records)
+        where = _network(bench.command, bench.records) + settings
         for scenario in dict.fromkeys(c["scenario"] for c in table):
             group = [c for c in table if c["scenario"] == scenario and (c["method"], scenario) in times]
             rows.append(_decision_row(f"{where}; {_slowdowns(scenario)}", group, times, BASELINE_METHODS,
@@ -251,15 +251,35 @@ def _network(command: str | None, records: Sequence[dict[str, Any]]) -> str:
     nprocs = sorted({int(r["nproc"]) for r in records})
     workers = f"{'/'.join(map(str, nprocs))} workers"
     model = "/".join(sorted({f"{r.get('model')} on {r.get('data')}" for r in records}))
-    flags: dict[str, str] = {}
-    words = shlex.split(command or "")
-    for flag, value in zip(words, words[1:]):
-        if flag in ("--hosts", "--link-rate", "--cross-traffic"):
-            flags[flag] = value
+    flags = _flags(command)
     if "--hosts" not in flags:
         return f"{model}, {workers}, one machine"
     text = f"{model}, {workers} on {flags['--hosts']} hosts at {flags.get('--link-rate', '1gbit')}"
     return text + (f", cross-traffic {flags['--cross-traffic']}" if "--cross-traffic" in flags else "")
+
+
+#: Flags a decision row does not repeat in its cluster: what the benches vary within themselves (methods,
+#: scenarios, seeds), where they wrote, and what :func:`_network` says in words.
+_SAID_ELSEWHERE = frozenset({"--algorithms", "--scenarios", "--repeat", "--seed", "--out", "--resume", "--quiet",
+                             "--hosts", "--link-rate", "--cross-traffic", "--nproc", "--model", "--data",
+                             "--data-dir"})
+
+
+def _flags(command: str | None) -> dict[str, str]:
+    """A command line's ``--flag value`` pairs (``""`` for a flag without a value)."""
+    words = shlex.split(command or "")
+    return {word: words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+            for i, word in enumerate(words) if word.startswith("--")}
+
+
+def _differing(commands: Sequence[str | None]) -> list[str]:
+    """For each bench, the settings that tell it from the others (``; `--sync-every-steps 4```): the
+    flags whose values differ between the commands, outside :data:`_SAID_ELSEWHERE`; nothing for one bench."""
+    parsed = [_flags(c) for c in commands]
+    names = sorted({n for flags in parsed for n in flags} - _SAID_ELSEWHERE)
+    varying = [n for n in names if len({flags.get(n) for flags in parsed}) > 1]
+    return ["".join(f"; `{' '.join(filter(None, (n, flags[n])))}`" for n in varying if n in flags)
+            for flags in parsed]
 
 
 def _slowdowns(scenario: str) -> str:

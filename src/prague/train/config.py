@@ -32,7 +32,7 @@ from prague.net.hosts import DEFAULT_LINK_RATE, check_layout, parse_rate
 from prague.net.traffic import parse_cross_traffic
 from prague.train.divergence import DEFAULT_FACTOR, DEFAULT_WINDOW, REFERENCE_STEPS, check_rule
 from prague.metrics.writers import parse_report_to
-from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, check_pairing, check_seed
+from prague.workload.catalog import COMPUTE_MODES, DATASETS, MODELS, OPTIMIZERS, check_pairing, check_seed
 
 #: The nominal step time of paced and emulated compute when --compute-ms is not given.
 DEFAULT_COMPUTE_MS = 100.0
@@ -106,8 +106,11 @@ class RunConfig:
                                        "allows (summary.json's `shares` says which way a run went)",
                                  exclusive="length")
     batch_size: int = setting(32, "per-worker batch size")
-    lr: float = setting(0.05, "learning rate of SGD")
-    momentum: float = setting(0.9, "momentum of SGD")
+    lr: float = setting(0.05, "learning rate of the optimizer")
+    optimizer: str = setting("sgd", "the workers' optimizer: sgd (with --momentum) or adamw (torch.optim.AdamW's "
+                                    "defaults: betas 0.9 and 0.999, weight decay 0.01; for transformers, at an lr "
+                                    "near 0.001)", choices=OPTIMIZERS)
+    momentum: float = setting(0.9, "momentum of SGD (--optimizer sgd)")
     model: str = setting("mlp", "model to train", choices=MODELS)
     data: str = setting("digits", "data set", choices=tuple(DATASETS))
     data_dir: Path | None = setting(None, "directory of the data set's files (mnist)")
@@ -266,6 +269,9 @@ class RunConfig:
             raise ConfigError(f"the options of {method.name} must be its {method.options.__name__} or option "
                               f"values by name, got {type(options).__name__}")
         method.check_job(options, self.nproc)
+        if method.sgd_only and self.optimizer != "sgd":
+            raise ConfigError(f"--optimizer {self.optimizer}: {method.name} applies SGD's update rule on its servers; "
+                              "use --optimizer sgd with it")
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "options", options)
 

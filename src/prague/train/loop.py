@@ -47,7 +47,7 @@ from prague.train.trainer import DistributedTrainer, StepRecord
 from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
 from prague.workload.data import Dataset, GlobalBatches, ShardLoader, load_dataset
 from prague.workload.emulate import EmulatedCompute
-from prague.workload.models import build_model, parameter_count
+from prague.workload.models import build_model, build_optimizer, parameter_count
 
 
 #: Where each rank records the injected faults it fired (:class:`~prague.train.harness.Harness`).
@@ -69,7 +69,7 @@ def build(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int,
     torch.manual_seed(cfg.seed * 1000 + ctx.rank + 1)  # independent dropout per rank
     if cfg.emulated:
         return EmulatedCompute(model, cfg.nominal_compute_ms or 0.0), None, n_params
-    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum), n_params
+    return model, build_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum), n_params
 
 
 def measure_compute_ms(cfg: RunConfig, steps: int = 10) -> float:
@@ -83,7 +83,7 @@ def measure_compute_ms(cfg: RunConfig, steps: int = 10) -> float:
     # Where the workers compute: a GPU under --device cuda (timed after its queued kernels), else the CPU.
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum)
     x, y = data.train_x[:cfg.batch_size].to(device), data.train_y[:cfg.batch_size].to(device)
     times = []
     for _ in range(steps + 2):  # two warm-up steps
@@ -442,7 +442,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         [WorkerTiming(**g["timing"]) for g in gathered], batch_size=cfg.batch_size,
         warmup=warmup_steps(min(steps, max(completed)), cfg.warmup_steps),  # a run stopped early: its steps
         algorithm=trainer.method.name, variant=trainer.variant, nproc=ctx.world_size, compute_mode=cfg.compute,
-        compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model, lr=cfg.lr,
+        compute_ms=cfg.nominal_compute_ms, scenario=scenario, model=cfg.model, lr=cfg.lr, optimizer=cfg.optimizer,
         parameters=n_params, data=cfg.data, steps=steps, seed=cfg.seed, backend=ctx.backend,
         device=ctx.device.type,
         wall_s=max(g["wall_s"] for g in gathered), target_accuracy=cfg.target_accuracy, target_loss=cfg.target_loss,

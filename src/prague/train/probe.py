@@ -57,10 +57,11 @@ def pace_of(step_ms: float, margin: float = MARGIN) -> float:
     return max(ROUND_MS, math.ceil(step_ms * margin / ROUND_MS) * ROUND_MS)
 
 
-def probe_pace(model: str, data: str, batch_size: int, workers: int, seed: int = 0) -> PaceProbe:
-    """Probe the pace of ``workers`` processes training ``model`` on batches of ``data``'s shape (module
-    docstring). Raises ConfigError when a process fails (its message quoted)."""
-    argv = [sys.executable, "-m", "prague.train.probe", "--model", model, "--data", data,
+def probe_pace(model: str, data: str, batch_size: int, workers: int, seed: int = 0,
+               optimizer: str = "sgd") -> PaceProbe:
+    """Probe the pace of ``workers`` processes training ``model`` with ``optimizer`` on batches of
+    ``data``'s shape (module docstring). Raises ConfigError when a process fails (its message quoted)."""
+    argv = [sys.executable, "-m", "prague.train.probe", "--model", model, "--data", data, "--optimizer", optimizer,
             "--batch-size", str(batch_size), "--seed", str(seed), "--seconds", str(PROBE_S)]
     env = jobenv.child({"OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=PROBE_S)
     args = parser.parse_args(argv)
@@ -115,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from prague.workload.catalog import dataset_info
     from prague.workload.data import example_batch
-    from prague.workload.models import build_model
+    from prague.workload.models import build_model, build_optimizer
 
     torch.set_num_threads(1)
     info = dataset_info(args.data)
     torch.manual_seed(args.seed)
     model = build_model(args.model, info.input_shape, info.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = build_optimizer(args.optimizer, model, lr=0.001, momentum=0.9)
     x, y = example_batch(info.input_shape, info.num_classes, args.batch_size)
 
     def step() -> float:

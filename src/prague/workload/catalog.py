@@ -16,6 +16,9 @@ MODELS = ("mlp", "cnn", "resnet18", "gpt")
 #: The models that read text (token sequences); the others read images.
 TEXT_MODELS = ("gpt",)
 COMPUTE_MODES = ("real", "paced", "emulated")
+#: The workers' optimizers (``--optimizer``): ``torch.optim.SGD`` with ``--momentum``, or ``torch.optim.AdamW``
+#: with its own defaults (betas 0.9 and 0.999, weight decay 0.01), what transformers are trained with.
+OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass(frozen=True)

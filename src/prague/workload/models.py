@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from prague.comm.flat import state_tensors
 from prague.errors import ConfigError, unknown_choice
-from prague.workload.catalog import MODELS, TEXT_MODELS
+from prague.workload.catalog import MODELS, OPTIMIZERS, TEXT_MODELS
 
 __all__ = ["MODELS", "build_model", "parameter_count"]
 
@@ -72,6 +72,18 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     if name == "cnn":
         return _cnn(channels, height, width, num_classes)
     return ResNet(RESNET18_BLOCKS, in_channels=channels, num_classes=num_classes)
+
+
+def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
+    """The workers' optimizer over ``model``'s parameters (``--optimizer``): ``sgd`` is ``torch.optim.SGD``
+    with ``momentum``; ``adamw`` is ``torch.optim.AdamW`` (Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", ICLR 2019) with its defaults, ``momentum`` unused. ConfigError naming the choices for
+    another name."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    raise unknown_choice("optimizer", name, OPTIMIZERS)
 
 
 def parameter_count(model: nn.Module) -> int:

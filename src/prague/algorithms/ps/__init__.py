@@ -105,4 +105,5 @@ METHOD = Method(
     variant_option="ps_mode",
     reports=PS_REPORTS,
     sim_reports=PS_SIM_REPORTS,
+    sgd_only=True,
 )

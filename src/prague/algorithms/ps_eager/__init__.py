@@ -38,4 +38,5 @@ METHOD = Method(
         "rejections_seen": "rejections this worker was told of",
     },
     sim_reports=PS_SIM_REPORTS,
+    sgd_only=True,
 )
