@@ -723,6 +723,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     rp_fmt.add_argument("--decide", action="store_true", help="which method to pick, from one bench or several: per "
                         "scenario the fastest method, those level with it, and the best baseline (README's table)")
 
+    rp.add_argument("--plot", type=Path, metavar="PNG", help="with --decide: also draw each scenario's time to "
+                    "target of the best baseline and of every method that is not one, with intervals (README's "
+                    "picture of a workload), into PNG")
+
     la = sub.add_parser("launch", help="run a script using the prague API on N local processes")
     la.add_argument("--nproc", type=int, default=2)
     la.add_argument("--log-dir", type=Path, help="write each rank's output to DIR/rankR.log, list the services "
@@ -781,8 +785,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prague.metrics.report import read_bench, report_json
     from prague.metrics.tables import decision_table, report_file
 
+    if args.plot is not None and not args.decide:
+        raise ConfigError("--plot draws the decision table's benches: add --decide")
     if args.decide:
-        sys.stdout.write(decision_table(args.bench))
+        table = decision_table(args.bench)
+        if args.plot is not None:
+            from prague.io import atomic_write_bytes
+            from prague.metrics.tables import versus_best_figure
+
+            atomic_write_bytes(args.plot, versus_best_figure(args.bench))
+        sys.stdout.write(table)
         return 0
     if len(args.bench) > 1:
         raise ConfigError(f"prague report reads one file, got {len(args.bench)}; pass one, or add --decide to "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -700,3 +701,19 @@ def test_prague_report_on_a_bad_file_exits_2_with_one_line(tmp_path: Path, capsy
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("prague report: error: ")
     assert message in captured.err and str(path) in captured.err and "re-run the benchmark" in captured.err
+
+
+def test_an_atomic_write_gives_the_file_what_open_would(tmp_path: Path) -> None:
+    """A new file: 0o666 less the umask, as open() gives it (not the temporary file's 0o600); a rewritten
+    file keeps its own mode."""
+    from prague.io import atomic_write_text
+
+    old = os.umask(0o027)
+    try:
+        atomic_write_text(tmp_path / "new.md", "a")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.md").stat().st_mode & 0o777 == 0o640
+    (tmp_path / "new.md").chmod(0o604)
+    atomic_write_text(tmp_path / "new.md", "b")
+    assert (tmp_path / "new.md").stat().st_mode & 0o777 == 0o604 and (tmp_path / "new.md").read_text() == "b"

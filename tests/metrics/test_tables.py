@@ -9,7 +9,7 @@ import pytest
 
 from prague.cli import main
 from prague.errors import ConfigError
-from prague.metrics.tables import decision_table, report_file
+from prague.metrics.tables import decision_table, report_file, versus_best_figure
 
 
 def _write(tmp_path: Path, document: dict) -> Path:
@@ -76,7 +76,8 @@ def _bench(tmp_path: Path, name: str, command: str, cells: dict[tuple[str, str],
         for seed, t in enumerate(times):
             records.append({"algorithm": algorithm, "variant": variant or None, "scenario": scenario, "seed": seed,
                             "nproc": 8, "model": "cnn", "data": "mnist", "throughput_samples_per_s": 100.0,
-                            "target_accuracy": 0.98, "time_to_target_s": t, "test_accuracy": accuracy})
+                            "target_accuracy": 0.98, "time_to_target_s": t, "test_accuracy": accuracy,
+                            "job_s": (t or 150.0) + 20.0})
     path = tmp_path / name
     path.write_text(json.dumps({"command": command, "records": records}))
     return path
@@ -104,14 +105,14 @@ def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_b
     assert rows[0][1].startswith("`prague` 42 s [")
     assert rows[0][2] == "`adpsgd`"  # its times overlap prague's: level; the baselines are not
     assert rows[0][3].startswith("`prague` 1.48x [") and rows[0][3].endswith("over `allreduce:backup` (62 s [60, 64])")
-    assert rows[0][4] == "98.50% / 98.50%" and rows[0][5] == "5"
+    assert rows[0][4] == "98.50% / 98.50%" and rows[0][5] == "62.0 s / 82.0 s" and rows[0][6] == "5"
     # a baseline can be the fastest: the project's best method is then shown slower than it
     assert rows[1][1].startswith("`localsgd` 31 s") and rows[1][2] == "none"
     assert rows[1][3].startswith("`prague` 0.6") and "over `localsgd`" in rows[1][3]
     assert rows[2][0].endswith("random 5x slowdowns (`paper:5`)") and rows[2][1] == "none reached the target"
     assert rows[3][0] == ("cnn on mnist, 8 workers on 4 hosts at 300mbit, cross-traffic bursts:0.3:20; "
                           "equal workers (`homogeneous`)")
-    assert rows[3][3].startswith("`prague` 2.00x") and rows[3][5] == "2"
+    assert rows[3][3].startswith("`prague` 2.00x") and rows[3][6] == "2"
 
 
 def test_the_decision_table_needs_benches_with_a_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -140,3 +141,19 @@ def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(t
     assert "; `--sync-every-steps 8`;" in rows[1][0]
     assert rows[2][0] == "cnn on mnist, 8 workers, one machine; equal workers (`homogeneous`)"
     assert _decision_rows(decision_table([h4]))[0][0].startswith("cnn on mnist, 8 workers, one machine; equal")
+
+
+def test_the_picture_of_a_workload_is_drawn_beside_the_decision_table(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenarios where a method never reached the target, and one where nobody did, are drawn too."""
+    bench = _bench(tmp_path, "b.json", "prague bench --nproc 8", {
+        ("allreduce:backup", "straggler:3:4"): [60.0, 62.0, 64.0], ("prague", "straggler:3:4"): [40.0, 41.0, 42.0],
+        ("adpsgd", "straggler:3:4"): [41.0, None, 43.0], ("localsgd", "homogeneous"): [30.0, 31.0, 32.0],
+        ("prague", "homogeneous"): [None, None, None], ("allreduce", "paper:5"): [None, None]})
+    assert versus_best_figure([bench]).startswith(b"\x89PNG")
+    out = tmp_path / "pictures" / "mnist.png"
+    out.parent.mkdir()
+    assert main(["report", "--decide", str(bench), "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and capsys.readouterr().out == decision_table([bench])
+    assert main(["report", str(bench), "--plot", str(out)]) == 2
+    assert "--plot draws the decision table's benches: add --decide" in capsys.readouterr().err

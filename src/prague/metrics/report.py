@@ -606,7 +606,7 @@ def _bound(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else "-"
 
 
-def _with_interval(value: float, low: float | None, high: float | None, spec: str, unit: str = "") -> str:
+def with_interval(value: float, low: float | None, high: float | None, spec: str, unit: str = "") -> str:
     """``12.3 [11.0, 14.1]``: a value and its interval, the interval left out where it is the value
     itself at this precision; an infinite value or bound is ``-``."""
     text = _bound(value, spec) + (unit if math.isfinite(value) else "")
@@ -622,16 +622,23 @@ def _seconds(spread: dict[str, float] | None) -> str:
     """The median time over seeds and its 95% interval (``-`` for never); ``n/a`` for no figure."""
     if spread is None:
         return "n/a"
-    return _with_interval(spread["median"], spread.get("ci_low"), spread.get("ci_high"), ".1f")
+    return spread_text(spread, ".1f")
 
 
-def _percent(spread: dict[str, float] | None, *, interval: bool = True) -> str:
+def spread_text(spread: dict[str, float], spec: str, unit: str = "", scale: float = 1.0) -> str:
+    """A ``{median, ci_low, ci_high}`` figure as :func:`with_interval` writes it, scaled by ``scale``."""
+    low, high = spread.get("ci_low"), spread.get("ci_high")
+    return with_interval(scale * spread["median"], None if low is None else scale * low,
+                         None if high is None else scale * high, spec, unit)
+
+
+def percent_text(spread: dict[str, float] | None, *, interval: bool = True) -> str:
+    """A fraction's ``{median, ...}`` figure in percent, with its interval unless ``interval`` is False."""
     if spread is None:
         return "-"
-    scaled = {k: 100 * v for k, v in spread.items()}
     if not interval:
-        return f"{scaled['median']:.2f}%"
-    return _with_interval(scaled["median"], scaled.get("ci_low"), scaled.get("ci_high"), ".2f", "%")
+        return f"{100 * spread['median']:.2f}%"
+    return spread_text(spread, ".2f", "%", scale=100)
 
 
 def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None, figure: dict[str, float] | None) -> str:
@@ -644,7 +651,7 @@ def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None, figure: dict
         return "-"
     if not math.isfinite(baseline["time_to_target_s"]["median"]):
         return f"{baseline['method']} never"
-    return _with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x")
+    return with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x")
 
 
 def _targets(table: Sequence[dict[str, Any]], key: str) -> str:
@@ -689,8 +696,8 @@ def _tta_text(table: Sequence[dict[str, Any]]) -> str:
             "speed-up vs allreduce": speedups[0], "speed-up vs best baseline": speedups[1],
             "time to target, smoothed (s)": _seconds(cell["time_to_target_smoothed_s"]),
             f"time to loss {_targets(table, 'target_loss')} (s)": _seconds(cell["time_to_target_loss_s"]),
-            "final accuracy": _percent(cell["test_accuracy"]),
-            "worst replica accuracy": _percent(cell["worst_replica_accuracy"], interval=False),
+            "final accuracy": percent_text(cell["test_accuracy"]),
+            "worst replica accuracy": percent_text(cell["worst_replica_accuracy"], interval=False),
             "job time (s)": "n/a" if cell["job_s"] is None else f"{cell['job_s']['median']:.1f}",
             "samples": "-" if samples is None else f"{samples['median']:.0f}", "seeds": str(seeds),
         }
@@ -810,13 +817,13 @@ def _methods(records: Sequence[Record]) -> list[str]:
     return list(dict.fromkeys(method_label(r) for r in records))
 
 
-def _colours(methods: Sequence[str]) -> dict[str, Any]:
+def method_colours(methods: Sequence[str]) -> dict[str, Any]:
     """One colour per method, shared by both plots so a method looks the same in each."""
     cmap = colormaps["tab10" if len(methods) <= 10 else "tab20"]
     return {method: cmap(i % cmap.N) for i, method in enumerate(methods)}
 
 
-def _png(fig: Figure) -> bytes:
+def png_bytes(fig: Figure) -> bytes:
     """Render ``fig`` with the Agg backend (no display, no pyplot global state) to PNG bytes."""
     FigureCanvasAgg(fig)
     buffer = io.BytesIO()
@@ -827,7 +834,7 @@ def _png(fig: Figure) -> bytes:
 def _throughput_figure(records: Sequence[Record]) -> Figure:
     groups = _by_scenario(records)
     methods = _methods(records)
-    colours = _colours(methods)
+    colours = method_colours(methods)
     width = 0.8 / len(methods)
     fig = Figure(figsize=(min(24.0, max(6.0, 2.0 + 0.4 * len(groups) * len(methods))), 4.5))
     ax = fig.add_subplot()
@@ -909,7 +916,7 @@ def _accuracy_figure(records: Sequence[Record]) -> Figure:
         ax.set_axis_off()
         ax.text(0.5, 0.5, _NO_ACCURACY_TEXT, ha="center", va="center", transform=ax.transAxes)
         return fig
-    colours = _colours(_methods(records))
+    colours = method_colours(_methods(records))
     scenarios = [scenario for scenario, group in _by_scenario(curves)]
     fig = Figure(figsize=(6.0 * len(scenarios) + 2.0, 4.5))
     axes = fig.subplots(1, len(scenarios), sharey=True, squeeze=False)[0]
@@ -977,8 +984,8 @@ def write_bench(
         ) from exc
     table = cells(checked)
     markdown = BENCH_MD_TITLE + _report_text(checked, table, command)
-    throughput_png = _png(_throughput_figure(checked))
-    accuracy_png = _png(_accuracy_figure(checked))
+    throughput_png = png_bytes(_throughput_figure(checked))
+    accuracy_png = png_bytes(_accuracy_figure(checked))
 
     out_dir = Path(out_dir)
     paths = {

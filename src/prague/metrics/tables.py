@@ -166,10 +166,10 @@ def decision_table(paths: Sequence[Path]) -> str:
     * the fastest method that is not a baseline against the scenario's best baseline (the fastest of
       :data:`~prague.metrics.report.BASELINE_METHODS` with any variant), the ratio of the medians and its
       interval, as the bench's own table gives it;
-    * the final accuracy of those two (median over seeds), and the seeds.
+    * the final accuracy and the job time of those two (medians over seeds), and the seeds.
 
     ConfigError naming the file for one that is not a bench.json with a ``--target-accuracy``."""
-    from prague.metrics.report import BASELINE_METHODS, bootstrap_ratio, cells, read_bench, times_to_target
+    from prague.metrics.report import cells, read_bench, times_to_target
 
     if not paths:
         raise ConfigError("prague report --decide needs the bench.json of one bench or more")
@@ -184,66 +184,115 @@ def decision_table(paths: Sequence[Path]) -> str:
         where = _network(bench.command, bench.records) + settings
         for scenario in dict.fromkeys(c["scenario"] for c in table):
             group = [c for c in table if c["scenario"] == scenario and (c["method"], scenario) in times]
-            rows.append(_decision_row(f"{where}; {_slowdowns(scenario)}", group, times, BASELINE_METHODS,
-                                      bootstrap_ratio))
+            rows.append(_decision_row(f"{where}; {_slowdowns(scenario)}", group, times))
     header = ["cluster", "fastest", "level with it", "fastest other than a baseline, against the best baseline",
-              "final accuracy: those two", "seeds"]
-    return _table(header, ["---", "---", "---", "---", "---:", "---:"], rows)
+              "final accuracy: those two", "job time: those two", "seeds"]
+    return _table(header, ["---", "---", "---", "---", "---:", "---:", "---:"], rows)
 
 
-def _decision_row(cluster: str, group: list[dict[str, Any]], times: dict[tuple[str, str], list[float]],
-                  baselines: frozenset[str], ratio: Callable[..., Any]) -> list[str]:
+def versus_best_figure(paths: Sequence[Path]) -> bytes:
+    """README's picture of one workload, as PNG bytes: per scenario of each bench (a group of bars, named by
+    the scenario and the settings that tell the benches apart), the median time to the accuracy target of
+    the scenario's best baseline (grey, its name on the bar) and of every method that is not a baseline,
+    each with its 95% bootstrap interval; a method that never reached the target has no bar and says so.
+    The same cells and best baselines as :func:`decision_table`."""
+    from matplotlib.figure import Figure
+
+    from prague.metrics.report import BASELINE_METHODS, cells, method_colours, png_bytes, read_bench
+
+    if not paths:
+        raise ConfigError("prague report --plot needs the bench.json of one bench or more")
+    benches = [read_bench(path) for path in paths]
+    groups: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
+    for path, bench, settings in zip(paths, benches, _differing([b.command for b in benches])):
+        table = [c for c in cells(bench.records) if c["target_accuracy"] is not None]
+        if not table:
+            raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it has "
+                              "nothing to draw; pass a bench run with --target-accuracy")
+        for scenario in dict.fromkeys(c["scenario"] for c in table):
+            here = [c for c in table if c["scenario"] == scenario]
+            best = next((c for c in here if c["method"] == here[0]["best_baseline"]), None)
+            bars = [("best baseline", best)] if best is not None else []
+            bars += [(c["method"], c) for c in here if c["method"].split(":", 1)[0] not in BASELINE_METHODS]
+            label = scenario + settings.replace("; ", "\n").replace("`", "")
+            groups.append((label, bars))
+    names = list(dict.fromkeys(name for _, bars in groups for name, _ in bars if name != "best baseline"))
+    colours = {"best baseline": "0.6", **method_colours(names)}
+    width = 0.8 / max(1, max(len(bars) for _, bars in groups))
+    fig = Figure(figsize=(max(6.0, 1.2 + 2.2 * len(groups)), 4.5))
+    ax = fig.add_subplot()
+    top = max([c["time_to_target_s"]["median"] for _, bars in groups for _, c in bars
+               if c["time_to_target_s"] and math.isfinite(c["time_to_target_s"]["median"])] or [1.0])
+    labelled: set[str] = set()
+    for x, (_, bars) in enumerate(groups):
+        for i, (name, cell) in enumerate(bars):
+            where = x + (i - (len(bars) - 1) / 2) * width
+            spread = cell["time_to_target_s"]
+            if not spread or not math.isfinite(spread["median"]):
+                ax.text(where, 0.02 * top, f"{cell['method']}: never", rotation=90, ha="center", va="bottom",
+                        fontsize="x-small")
+                continue
+            median = spread["median"]
+            low = spread.get("ci_low", median)
+            high = spread.get("ci_high", median)
+            high = high if high is not None and math.isfinite(high) else 1.15 * top
+            ax.bar(where, median, width=width, color=colours[name], label=None if name in labelled else name,
+                   yerr=[[median - (low if low is not None else median)], [high - median]], capsize=3)
+            labelled.add(name)
+            if name == "best baseline":
+                ax.text(where, 0.04 * top, cell["method"], rotation=90, ha="center", va="bottom",
+                        fontsize="x-small")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize="small")
+    targets = sorted({c["target_accuracy"] for _, bars in groups for _, c in bars})
+    ax.set_ylabel(f"time to {' / '.join(f'{100 * t:g}%' for t in targets)} test accuracy (s),\n"
+                  "median and 95% interval")
+    ax.set_ylim(0, 1.2 * top)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    workers = _network(benches[0].command, benches[0].records)
+    ax.set_title(f"Against the best baseline of each scenario ({workers})", fontsize="medium")
+    return png_bytes(fig)
+
+
+def _decision_row(cluster: str, group: list[dict[str, Any]],
+                  times: dict[tuple[str, str], list[float]]) -> list[str]:
+    from prague.metrics.report import BASELINE_METHODS, bootstrap_ratio, percent_text, spread_text, with_interval
+
     def median(cell: dict[str, Any]) -> float:
         spread = cell["time_to_target_s"]
         return float(spread["median"]) if spread else float("inf")
 
-    def key(cell: dict[str, Any]) -> list[float]:
-        return times[(cell["method"], cell["scenario"])]
+    def seconds(spread: dict[str, float] | None) -> str:
+        return spread_text(spread, ".0f", " s") if spread and math.isfinite(spread["median"]) else "never"
 
-    def base(method: str) -> str:
-        return method.split(":", 1)[0]
+    def job(cell: dict[str, Any]) -> str:
+        return "-" if cell["job_s"] is None else f"{cell['job_s']['median']:.1f} s"
 
-    seeds = sorted({len(c["seeds"]) for c in group})
-    seeds_text = "-".join(str(n) for n in (seeds[0], seeds[-1]) if n) if seeds[0] != seeds[-1] else str(seeds[0])
+    counts = sorted({len(c["seeds"]) for c in group})
+    seeds_text = str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
     reached = [c for c in group if median(c) < float("inf")]
     if not reached:
-        return [cluster, "none reached the target", "-", "-", "-", seeds_text]
+        return [cluster, "none reached the target", "-", "-", "-", "-", seeds_text]
     fastest = min(reached, key=median)
     level = []
     for cell in reached:
         if cell is not fastest:
-            slower = ratio(key(cell), key(fastest))
+            slower = bootstrap_ratio(times[(cell["method"], cell["scenario"])],
+                                     times[(fastest["method"], fastest["scenario"])])
             if slower is not None and slower.low <= 1.0:
                 level.append(f"`{cell['method']}`")
-    ours = min((c for c in group if base(c["method"]) not in baselines), key=median, default=None)
+    ours = min((c for c in group if c["method"].split(":", 1)[0] not in BASELINE_METHODS), key=median, default=None)
     best = next((c for c in group if c["method"] == fastest["best_baseline"]), None)
-    versus, accuracy = "-", "-"
+    versus = accuracy = jobs = "-"
     if ours is not None and best is not None:
         figure = ours["speedup_vs_best_baseline"]
-        spread = best["time_to_target_s"]
         shown = ("never reached" if not math.isfinite(median(ours)) else "n/a" if figure is None else
-                 _interval(figure["ratio"], figure["ci_low"], figure["ci_high"], "x"))
-        versus = f"`{ours['method']}` {shown} over `{best['method']}` ({_seconds_text(spread)})"
-        accuracy = f"{_percent(ours['test_accuracy'])} / {_percent(best['test_accuracy'])}"
-    return [cluster, f"`{fastest['method']}` {_seconds_text(fastest['time_to_target_s'])}",
-            ", ".join(level) or "none", versus, accuracy, seeds_text]
-
-
-def _interval(value: float, low: float | None, high: float | None, unit: str) -> str:
-    bound = (lambda v: f"{v:.2f}" if v is not None and math.isfinite(v) else "-")
-    return f"{bound(value)}{unit} [{bound(low)}, {bound(high)}]"
-
-
-def _seconds_text(spread: dict[str, float] | None) -> str:
-    if not spread or not math.isfinite(spread["median"]):
-        return "never"
-    low, high = spread.get("ci_low"), spread.get("ci_high")
-    bound = (lambda v: f"{v:.0f}" if v is not None and math.isfinite(v) else "-")
-    return f"{spread['median']:.0f} s" + (f" [{bound(low)}, {bound(high)}]" if low is not None else "")
-
-
-def _percent(spread: dict[str, float] | None) -> str:
-    return "-" if not spread else f"{100 * spread['median']:.2f}%"
+                 with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x"))
+        versus = f"`{ours['method']}` {shown} over `{best['method']}` ({seconds(best['time_to_target_s'])})"
+        accuracy = " / ".join(percent_text(c["test_accuracy"], interval=False) for c in (ours, best))
+        jobs = f"{job(ours)} / {job(best)}"
+    return [cluster, f"`{fastest['method']}` {seconds(fastest['time_to_target_s'])}",
+            ", ".join(level) or "none", versus, accuracy, jobs, seeds_text]
 
 
 def _network(command: str | None, records: Sequence[dict[str, Any]]) -> str:
