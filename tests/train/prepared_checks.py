@@ -91,13 +91,19 @@ def check_order(algorithm: str, opts: dict[str, object]) -> None:
     model.close()
 
 
-#: DDP's accumulation patterns, each over four micro-batches: where each of the first three runs its
-#: forward and its backward (inside no_sync or not); the last runs both outside.
-PATTERNS = {
-    "both inside": (True, True),  # DDP's documented one
-    "forward inside, backward outside": (True, False),  # DDP's rule: the forward decides, no sync
-    "forward outside, backward inside": (False, True),  # DDP all-reduces each: the same mean, more traffic
-    "no no_sync at all": (False, False),  # every backward synchronised, gradients accumulate
+#: DDP's accumulation patterns over four micro-batches, each micro-batch as (where its forward pass runs,
+#: where its backward pass runs): "in" model.no_sync(), "out" of it, or "module": the forward through the
+#: underlying module, past the wrapper. The patterns of DDP's documentation and of its own tests
+#: (torch's distributed_test.py and test_c10d_common.py: alternating blocks without an optimizer step, the
+#: underlying module for the local passes, an evaluation under no_grad inside no_sync first).
+PATTERNS: dict[str, list[tuple[str, str]]] = {
+    "both inside": [("in", "in")] * 3 + [("out", "out")],  # DDP's documented one
+    "forward inside, backward outside": [("in", "out")] * 3 + [("out", "out")],  # the forward decides
+    "forward outside, backward inside": [("out", "in")] * 3 + [("out", "out")],  # each synchronised: the same mean
+    "no no_sync at all": [("out", "out")] * 4,  # every backward synchronised, gradients accumulate
+    "alternating blocks, no step between": [("in", "in"), ("out", "out")] * 2,  # synchronised twice
+    "the underlying module for the local passes": [("module", "out")] * 3 + [("out", "out")],
+    "an evaluation under no_grad inside no_sync first": [("eval", "-")] + [("in", "in")] * 3 + [("out", "out")],
 }
 
 
@@ -111,16 +117,23 @@ def check_accumulation(algorithm: str, opts: dict[str, object]) -> None:
     loss = sum(F.cross_entropy(ref(a), b) for a, b in xs) / ctx.world_size
     loss.backward()  # type: ignore[union-attr]
     ref_opt.step()
-    for name, (forward_inside, backward_inside) in PATTERNS.items():
+    for name, passes in PATTERNS.items():
         base = net()
         model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), algorithm, **opts)
         x, y = data(ctx.rank, 0, 32)
-        for i in range(4):
-            part = slice(8 * i, 8 * (i + 1))
-            last = i == 3
-            with contextlib.nullcontext() if last or not forward_inside else model.no_sync():
-                loss = F.cross_entropy(model(x[part]), y[part]) / 4
-            with contextlib.nullcontext() if last or not backward_inside else model.no_sync():
+        micro = 0
+        for forward, backward in passes:
+            if forward == "eval":  # no gradient: decides nothing, accumulates nothing
+                with torch.no_grad(), model.no_sync():
+                    model(x)
+                assert all(p.grad is None for p in model.parameters()), name
+                continue
+            part = slice(8 * micro, 8 * (micro + 1))
+            micro += 1
+            runner = model.module if forward == "module" else model
+            with model.no_sync() if forward == "in" else contextlib.nullcontext():
+                loss = F.cross_entropy(runner(x[part]), y[part]) / 4
+            with model.no_sync() if backward == "in" else contextlib.nullcontext():
                 loss.backward()
         opt.step()
         for mine, theirs in zip(model.parameters(), ref.parameters()):
