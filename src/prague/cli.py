@@ -685,8 +685,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=1, help="run every (method, scenario) cell with K seeds: --seed, "
                                                          "--seed + 1, ...; the tables give the median and the range "
                                                          "(default 1)")
-    b.add_argument("--resume", action="store_true", help="go on with the unfinished bench in --out (same "
-                                                         "arguments): keep its finished runs, run the rest")
+    b.add_argument("--resume", action="store_true", help="go on with the bench in --out: keep its finished runs, "
+                   "run the rest; with the same arguments, or with more --algorithms, --scenarios or --repeat "
+                   "seeds (the bench grows, every other setting the same)")
     add_run_arguments(b)
     _lr_list_flag(b)
     b.add_argument("--pilot-budget", default=None,

@@ -295,6 +295,27 @@ def test_resume_reads_back_what_the_bench_wrote_and_refuses_anything_else(tmp_pa
         report.load_resume(out, argv)
 
 
+def test_a_resumed_bench_may_grow_by_methods_scenarios_and_seeds_only(tmp_path: Path,
+                                                                       records: list[dict[str, Any]]) -> None:
+    out = tmp_path / "out"
+    argv = ["bench", "--algorithms", "allreduce,localsgd", "--scenarios=homogeneous", "--nproc", "8", "--repeat", "2"]
+    runs = [f"runs/r{i}" for i in range(len(records))]
+    write_bench(out, records, command="prague bench", resume={"argv": argv, "runs": runs})
+    grown = ["bench", "--algorithms=allreduce,localsgd,prague", "--scenarios", "homogeneous,paper:5", "--nproc", "8",
+             "--repeat", "5"]
+    assert report.load_resume(out, grown)[1] == runs
+    for argv_, error in [
+            (grown[:-1] + ["1"], "ran --repeat 2; pass at least as many seeds"),
+            (["bench", "--algorithms", "prague", "--scenarios", "homogeneous", "--nproc", "8", "--repeat", "2"],
+             "holds runs of --algorithms allreduce,localsgd, which these arguments leave out"),
+            (grown[:4] + ["--nproc", "4", "--repeat", "5"], "not by these arguments; run that command with --resume")]:
+        with pytest.raises(ConfigError, match=error):
+            report.load_resume(out, argv_)
+    write_bench(out, records, command="prague bench", resume={"argv": ["bench", "--algorithms", "a"], "runs": runs})
+    with pytest.raises(ConfigError, match="ran one seed, whose runs are not named by seed"):
+        report.load_resume(out, ["bench", "--algorithms", "a", "--repeat", "3"])
+
+
 def test_write_bench_single_record_no_allreduce_no_accuracy(tmp_path: Path) -> None:
     record = run(
         "prague", "straggler:1:3", 1234.5, variant="smart", no_wait_limit_samples_per_s=None

@@ -185,8 +185,10 @@ def load_records(path: Path) -> list[RunRecord]:
 def load_resume(out_dir: Path, argv: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
     """The records of an unfinished bench in ``out_dir`` and the run folder of each (relative to
     ``out_dir``), for ``prague bench --resume``. ``argv`` is the bench's arguments without ``--resume``:
-    ConfigError unless ``bench.json`` was written by a bench with the same ones (a bench that never
-    finished its first run has none: starting afresh is then right)."""
+    ConfigError unless ``bench.json`` was written by a bench with the same ones, or with fewer methods,
+    scenarios or seeds and otherwise the same (the bench grows: its finished runs are kept, the new cells
+    run beside them, at the same settings) (a bench that never finished its first run has none: starting
+    afresh is then right)."""
     path = Path(out_dir) / "bench.json"
     if not path.is_file():
         return [], []
@@ -198,9 +200,53 @@ def load_resume(out_dir: Path, argv: Sequence[str]) -> tuple[list[dict[str, Any]
         raise ConfigError(f"--resume: {str(path)!r} does not say which runs it holds (written before --resume "
                           "existed, or edited); pass a new --out, or run the bench without --resume")
     if list(resume["argv"]) != list(argv):
-        raise ConfigError(f"--resume: {str(path)!r} was written by `prague {' '.join(resume['argv'])}`, not by these "
-                          "arguments; run that command with --resume, or pass another --out")
+        _check_growth(path, [str(a) for a in resume["argv"]], list(argv))
     return records, [str(r) for r in resume["runs"]]
+
+
+#: The flags a resumed bench may grow: more methods, scenarios or seeds.
+_GROWABLE = ("--algorithms", "--scenarios", "--repeat")
+
+
+def _split_growable(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``argv`` without :data:`_GROWABLE`'s flags, and their values (``--flag V`` or ``--flag=V``)."""
+    rest: list[str] = []
+    values: dict[str, str] = {}
+    words = iter(argv)
+    for word in words:
+        name, equals, value = word.partition("=")
+        if name in _GROWABLE:
+            values[name] = value if equals else next(words, "")
+        else:
+            rest.append(word)
+    return rest, values
+
+
+def _check_growth(path: Path, before: list[str], after: list[str]) -> None:
+    """ConfigError unless ``after`` is ``before`` with more methods, scenarios or seeds."""
+    written = f"`prague {' '.join(before)}`"
+    old_rest, old = _split_growable(before)
+    new_rest, new = _split_growable(after)
+    if old_rest != new_rest:
+        raise ConfigError(f"--resume: {str(path)!r} was written by {written}, not by these arguments; run that "
+                          "command with --resume (adding methods, scenarios or seeds if you like), or pass another "
+                          "--out")
+
+    def items(values: dict[str, str], flag: str) -> list[str]:
+        return [v.strip() for v in values.get(flag, "").split(",") if v.strip()]
+
+    for flag in ("--algorithms", "--scenarios"):
+        dropped = [v for v in items(old, flag) if v not in items(new, flag)]
+        if dropped:
+            raise ConfigError(f"--resume: {str(path)!r} holds runs of {flag} {','.join(dropped)}, which these "
+                              f"arguments leave out; a resumed bench keeps every cell it ran: add them back to "
+                              f"{flag}, or pass another --out")
+    repeat_before, repeat_after = int(old.get("--repeat", "1") or 1), int(new.get("--repeat", "1") or 1)
+    if repeat_after < repeat_before:
+        raise ConfigError(f"--resume: {str(path)!r} ran --repeat {repeat_before}; pass at least as many seeds")
+    if repeat_before == 1 < repeat_after:
+        raise ConfigError(f"--resume: {str(path)!r} ran one seed, whose runs are not named by seed; more seeds "
+                          "need a bench that began with --repeat 2 or more: pass another --out")
 
 
 # --------------------------------------------------------------------------------------------------
