@@ -219,13 +219,15 @@ def _ring_s(size_bytes: float, rate_bits: float) -> float:
 def test_allreduce_hides_its_first_bucket_behind_the_paced_backward_on_a_fast_enough_link(tmp_path: Path) -> None:
     """Two emulated hosts at 200 Mbit/s: the fc bucket's all-reduce (2.1 MB each way, about 85 ms) starts
     about 10% into a 200 ms backward part and hides behind the convolutions' backward; only the small last
-    bucket is exposed, so `allreduce` keeps at least 90% of the no-wait limit (the old clock, which padded
-    before the real pass, exposed all of it: about 70% at 150 Mbit/s). Measured here: 94-97%; the rest is the
-    last bucket, the emulated link's own delays and two workers sharing two cores with the test runner."""
+    bucket is exposed, so `allreduce` keeps at least 95% of the no-wait limit (the old clock, which padded
+    before the real pass, exposed all of it: about 70% at 150 Mbit/s). Measured here: 96.5-97.1% in six runs
+    alone on the machine (at 200 Mbit/s and 1 Gbit/s, paces of 300 and 500 ms alike), 94-97% in earlier
+    suite runs; the rest is the last bucket (about 3 ms), the step's own work outside the pace (the
+    optimizer's step, the next batch) and the emulated link's delays."""
     (fc, conv), fc1 = _cnn_buckets()
     assert _ring_s(fc, 200e6) < 0.2 * (1 - fc1) * 0.5  # it fits, with room for the emulated link's own delays
     summary = _paced_allreduce(tmp_path / "run", "200mbit", 300, steps=36)
-    assert summary["fraction_of_limit"] >= 0.90, summary
+    assert summary["fraction_of_limit"] >= 0.95, summary
     assert max(summary["mean_comm_s"]) < 0.5 * _ring_s(fc, 200e6), summary["mean_comm_s"]
 
 
