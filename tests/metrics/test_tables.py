@@ -101,7 +101,7 @@ def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_b
                  "prague bench --nproc 8 --hosts 4 --link-rate 300mbit --cross-traffic bursts:0.3:20",
                  {("allreduce", "homogeneous"): [90.0, 92.0], ("prague", "homogeneous"): [45.0, 47.0]})
     rows = _decision_rows(decision_table([one, two]))
-    assert rows[0][0] == "cnn on mnist, 8 workers, one machine; rank 3 4x slower throughout (`straggler:3:4`)"
+    assert rows[0][0] == "cnn on mnist to 98%, 8 workers, one machine; rank 3 4x slower throughout (`straggler:3:4`)"
     assert rows[0][1].startswith("`prague` 42 s [")
     assert rows[0][2] == "`adpsgd`"  # its times overlap prague's: level; the baselines are not
     assert rows[0][3].startswith("`prague` 1.48x [") and rows[0][3].endswith("over `allreduce:backup` (62 s [60, 64])")
@@ -110,7 +110,10 @@ def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_b
     assert rows[1][1].startswith("`localsgd` 31 s") and rows[1][2] == "none"
     assert rows[1][3].startswith("`prague` 0.6") and "over `localsgd`" in rows[1][3]
     assert rows[2][0].endswith("random 5x slowdowns (`paper:5`)") and rows[2][1] == "none reached the target"
-    assert rows[3][0] == ("cnn on mnist, 8 workers on 4 hosts at 300mbit, cross-traffic bursts:0.3:20; "
+    late = _bench(tmp_path, "late.json", "prague bench --nproc 8", {("allreduce", "paper:5"): [None, None],
+                                                                    ("prague", "paper:5"): [110.0, None]})
+    assert _decision_rows(decision_table([late]))[0][3] == "`prague` reached it, no baseline did (`allreduce` never)"
+    assert rows[3][0] == ("cnn on mnist to 98%, 8 workers on 4 hosts at 300mbit, cross-traffic bursts:0.3:20; "
                           "equal workers (`homogeneous`)")
     assert rows[3][3].startswith("`prague` 2.00x") and rows[3][6] == "2"
 
@@ -136,11 +139,15 @@ def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(t
     plain = _bench(tmp_path, "plain.json", "prague bench --algorithms localsgd --nproc 8 --compute-ms 150", cells)
     rows = _decision_rows(decision_table([h4, h8, plain]))
     # the folder and the seeds differ too, but every bench varies those: only the settings are named
-    assert rows[0][0] == ("cnn on mnist, 8 workers, one machine; `--stop-at-target`; `--sync-every-steps 4`; "
+    assert rows[0][0] == ("cnn on mnist to 98%, 8 workers, one machine; `--stop-at-target`; `--sync-every-steps 4`; "
                           "equal workers (`homogeneous`)")
     assert "; `--sync-every-steps 8`;" in rows[1][0]
-    assert rows[2][0] == "cnn on mnist, 8 workers, one machine; equal workers (`homogeneous`)"
-    assert _decision_rows(decision_table([h4]))[0][0].startswith("cnn on mnist, 8 workers, one machine; equal")
+    assert rows[2][0] == "cnn on mnist to 98%, 8 workers, one machine; equal workers (`homogeneous`)"
+    assert _decision_rows(decision_table([h4]))[0][0].startswith("cnn on mnist to 98%, 8 workers, one machine; equal")
+    # another workload's bench: its whole recipe differs; its model and data name it, not its flags
+    other = _bench(tmp_path, "gpt.json", "prague bench --model gpt --data pytext --lr 0.002 --optimizer adamw", cells)
+    rows = _decision_rows(decision_table([h4, h8, other]))
+    assert "; `--sync-every-steps 4`;" in rows[0][0] and "--lr" not in rows[0][0] and "--optimizer" not in rows[2][0]
 
 
 def test_the_picture_of_a_workload_is_drawn_beside_the_decision_table(tmp_path: Path,

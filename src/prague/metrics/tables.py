@@ -289,6 +289,8 @@ def _decision_row(cluster: str, group: list[dict[str, Any]],
         shown = ("never reached" if not math.isfinite(median(ours)) else "n/a" if figure is None else
                  with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x"))
         versus = f"`{ours['method']}` {shown} over `{best['method']}` ({seconds(best['time_to_target_s'])})"
+        if math.isfinite(median(ours)) and not math.isfinite(median(best)):
+            versus = f"`{ours['method']}` reached it, no baseline did (`{best['method']}` never)"
         accuracy = " / ".join(percent_text(c["test_accuracy"], interval=False) for c in (ours, best))
         jobs = f"{job(ours)} / {job(best)}"
     return [cluster, f"`{fastest['method']}` {seconds(fastest['time_to_target_s'])}",
@@ -300,6 +302,9 @@ def _network(command: str | None, records: Sequence[dict[str, Any]]) -> str:
     nprocs = sorted({int(r["nproc"]) for r in records})
     workers = f"{'/'.join(map(str, nprocs))} workers"
     model = "/".join(sorted({f"{r.get('model')} on {r.get('data')}" for r in records}))
+    targets = sorted({float(r["target_accuracy"]) for r in records if r.get("target_accuracy") is not None})
+    if targets:
+        model += f" to {'/'.join(f'{100 * t:g}%' for t in targets)}"
     flags = _flags(command)
     if "--hosts" not in flags:
         return f"{model}, {workers}, one machine"
@@ -311,7 +316,7 @@ def _network(command: str | None, records: Sequence[dict[str, Any]]) -> str:
 #: scenarios, seeds), where they wrote, and what :func:`_network` says in words.
 _SAID_ELSEWHERE = frozenset({"--algorithms", "--scenarios", "--repeat", "--seed", "--out", "--resume", "--quiet",
                              "--hosts", "--link-rate", "--cross-traffic", "--nproc", "--model", "--data",
-                             "--data-dir"})
+                             "--data-dir", "--target-accuracy"})
 
 
 def _flags(command: str | None) -> dict[str, str]:
@@ -322,13 +327,22 @@ def _flags(command: str | None) -> dict[str, str]:
 
 
 def _differing(commands: Sequence[str | None]) -> list[str]:
-    """For each bench, the settings that tell it from the others (``; `--sync-every-steps 4```): the
-    flags whose values differ between the commands, outside :data:`_SAID_ELSEWHERE`; nothing for one bench."""
+    """For each bench, the settings that tell it from the others of its workload (``; `--sync-every-steps
+    4```): the flags whose values differ between the commands with the same ``--model`` and ``--data``,
+    outside :data:`_SAID_ELSEWHERE`; nothing for a workload of one bench (two workloads differ in their
+    whole recipe: the model and data set name them)."""
     parsed = [_flags(c) for c in commands]
-    names = sorted({n for flags in parsed for n in flags} - _SAID_ELSEWHERE)
-    varying = [n for n in names if len({flags.get(n) for flags in parsed}) > 1]
-    return ["".join(f"; `{' '.join(filter(None, (n, flags[n])))}`" for n in varying if n in flags)
-            for flags in parsed]
+
+    def workload(flags: dict[str, str]) -> tuple[str | None, str | None]:
+        return flags.get("--model"), flags.get("--data")
+
+    out = []
+    for flags in parsed:
+        alike = [f for f in parsed if workload(f) == workload(flags)]
+        names = sorted({n for f in alike for n in f} - _SAID_ELSEWHERE)
+        varying = [n for n in names if len({f.get(n) for f in alike}) > 1]
+        out.append("".join(f"; `{' '.join(filter(None, (n, flags[n])))}`" for n in varying if n in flags))
+    return out
 
 
 def _slowdowns(scenario: str) -> str:
