@@ -334,12 +334,12 @@ def test_generated_reports_in_the_docs_are_current() -> None:
     """Every generated report in README.md and docs/ holds exactly what `prague report FILE` prints today
     (for a bench.json the function that writes its bench.md; for another benchmark's JSON its table): a
     table cannot drift from the data it names."""
-    from prague.metrics.tables import decision_table, report_file
+    from prague.metrics.tables import decision_table, read_decision, report_file
 
     def report(block: re.Match[str]) -> str:
         paths = [ROOT / p for p in block["path"].split()]
         if block["flag"] == "--decide ":
-            return decision_table(paths)
+            return decision_table(read_decision(paths))
         assert len(paths) == 1, f"`prague report` without --decide reads one file: {block['path']}"
         return report_file(paths[0], tta_only=block["flag"] == "--tta ")
 

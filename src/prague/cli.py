@@ -784,18 +784,18 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from prague.metrics.report import read_bench, report_json
-    from prague.metrics.tables import decision_table, report_file
+    from prague.metrics.tables import decision_table, read_decision, report_file
 
     if args.plot is not None and not args.decide:
         raise ConfigError("--plot draws the decision table's benches: add --decide")
     if args.decide:
-        table = decision_table(args.bench)
+        scenarios = read_decision(args.bench)
         if args.plot is not None:
             from prague.io import atomic_write_bytes
             from prague.metrics.tables import versus_best_figure
 
-            atomic_write_bytes(args.plot, versus_best_figure(args.bench))
-        sys.stdout.write(table)
+            atomic_write_bytes(args.plot, versus_best_figure(scenarios))
+        sys.stdout.write(decision_table(scenarios))
         return 0
     if len(args.bench) > 1:
         raise ConfigError(f"prague report reads one file, got {len(args.bench)}; pass one, or add --decide to "

@@ -9,7 +9,7 @@ import pytest
 
 from prague.cli import main
 from prague.errors import ConfigError
-from prague.metrics.tables import decision_table, report_file, versus_best_figure
+from prague.metrics.tables import decision_table, read_decision, report_file, versus_best_figure
 
 
 def _write(tmp_path: Path, document: dict) -> Path:
@@ -100,7 +100,7 @@ def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_b
     two = _bench(tmp_path, "two.json",
                  "prague bench --nproc 8 --hosts 4 --link-rate 300mbit --cross-traffic bursts:0.3:20",
                  {("allreduce", "homogeneous"): [90.0, 92.0], ("prague", "homogeneous"): [45.0, 47.0]})
-    rows = _decision_rows(decision_table([one, two]))
+    rows = _decision_rows(decision_table(read_decision([one, two])))
     assert rows[0][0] == "cnn on mnist to 98%, 8 workers, one machine; rank 3 4x slower throughout (`straggler:3:4`)"
     assert rows[0][1].startswith("`prague` 42 s [")
     assert rows[0][2] == "`adpsgd`"  # its times overlap prague's: level; the baselines are not
@@ -112,7 +112,8 @@ def test_the_decision_table_names_the_fastest_those_level_with_it_and_the_best_b
     assert rows[2][0].endswith("random 5x slowdowns (`paper:5`)") and rows[2][1] == "none reached the target"
     late = _bench(tmp_path, "late.json", "prague bench --nproc 8", {("allreduce", "paper:5"): [None, None],
                                                                     ("prague", "paper:5"): [110.0, None]})
-    assert _decision_rows(decision_table([late]))[0][3] == "`prague` reached it, no baseline did (`allreduce` never)"
+    assert (_decision_rows(decision_table(read_decision([late])))[0][3]
+            == "`prague` reached it, no baseline did (`allreduce` never)")
     assert rows[3][0] == ("cnn on mnist to 98%, 8 workers on 4 hosts at 300mbit, cross-traffic bursts:0.3:20; "
                           "equal workers (`homogeneous`)")
     assert rows[3][3].startswith("`prague` 2.00x") and rows[3][6] == "2"
@@ -123,12 +124,12 @@ def test_the_decision_table_needs_benches_with_a_target(tmp_path: Path, capsys: 
     path.write_text(json.dumps({"records": [{"algorithm": "allreduce", "scenario": "homogeneous",
                                              "throughput_samples_per_s": 1.0}]}))
     with pytest.raises(ConfigError, match="without --target-accuracy"):
-        decision_table([path])
+        decision_table(read_decision([path]))
     assert main(["report", str(path), str(path)]) == 2
     assert "add --decide to compare several benches" in capsys.readouterr().err
     good = _bench(tmp_path, "good.json", "prague bench", {("prague", "homogeneous"): [1.0]})
     assert main(["report", "--decide", str(good), str(good)]) == 0
-    assert capsys.readouterr().out == decision_table([good, good])
+    assert capsys.readouterr().out == decision_table(read_decision([good, good]))
 
 
 def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(tmp_path: Path) -> None:
@@ -137,16 +138,17 @@ def test_a_decision_row_names_the_settings_that_tell_its_bench_from_the_others(t
     h4 = _bench(tmp_path, "h4.json", f"{base}4 --sync-every-steps 4 --repeat 2", cells)
     h8 = _bench(tmp_path, "h8.json", f"{base}8 --sync-every-steps 8 --repeat 3", cells)
     plain = _bench(tmp_path, "plain.json", "prague bench --algorithms localsgd --nproc 8 --compute-ms 150", cells)
-    rows = _decision_rows(decision_table([h4, h8, plain]))
+    rows = _decision_rows(decision_table(read_decision([h4, h8, plain])))
     # the folder and the seeds differ too, but every bench varies those: only the settings are named
     assert rows[0][0] == ("cnn on mnist to 98%, 8 workers, one machine; `--stop-at-target`; `--sync-every-steps 4`; "
                           "equal workers (`homogeneous`)")
     assert "; `--sync-every-steps 8`;" in rows[1][0]
     assert rows[2][0] == "cnn on mnist to 98%, 8 workers, one machine; equal workers (`homogeneous`)"
-    assert _decision_rows(decision_table([h4]))[0][0].startswith("cnn on mnist to 98%, 8 workers, one machine; equal")
+    assert _decision_rows(decision_table(read_decision([h4])))[0][0].startswith(
+        "cnn on mnist to 98%, 8 workers, one machine; equal")
     # another workload's bench: its whole recipe differs; its model and data name it, not its flags
     other = _bench(tmp_path, "gpt.json", "prague bench --model gpt --data pytext --lr 0.002 --optimizer adamw", cells)
-    rows = _decision_rows(decision_table([h4, h8, other]))
+    rows = _decision_rows(decision_table(read_decision([h4, h8, other])))
     assert "; `--sync-every-steps 4`;" in rows[0][0] and "--lr" not in rows[0][0] and "--optimizer" not in rows[2][0]
 
 
@@ -157,10 +159,10 @@ def test_the_picture_of_a_workload_is_drawn_beside_the_decision_table(tmp_path: 
         ("allreduce:backup", "straggler:3:4"): [60.0, 62.0, 64.0], ("prague", "straggler:3:4"): [40.0, 41.0, 42.0],
         ("adpsgd", "straggler:3:4"): [41.0, None, 43.0], ("localsgd", "homogeneous"): [30.0, 31.0, 32.0],
         ("prague", "homogeneous"): [None, None, None], ("allreduce", "paper:5"): [None, None]})
-    assert versus_best_figure([bench]).startswith(b"\x89PNG")
+    assert versus_best_figure(read_decision([bench])).startswith(b"\x89PNG")
     out = tmp_path / "pictures" / "mnist.png"
     out.parent.mkdir()
     assert main(["report", "--decide", str(bench), "--plot", str(out)]) == 0
-    assert out.read_bytes().startswith(b"\x89PNG") and capsys.readouterr().out == decision_table([bench])
+    assert out.read_bytes().startswith(b"\x89PNG") and capsys.readouterr().out == decision_table(read_decision([bench]))
     assert main(["report", str(bench), "--plot", str(out)]) == 2
     assert "--plot draws the decision table's benches: add --decide" in capsys.readouterr().err

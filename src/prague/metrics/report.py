@@ -697,6 +697,11 @@ def _speedup(cell: dict[str, Any], baseline: dict[str, Any] | None, figure: dict
         return "-"
     if not math.isfinite(baseline["time_to_target_s"]["median"]):
         return f"{baseline['method']} never"
+    return ratio_text(figure)
+
+
+def ratio_text(figure: dict[str, float]) -> str:
+    """A speed-up's ``{ratio, ci_low, ci_high}``: ``2.00x [1.50, 3.10]``."""
     return with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x")
 
 

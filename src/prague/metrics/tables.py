@@ -23,6 +23,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +157,45 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
 # Which method to pick: several benches side by side
 
 
-def decision_table(paths: Sequence[Path]) -> str:
-    """README's "which method to pick" from the ``bench.json`` of several benches: one row per scenario
-    of each bench (the cluster in words: workers, network, slowdowns), with
+@dataclass(frozen=True)
+class ScenarioCells:
+    """One scenario of one bench, as the decision table and its picture read it: ``where`` (the workload,
+    workers and network in words, and the settings that tell the bench from the others of its workload),
+    ``scenario``, ``cells`` (:func:`~prague.metrics.report.cells`' entries of the scenario that have a time
+    to target) and ``times`` (the bench's times to target per cell, for bootstrap ratios)."""
+
+    where: str
+    settings: str
+    scenario: str
+    cells: list[dict[str, Any]]
+    times: dict[tuple[str, str], list[float]]
+
+
+def read_decision(paths: Sequence[Path]) -> list[ScenarioCells]:
+    """Every scenario of the ``bench.json`` files ``paths``, in order, each bench read and its cells
+    computed once. ConfigError naming the file for one that is not a bench.json with a ``--target-accuracy``."""
+    from prague.metrics.report import cells, read_bench, times_to_target
+
+    if not paths:
+        raise ConfigError("prague report --decide needs the bench.json of one bench or more")
+    out = []
+    benches = [read_bench(path) for path in paths]
+    for path, bench, settings in zip(paths, benches, _differing([b.command for b in benches])):
+        times = times_to_target(bench.records)
+        if not times:
+            raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it "
+                              "cannot say which method to pick; pass a bench run with --target-accuracy")
+        table = [c for c in cells(bench.records) if (c["method"], c["scenario"]) in times]
+        where = _network(bench.command, bench.records)
+        for scenario in dict.fromkeys(c["scenario"] for c in table):
+            out.append(ScenarioCells(where, settings, scenario, [c for c in table if c["scenario"] == scenario],
+                                     times))
+    return out
+
+
+def decision_table(scenarios: Sequence[ScenarioCells]) -> str:
+    """README's "which method to pick" from the scenarios of several benches (:func:`read_decision`): one
+    row per scenario of each bench (the cluster in words: workers, network, slowdowns), with
 
     * the fastest method: the lowest median time to the accuracy target, with its 95% interval;
     * the methods *level* with it: those whose slowdown against it, the bootstrap ratio of the two
@@ -166,56 +203,31 @@ def decision_table(paths: Sequence[Path]) -> str:
     * the fastest method that is not a baseline against the scenario's best baseline (the fastest of
       :data:`~prague.metrics.report.BASELINE_METHODS` with any variant), the ratio of the medians and its
       interval, as the bench's own table gives it;
-    * the final accuracy and the job time of those two (medians over seeds), and the seeds.
-
-    ConfigError naming the file for one that is not a bench.json with a ``--target-accuracy``."""
-    from prague.metrics.report import cells, read_bench, times_to_target
-
-    if not paths:
-        raise ConfigError("prague report --decide needs the bench.json of one bench or more")
-    rows = []
-    benches = [read_bench(path) for path in paths]
-    for path, bench, settings in zip(paths, benches, _differing([b.command for b in benches])):
-        table = cells(bench.records)
-        times = times_to_target(bench.records)
-        if not times:
-            raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it "
-                              "cannot say which method to pick; pass a bench run with --target-accuracy")
-        where = _network(bench.command, bench.records) + settings
-        for scenario in dict.fromkeys(c["scenario"] for c in table):
-            group = [c for c in table if c["scenario"] == scenario and (c["method"], scenario) in times]
-            rows.append(_decision_row(f"{where}; {_slowdowns(scenario)}", group, times))
+    * the final accuracy and the job time of those two (medians over seeds), and the seeds."""
+    rows = [_decision_row(f"{s.where}{s.settings}; {_slowdowns(s.scenario)}", s.cells, s.times) for s in scenarios]
     header = ["cluster", "fastest", "level with it", "fastest other than a baseline, against the best baseline",
               "final accuracy: those two", "job time: those two", "seeds"]
     return _table(header, ["---", "---", "---", "---", "---:", "---:", "---:"], rows)
 
 
-def versus_best_figure(paths: Sequence[Path]) -> bytes:
-    """README's picture of one workload, as PNG bytes: per scenario of each bench (a group of bars, named by
-    the scenario and the settings that tell the benches apart), the median time to the accuracy target of
-    the scenario's best baseline (grey, its name on the bar) and of every method that is not a baseline,
-    each with its 95% bootstrap interval; a method that never reached the target has no bar and says so.
-    The same cells and best baselines as :func:`decision_table`."""
+def versus_best_figure(scenarios: Sequence[ScenarioCells]) -> bytes:
+    """README's picture of one workload, as PNG bytes: per scenario of each bench (:func:`read_decision`; a
+    group of bars, named by the scenario and the settings that tell the benches apart), the median time to
+    the accuracy target of the scenario's best baseline (grey, its name on the bar) and of every method that
+    is not a baseline, each with its 95% bootstrap interval; a method that never reached the target has no
+    bar and says so. The same cells and best baselines as :func:`decision_table`."""
     from matplotlib.figure import Figure
 
-    from prague.metrics.report import BASELINE_METHODS, cells, method_colours, png_bytes, read_bench
+    from prague.metrics.report import BASELINE_METHODS, method_colours, png_bytes
 
-    if not paths:
+    if not scenarios:
         raise ConfigError("prague report --plot needs the bench.json of one bench or more")
-    benches = [read_bench(path) for path in paths]
     groups: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
-    for path, bench, settings in zip(paths, benches, _differing([b.command for b in benches])):
-        table = [c for c in cells(bench.records) if c["target_accuracy"] is not None]
-        if not table:
-            raise ConfigError(f"{path} has no time to a target (its bench ran without --target-accuracy): it has "
-                              "nothing to draw; pass a bench run with --target-accuracy")
-        for scenario in dict.fromkeys(c["scenario"] for c in table):
-            here = [c for c in table if c["scenario"] == scenario]
-            best = next((c for c in here if c["method"] == here[0]["best_baseline"]), None)
-            bars = [("best baseline", best)] if best is not None else []
-            bars += [(c["method"], c) for c in here if c["method"].split(":", 1)[0] not in BASELINE_METHODS]
-            label = scenario + settings.replace("; ", "\n").replace("`", "")
-            groups.append((label, bars))
+    for s in scenarios:
+        best = next((c for c in s.cells if c["method"] == s.cells[0]["best_baseline"]), None)
+        bars = [("best baseline", best)] if best is not None else []
+        bars += [(c["method"], c) for c in s.cells if c["method"].split(":", 1)[0] not in BASELINE_METHODS]
+        groups.append((s.scenario + s.settings.replace("; ", "\n").replace("`", ""), bars))
     names = list(dict.fromkeys(name for _, bars in groups for name, _ in bars if name != "best baseline"))
     colours = {"best baseline": "0.6", **method_colours(names)}
     width = 0.8 / max(1, max(len(bars) for _, bars in groups))
@@ -249,14 +261,13 @@ def versus_best_figure(paths: Sequence[Path]) -> bytes:
     ax.set_ylim(0, 1.2 * top)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    workers = _network(benches[0].command, benches[0].records)
-    ax.set_title(f"Against the best baseline of each scenario ({workers})", fontsize="medium")
+    ax.set_title(f"Against the best baseline of each scenario ({scenarios[0].where})", fontsize="medium")
     return png_bytes(fig)
 
 
 def _decision_row(cluster: str, group: list[dict[str, Any]],
                   times: dict[tuple[str, str], list[float]]) -> list[str]:
-    from prague.metrics.report import BASELINE_METHODS, bootstrap_ratio, percent_text, spread_text, with_interval
+    from prague.metrics.report import BASELINE_METHODS, bootstrap_ratio, percent_text, ratio_text, spread_text
 
     def median(cell: dict[str, Any]) -> float:
         spread = cell["time_to_target_s"]
@@ -287,7 +298,7 @@ def _decision_row(cluster: str, group: list[dict[str, Any]],
     if ours is not None and best is not None:
         figure = ours["speedup_vs_best_baseline"]
         shown = ("never reached" if not math.isfinite(median(ours)) else "n/a" if figure is None else
-                 with_interval(figure["ratio"], figure["ci_low"], figure["ci_high"], ".2f", "x"))
+                 ratio_text(figure))
         versus = f"`{ours['method']}` {shown} over `{best['method']}` ({seconds(best['time_to_target_s'])})"
         if math.isfinite(median(ours)) and not math.isfinite(median(best)):
             versus = f"`{ours['method']}` reached it, no baseline did (`{best['method']}` never)"
