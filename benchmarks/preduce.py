@@ -121,16 +121,17 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, results: "mp.Queue
         device = ctx.device
         # dist.new_group needs every rank, members or not, in the same order.
         subgroups = {s: dist.new_group(list(range(s))) for s in args.group_sizes}
-        comms = GroupCommunicators(ctx, capacity=len(args.group_sizes))
+        comms = GroupCommunicators(ctx, capacity=len(args.group_sizes), namespace="bench/kept")
         tiny = torch.zeros(1, device=device)
         rows = []
         for size in args.sizes:
             buf = torch.randn(SIZES[size], device=device)
             for s in args.group_sizes:
                 members, sub = tuple(range(s)), subgroups[s]
-                # Every rank builds the same GroupCommunicators instances in the same order (their store
-                # keys are numbered by that order), members or not.
-                fresh = [GroupCommunicators(ctx, capacity=1) for _ in range(args.create_reps)]
+                # Every rank builds the same GroupCommunicators instances, members or not, each under
+                # a store-key namespace of its own.
+                fresh = [GroupCommunicators(ctx, capacity=1, namespace=f"bench/{size}/{s}/{i}")
+                         for i in range(args.create_reps)]
                 if rank in members:
                     start = lambda: dist.all_reduce(tiny, group=sub)  # noqa: E731
 

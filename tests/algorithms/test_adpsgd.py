@@ -129,18 +129,19 @@ def test_pair_averaging_keeps_the_sum_and_reaches_consensus(tmp_path: Path, npro
 
 def test_cli_run_reports_adpsgd_metrics(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("run", "--algorithm", "adpsgd", "--nproc", "3", "--steps", "15", "--model", "mlp",
+    res = run_cli("run", "--algorithm", "adpsgd", "--nproc", "3", "--steps", "40", "--model", "mlp",
                   "--data", "digits", "--save-model", "--out", str(out), "--quiet", timeout_s=180)
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     stats = summary["algorithm_stats"]
     assert [s["role"] for s in stats] == ["active", "passive", "active"]
-    assert stats[1]["requests_served"] == 30 and stats[0]["requests_initiated"] == 15
+    assert stats[1]["requests_served"] == 80 and stats[0]["requests_initiated"] == 40
     assert summary["test_accuracy"] > 0.3
     # Replicas differ (pairs average asynchronously; allreduce's are identical) yet stay close, measured
     # against how far training moved their average from the common start: three replicas trained on the
     # same shards without averaging end about 0.22x that apart; averaging with the passive every step
-    # keeps them near 0.08x.
+    # keeps them near 0.08x. Over 15 steps a loaded machine's late exchanges left 0.17x now and then;
+    # 40 steps give the averaging time to pull them together.
     data = load_dataset("digits", seed=0)
     torch.manual_seed(0)  # the run's --seed: the start every rank built
     start = build_model("mlp", data.input_shape, data.num_classes).state_dict()

@@ -4,7 +4,8 @@ the one sequence of effects the runtime and the simulator both perform."""
 from __future__ import annotations
 
 from prague.algorithms.prague.flow import (
-    COMMITTED, DRAIN, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
+    ASK, CATCH_UP, COMMITTED, DRAIN, REDUCE, SETTLE, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging,
+    finishing, overlapped_step,
 )
 
 
@@ -40,3 +41,35 @@ def test_with_the_limit_out_a_step_goes_local_or_waits_for_the_oldest_by_its_pol
 
 def test_after_the_last_step_every_average_then_the_committed_groups() -> None:
     assert list(finishing()) == [DRAIN, COMMITTED]
+
+
+def _request(group_size: int, averages: object = True) -> list[tuple[str, object]]:
+    """Drive one request of the averaging thread whose group has ``group_size`` members; REDUCE answers
+    ``averages``."""
+    from prague.groups import Group
+
+    flow = averaging()
+    seen = []
+    effect = next(flow)
+    try:
+        while True:
+            seen.append(effect)
+            reply = {ASK: Group(seq=7, members=tuple(range(group_size))), REDUCE: averages}.get(effect[0])
+            effect = flow.send(reply)
+    except StopIteration:
+        return seen
+
+
+def test_a_request_asks_catches_up_reduces_then_settles_its_correction() -> None:
+    seen = _request(3)
+    assert [e for e, _ in seen] == [ASK, CATCH_UP, REDUCE, SETTLE]
+    assert seen[1][1].members == (0, 1, 2) and seen[-1] == (SETTLE, True)
+
+
+def test_a_group_of_one_settles_a_zero_correction_without_averaging() -> None:
+    assert _request(1) == [(ASK, None), (SETTLE, False)]
+
+
+def test_a_group_whose_other_members_all_failed_settles_a_zero_correction() -> None:
+    assert _request(3, averages=False)[-1] == (SETTLE, False)
+    assert _request(3, averages=None)[-1] == (SETTLE, True)  # None: it averaged (a runner that returns nothing)

@@ -180,7 +180,7 @@ def open_fds() -> int:
 
 def _random_groups_rank(ctx: DistContext, schedule: list[tuple[int, ...]], numel: int,
                         transport: str) -> dict[str, Any]:
-    comms = GroupCommunicators(ctx, capacity=16, timeout_s=30, transport=transport)
+    comms = GroupCommunicators(ctx, capacity=16, timeout_s=30, transport=transport, namespace="test/1")
     comms.start()
     snaps = run_schedule(ctx, comms, schedule, numel, torch.float64, max_skew_s=0.05, seed=7)
     stats = comms.stats
@@ -222,8 +222,8 @@ _EVICTION_SCHEDULE = [(0, 1), (0, 2), (0, 3), (1, 2, 3), (0, 1), (1, 2, 3), (0, 
 
 
 def _eviction_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
-    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20)
-    warm = GroupCommunicators(ctx, capacity=1, timeout_s=20)  # load gloo's lazy parts before counting fds
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20, namespace="test/2")
+    warm = GroupCommunicators(ctx, capacity=1, timeout_s=20, namespace="test/3")  # load gloo's lazy parts before counting fds
     if ctx.rank in (0, 1):
         preduce(torch.zeros(4), (0, 1), warm)
     warm.close()
@@ -277,7 +277,7 @@ AGAIN_KEY = "test/pair-2-3-works-again"
 
 
 def _failure_rank(ctx: DistContext, numel: int) -> dict[str, Any]:
-    comms = GroupCommunicators(ctx, capacity=4, timeout_s=FAIL_TIMEOUT_S)
+    comms = GroupCommunicators(ctx, capacity=4, timeout_s=FAIL_TIMEOUT_S, namespace="test/4")
     rank = ctx.rank
     out: dict[str, Any] = {}
     buf = torch.full((numel,), float(rank))
@@ -346,7 +346,7 @@ def _blocked_handshake_rank(ctx: DistContext) -> str:
     rank 1 arrives only after it has read a key that rank 0's main thread writes meanwhile through
     the job's store. If the handshake waited on the same store client, that write would queue behind
     the wait and the two ranks would wait for each other until the timeout."""
-    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20)
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20, namespace="test/5")
     try:
         if ctx.rank == 0:
             box: dict[str, Any] = {}
@@ -381,7 +381,8 @@ def _rebuild_rank(ctx: DistContext) -> dict[str, int]:
     rendezvous runs on a thread of its own); count the store connections opened meanwhile."""
     from prague.runtime.liveness import Membership
 
-    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20, membership=Membership(ctx.private_store(), 3))
+    comms = GroupCommunicators(ctx, capacity=2, timeout_s=20, membership=Membership(ctx.private_store(), 3),
+                               namespace="test/10")
     opened = 0
     original = DistContext.private_store
 
@@ -414,7 +415,7 @@ def test_rebuilt_communicators_reuse_one_rendezvous_connection() -> None:
 
 
 def _float_world_rank(ctx: DistContext) -> torch.Tensor:
-    comms = GroupCommunicators(ctx, timeout_s=20, transport="world")
+    comms = GroupCommunicators(ctx, timeout_s=20, transport="world", namespace="test/6")
     comms.start()
     buf = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float32) / 3
     preduce(buf, (0, 1, 2), comms)
@@ -474,7 +475,7 @@ def _half_done_rank(ctx: DistContext, transport: str) -> dict[str, Any]:
     from prague.comm import surviving
     from prague.runtime.liveness import Failure, declare_failure
 
-    groups = surviving.LiveGroups(ctx, capacity=4, transport=transport)
+    groups = surviving.LiveGroups(ctx, capacity=4, transport=transport, namespace="test/7")
     rank = ctx.rank
     buf = torch.full((64,), float(3 * rank))
     out: dict[str, Any] = {}
@@ -531,7 +532,7 @@ def _compressed_rank(ctx: DistContext, transport: str, numel: int) -> dict[str, 
     from prague.comm.compress import ErrorFeedback
     from prague.comm.preduce import preduce_compressed
 
-    comms = GroupCommunicators(ctx, capacity=4, transport=transport)
+    comms = GroupCommunicators(ctx, capacity=4, transport=transport, namespace="test/8")
     comms.start()
     feedback = ErrorFeedback()
     gen = torch.Generator().manual_seed(100 + ctx.rank)
@@ -590,7 +591,7 @@ def test_compressed_groups_keep_their_mean_and_carry_what_the_codes_left_out(tra
 def _weighted_rank(ctx: DistContext, transport: str) -> dict[str, Any]:
     from prague.comm.preduce import preduce_weighted
 
-    comms = GroupCommunicators(ctx, capacity=4, transport=transport)
+    comms = GroupCommunicators(ctx, capacity=4, transport=transport, namespace="test/9")
     comms.start()
     values = torch.arange(6, dtype=torch.float32) * (ctx.rank + 1)  # rank r holds (r + 1) * [0..5]
     work = torch.empty(7)

@@ -339,7 +339,8 @@ LAST: list[torch.optim.Optimizer] = []  # an optimizer whose method has ended, f
 def check_module_everywhere(algorithm: str, opts: dict[str, object]) -> None:
     """DDP's contract under every method and variant of the registry, one after the other in one job
     (``algorithm`` is ignored): ``model.module`` is the user's model, its parameters counted once, and a
-    step trains it; each method is closed before the next is prepared."""
+    step trains it; each method is closed before the next is prepared. Every other one is named
+    (``prepare(..., name=...)``), the others keyed by the job's count; a name used twice is refused."""
     from prague.algorithms.registry import METHODS
 
     ctx = prague.context()
@@ -347,15 +348,20 @@ def check_module_everywhere(algorithm: str, opts: dict[str, object]) -> None:
     # A script's job runs one parameter server (its shards are started once, by rank 0): the first only.
     servers = [name for name in names if name.startswith("ps")]
     names = [name for name in names if name not in servers[1:]]
-    for name in names:
+    for i, name in enumerate(names):
         base = net()
         before = [p.detach().clone() for p in base.parameters()]
-        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), name)
+        # every other method named (its store keys under that name), the rest numbered by the job
+        label = {"name": f"m{i}-{name.replace(':', '-')}"} if i % 2 else {}
+        model, opt = prague.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), name, **label)
         assert model.module is base, (name, type(model.module))
         assert [id(p) for p in model.parameters()] == [id(p) for p in base.parameters()], name
         train(model, opt, ctx.rank, 3)
         assert any(not torch.equal(a, b) for a, b in zip(before, base.parameters())), name  # it trained
         model.close()
+    again = net()
+    expect("has a method named 'm1-", lambda: prague.prepare(again, torch.optim.SGD(again.parameters(), lr=0.1),
+                                                              names[1], name=f"m1-{names[1].replace(':', '-')}"))
 
 
 CHECKS = {"order": check_order, "accumulation": check_accumulation, "features": check_features,

@@ -105,9 +105,13 @@ class Algorithm:
     #: then not send them (:mod:`prague.train.prepared`).
     sends_gradients_in_step = False
 
-    def __init__(self, ctx: DistContext, options: Any) -> None:
+    def __init__(self, ctx: DistContext, options: Any, namespace: str | None = None) -> None:
         self.ctx = ctx
         self.options = options
+        #: Where this method's components key the job's store, each under a fixed child name of its own
+        #: (``NAMESPACE/groups``...): given by whoever builds the method (:meth:`DistContext.namespace`,
+        #: with :func:`prague.prepare`'s ``name``), else the job's next for this class.
+        self.namespace = namespace if namespace is not None else ctx.namespace(type(self).__name__.lower())
         self.decisions: DecisionLog | None = None
         self.phase = Phase()  # the trainer's: a method whose communication starts inside backward says when
         self.background: list[BackgroundWork] = []  # the method's background communication (in_background)

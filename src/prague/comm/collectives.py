@@ -37,7 +37,7 @@ class JobCollectives:
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
-        self.groups = LiveGroups(ctx, capacity=2, namespace=ctx.namespace("collectives"))
+        self.groups = LiveGroups(ctx, capacity=2, namespace="job/collectives")
         self._leader = 0  # the leader this rank last saw
         job = ctx.job  # prague's launcher says when the leader moves (a guard's child says it itself)
         self._says_leader = not job.under_launcher or job.guarded

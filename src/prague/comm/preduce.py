@@ -118,8 +118,9 @@ class Rendezvous(BackgroundWork):
 class GroupCommunicators:
     """Members-only communicators, cached by member set (LRU of ``capacity`` entries).
 
-    An instance's store keys are under ``namespace`` (default: the job's next, :meth:`DistContext.namespace`:
-    every rank creates its instances in the same order). Only the members of a group call :meth:`get` for it, all at the same
+    An instance's store keys are under ``namespace``, the store-key namespace its owner was given (a
+    method's :attr:`~prague.algorithms.api.Algorithm.namespace` and a child name: ``prague/0/groups``);
+    two instances of one job need two namespaces. Only the members of a group call :meth:`get` for it, all at the same
     point of their global order, and each member calls it once for every occurrence of the group (the
     handshake counts uses). The call blocks until every member has arrived; a member missing for
     ``timeout_s`` (default: the job's timeout) or a failed rendezvous raises :class:`CommError` and
@@ -129,7 +130,7 @@ class GroupCommunicators:
     """
 
     def __init__(self, ctx: DistContext, capacity: int = 16, timeout_s: float | None = None,
-                 membership: Membership | None = None, transport: str = "auto", namespace: str | None = None) -> None:
+                 membership: Membership | None = None, transport: str = "auto", *, namespace: str) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"communicator timeout_s must be > 0, got {timeout_s!r}")
         self.ctx = ctx
@@ -139,8 +140,9 @@ class GroupCommunicators:
         self.timeout = timedelta(seconds=timeout_s if timeout_s is not None else ctx.timeout_s)
         self._cache: CommunicatorCache[tuple[str, dist.ProcessGroup]] = CommunicatorCache(capacity)
         self._uses: dict[tuple[int, ...], int] = {}
-        # store keys under the namespace given (default: the job's next for communicators)
-        self._prefix = f"{GROUP_STORE_PREFIX}/{namespace or ctx.namespace('groups')}"
+        if not namespace:
+            raise ConfigError("a communicator cache needs the store-key namespace of its owner (namespace=...)")
+        self._prefix = f"{GROUP_STORE_PREFIX}/{namespace}"
         # Connections for the rendezvous thread of :meth:`_create`, reused: opening a store connection
         # while the job runs can stall the store for every client for seconds (seen as 5 s pauses of
         # all workers when each new communicator opened its own), so one is opened per concurrent

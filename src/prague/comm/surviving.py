@@ -40,8 +40,8 @@ Averaging = Callable[[torch.Tensor, tuple[int, ...], GroupCommunicators], None]
 class LiveGroups:
     """Members-only communicators plus the failed set: :meth:`reduce` averages over the live members."""
 
-    def __init__(self, ctx: DistContext, capacity: int = 16, transport: str = "auto",
-                 namespace: str | None = None) -> None:
+    def __init__(self, ctx: DistContext, capacity: int = 16, transport: str = "auto", *,
+                 namespace: str) -> None:
         """Collective (every rank of the job constructs it at the same point): see
         :meth:`GroupCommunicators.start`."""
         # Alone, nobody can fail; otherwise the failed set, read through a store connection of its own.

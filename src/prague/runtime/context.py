@@ -109,16 +109,39 @@ class DistContext:
     #: context: the worker's modules read it here, never from the process environment.
     job: JobEnv = field(default_factory=lambda: JobEnv.read({}), repr=False, compare=False)
     _named: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _claimed: set[str] = field(default_factory=set, repr=False, compare=False)
+    _once: set[str] = field(default_factory=set, repr=False, compare=False)
 
-    def namespace(self, kind: str) -> str:
-        """A store-key namespace of this job for a new ``kind`` of component (``lossy``, ``preduce``...):
-        ``KIND/K``, K counting this job's earlier ones of that kind. Passed to each component that keys
-        the store, so that two instances never share keys (a script may prepare one method after another
-        in one job); every rank names alike as long as it makes them in the same order, as every rank
-        must call DDP's collectives in the same order."""
-        count = self._named.get(kind, 0)
-        self._named[kind] = count + 1
-        return f"{kind}/{count}"
+    def namespace(self, kind: str, name: str | None = None) -> str:
+        """The store-key namespace of a method made in this job (:func:`prague.prepare`'s ``name``,
+        :func:`prague.train.trainer.make_algorithm`): ``name`` when given (ConfigError if this job has
+        one of that name already, or if it is empty or holds a ``/``), else ``KIND/K``, K counting this
+        job's earlier unnamed methods of that ``kind``. Every component of the method keys the store
+        under it, each under a fixed child name of its own (``NAMESPACE/groups``, ``NAMESPACE/gg``), so
+        two methods of one job never share keys. Unnamed, every rank names alike as long as it prepares
+        its methods in the same order, as every rank must call DDP's collectives in the same order."""
+        if name is not None:
+            if not name or "/" in name:
+                raise ConfigError(f"a method's name must be a non-empty string without '/', got {name!r}; "
+                                  "name it like 'student' or 'run-2'")
+            chosen = name
+        else:
+            count = self._named.get(kind, 0)
+            self._named[kind] = count + 1
+            chosen = f"{kind}/{count}"
+        if chosen in self._claimed:
+            raise ConfigError(f"this job has a method named {chosen!r} already; give each prepared method a "
+                              "name of its own (name=...)")
+        self._claimed.add(chosen)
+        return chosen
+
+    def first_of_job(self, key: str) -> bool:
+        """Whether ``key`` is claimed here for the first time in this job (a component the job may hold
+        only once, such as a parameter server's own shards)."""
+        if key in self._once:
+            return False
+        self._once.add(key)
+        return True
 
     @property
     def timeout(self) -> timedelta:

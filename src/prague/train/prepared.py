@@ -334,7 +334,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str = "allreduce", *,
             ctx: DistContext | None = None, seed: int | None = None, decisions: DecisionLog | None = None,
-            **options: Any) -> tuple[PreparedModel, PreparedOptimizer]:
+            name: str | None = None, **options: Any) -> tuple[PreparedModel, PreparedOptimizer]:
     """Wrap ``model`` and ``optimizer`` for ``algorithm`` (any name ``prague methods`` lists, with its
     options as keywords, e.g. ``group_size=2``), after :func:`prague.init`, on every rank, with models of
     the same architecture and initial values. ``model`` is moved to the rank's device. Returns the model
@@ -342,13 +342,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: str =
     method (or call the model's ``close`` first, on every rank). ``seed``: the method's seed options left
     at 0 take it (default 0). ``decisions``: this rank's decision log
     (:class:`~prague.metrics.decisions.DecisionLog`), where the method writes its groups, partners or
-    rounds as the built-in loop's ``--log-decisions`` does."""
+    rounds as the built-in loop's ``--log-decisions`` does. ``name``: where the method keys the job's store;
+    a script that prepares several methods in one job may name each (unnamed ones are numbered in the
+    order each rank prepares them, which must then be the same on every rank, as DDP's is)."""
     ctx = ctx or context()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"prague.prepare needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, PreparedOptimizer) or isinstance(model, PreparedModel):
         raise ConfigError("this model or optimizer is already prepared; prepare the originals once")
-    method, variant, runtime = make_algorithm(ctx, algorithm, seed, options)
+    method, variant, runtime = make_algorithm(ctx, algorithm, seed, options, name)
     runtime.decisions = decisions
     label = method.name + (f":{variant}" if variant else "")
     model = model.to(ctx.device)

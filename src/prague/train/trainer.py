@@ -151,12 +151,13 @@ def _ddp_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
-                   options: dict[str, Any]) -> tuple[Method, str | None, Algorithm]:
+                   options: dict[str, Any], name: str | None = None) -> tuple[Method, str | None, Algorithm]:
     """The method ``algorithm`` names (``NAME`` or ``NAME:VARIANT``, with ``options``: keyword names of its
     options, ConfigError naming the valid ones otherwise), or whose typed options it is (a job
     description's, :attr:`prague.train.config.RunConfig.options`; then ``options`` must be empty), with
     seed options left at 0 set to ``seed``, checked against the job: (its description, its variant, its
-    runtime object, not yet set up)."""
+    runtime object, not yet set up). The runtime keys the job's store under ``name``, or the job's next
+    namespace for the method (:meth:`DistContext.namespace`)."""
     if isinstance(algorithm, str):
         method, variant = parse_method(algorithm)
         options = _ddp_options(method, options)
@@ -172,11 +173,12 @@ def make_algorithm(ctx: DistContext, algorithm: Any, seed: int | None,
                               "(dataclasses.replace) or name the method as a string")
         method_options = algorithm if seed is None else method.seeded(algorithm, seed)
     method.check_job(method_options, ctx.world_size)
+    namespace = ctx.namespace(method.name, name)
     if ctx.world_size > 1:
         publish_survival(ctx.store, ctx.rank, method.survives_failures)  # for a guard or prague launch
     variant = method.variant_of(method_options)
     name_process(ctx, method.label(method_options))
-    return method, variant, method.runtime_class(variant)(ctx, method_options)
+    return method, variant, method.runtime_class(variant)(ctx, method_options, namespace)
 
 
 def name_process(ctx: DistContext, label: str) -> None:
@@ -210,7 +212,8 @@ class DistributedTrainer:
     step time. ``hooks``: a :class:`StepHooks` called at the step's boundaries (the built-in loop's
     experiment harness is one). ``decisions``: this rank's decision log (:class:`prague.metrics.decisions.DecisionLog`), into which
     the method writes every group, partner and push it decides on; the caller closes it after
-    :meth:`close`. None (the default): nothing is logged.
+    :meth:`close`. None (the default): nothing is logged. ``name``: where the method keys the job's store
+    (:meth:`DistContext.namespace`); unnamed methods are numbered in the order each rank makes them.
     """
 
     def __init__(
@@ -224,11 +227,12 @@ class DistributedTrainer:
         decisions: DecisionLog | None = None,
         stall_warn_s: float | None = None,
         hooks: StepHooks | None = None,
+        name: str | None = None,
         **options: Any,
     ) -> None:
         self.ctx = ctx or context()
         self.hooks = hooks or StepHooks()
-        self.method, self.variant, self.algorithm = make_algorithm(self.ctx, algorithm, seed, options)
+        self.method, self.variant, self.algorithm = make_algorithm(self.ctx, algorithm, seed, options, name)
         self.algorithm.decisions = decisions
         self.model = model.to(self.ctx.device)
         self._clock = step_clock(self.ctx.device)

@@ -254,7 +254,7 @@ class BackupAllReduce(RoundsAlgorithm):
         self.bind(model, optimizer)
         if ctx.world_size == 1:
             return model
-        prefix = ctx.namespace("allreduce-backup")
+        prefix = self.namespace
         group = backend_group(ctx, dist.PrefixStore(f"{prefix}/pg", ctx.store), ctx.rank, ctx.world_size, ctx.timeout)
         self.rounds = self.in_background(BackupRounds(
             group=group, store=ctx.private_store(), main_store=ctx.private_store(), prefix=prefix, rank=ctx.rank,

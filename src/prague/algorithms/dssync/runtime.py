@@ -31,7 +31,7 @@ class DSSync(Algorithm):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         self.flat = bind_flat(model)
-        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache)  # survivors leave failed members out
+        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache, namespace=f"{self.namespace}/groups")  # survivors leave failed members out
         self.resources.callback(self.groups.close)
         return model
 

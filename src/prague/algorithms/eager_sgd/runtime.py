@@ -348,7 +348,7 @@ class EagerSGD(RoundsAlgorithm):
         self._shifted = False
         if ctx.world_size == 1:
             return model
-        prefix = ctx.namespace("eager-sgd")
+        prefix = self.namespace
 
         def make_group(name: str, index: int, size: int) -> dist.ProcessGroup:
             return backend_group(ctx, dist.PrefixStore(name, ctx.store), index, size, ctx.timeout)

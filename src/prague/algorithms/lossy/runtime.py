@@ -321,7 +321,7 @@ class Lossy(Algorithm):
         n, count = ctx.world_size, opts.streams
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.control = torch.zeros(self.plan.count + self.n_buffers, dtype=dtype, device=ctx.device)
-        prefix = self.prefix = ctx.namespace("lossy")
+        prefix = self.prefix = self.namespace
         self.store = ctx.private_store()  # the main thread's proposals and their waits
         self._published: deque[str] = deque()
 

@@ -8,16 +8,24 @@ counted in ``average_waits``); then hand a snapshot of its parameters to the bac
 (:data:`SUBMIT`). After its last step it takes every average still out, then runs the groups it is still
 committed to (:func:`finishing`: :data:`DRAIN`, :data:`COMMITTED`).
 
+On the averaging thread, each request the worker submitted goes through :func:`averaging`: ask for its
+group (:data:`ASK`); unless the group is the worker alone, add to the snapshot the earlier corrections
+it lacks (:data:`CATCH_UP`, :class:`~prague.algorithms.prague.overlap.Backlog`) and average it with the
+group (:data:`REDUCE`); then settle the request (:data:`SETTLE`): its correction, zero when nothing was
+averaged, goes to the backlog and to the worker.
+
 Each function is a generator of effects: its driver performs each effect its own way and then asks for
-the next. The runtime (:meth:`prague.algorithms.prague.runtime.Prague.after_step`) performs them on real
-threads and tensors; the simulator (:class:`prague.algorithms.prague.sim.SimPrague`) in simulated time,
-inside its own event-engine process. So the order and the policy cannot drift apart between the two.
+the next. The runtime (:meth:`prague.algorithms.prague.runtime.Prague.after_step`, the thread of
+:class:`~prague.algorithms.prague.overlap.BackgroundAverager`) performs them on real threads and tensors;
+the simulator (:class:`prague.algorithms.prague.sim.SimPrague`) in simulated time, inside its own
+event-engine processes. So the order and the policy cannot drift apart between the two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 #: Apply every average that has come back.
 TAKE_READY = "take_ready"
@@ -29,6 +37,17 @@ SUBMIT = "submit"
 DRAIN = "drain"
 #: Run the groups the worker is still committed to, and leave.
 COMMITTED = "committed"
+
+#: The averaging thread: ask for the request's group; the driver sends the :class:`~prague.groups.Group` back.
+ASK = "ask"
+#: Add to the request's snapshot the corrections of earlier requests it lacks.
+CATCH_UP = "catch_up"
+#: Average the snapshot with the group (the effect's argument); the driver sends back False when nothing
+#: was averaged (every other member had failed), anything else when it was.
+REDUCE = "reduce"
+#: The request is done: its correction (zero where the argument, whether it averaged, is False) goes to
+#: the backlog, then to the worker.
+SETTLE = "settle"
 
 
 @dataclass
@@ -58,3 +77,15 @@ def finishing() -> Iterator[str]:
     """The effects after the last step: every average still out, then the committed groups."""
     yield DRAIN
     yield COMMITTED
+
+
+def averaging() -> Generator[tuple[str, Any], Any, None]:
+    """The effects of one request on the averaging thread (see the module docstring), each as
+    ``(effect, argument)``: ``(ASK, None)``, then for a group of more than one ``(CATCH_UP, group)`` and
+    ``(REDUCE, group)``, then ``(SETTLE, averaged)``."""
+    group = yield ASK, None
+    averaged = False
+    if not group.is_local:
+        yield CATCH_UP, group
+        averaged = (yield REDUCE, group) is not False
+    yield SETTLE, averaged

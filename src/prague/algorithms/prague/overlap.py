@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from prague.algorithms.prague.flow import ASK, CATCH_UP, REDUCE, averaging
 from prague.comm.streams import HOST, Streams
 from prague.runtime.background import COMMUNICATING, QueuedWork
 from prague.groups import Group
@@ -190,28 +191,41 @@ class BackgroundAverager(QueuedWork[_Request]):
 
     # -- the thread --------------------------------------------------------------------------------
     def handle(self, job: _Request) -> None:
+        """One request, as :func:`.flow.averaging` orders it."""
         index, taken, snapshot, work, step, copied = job
         with self.operation(step) as op:
             t0 = time.perf_counter()
-            group = self._next_group(step)
-            t1 = time.perf_counter()
-            averaged: bool | None
+            t1 = t0
+            group: Group | None = None
+            correction = work
+            flow = averaging()
+            effect, argument = next(flow)
             with self._streams.side():
-                self._streams.wait(copied)  # the snapshot's copy on the compute stream is done
-                if group.is_local:  # a group of one: nothing to average, no correction
-                    averaged = False
-                else:
-                    # The earlier corrections read here may sit in pairs the worker has recycled: a
-                    # pair is reused only by a request submitted after its correction was taken,
-                    # which this thread runs later and which forgets that correction before writing
-                    # the pair.
-                    work.copy_(self._backlog.catch_up(snapshot, taken))
-                    op.to(COMMUNICATING)
-                    averaged = self._run_group(group, work)
-                correction = work.zero_() if averaged is False else work.sub_(snapshot)
-                self._streams.finish(self._streams.mark())  # the correction is complete on the device
+                while True:
+                    reply: Any = None
+                    if effect == ASK:
+                        group = reply = self._next_group(step)
+                        t1 = time.perf_counter()
+                        self._streams.wait(copied)  # the snapshot's copy on the compute stream is done
+                    elif effect == CATCH_UP:
+                        # The earlier corrections read here may sit in pairs the worker has recycled: a
+                        # pair is reused only by a request submitted after its correction was taken,
+                        # which this thread runs later and which forgets that correction before writing
+                        # the pair.
+                        work.copy_(self._backlog.catch_up(snapshot, taken))
+                        op.to(COMMUNICATING)
+                    elif effect == REDUCE:
+                        reply = self._run_group(argument, work)
+                    else:  # SETTLE: the correction, zero where nothing was averaged
+                        correction = work.sub_(snapshot) if argument else work.zero_()
+                        self._streams.finish(self._streams.mark())  # the correction is complete on the device
+                        self._backlog.finished(index, correction if argument else None)
+                    try:
+                        effect, argument = flow.send(reply)
+                    except StopIteration:
+                        break
             t2 = time.perf_counter()
-            self._backlog.finished(index, None if averaged is False else correction)
+        assert group is not None
         with self.cond:
             self.busy_s += t2 - t0
             self._finished += 1

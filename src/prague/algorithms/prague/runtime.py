@@ -103,7 +103,8 @@ class Prague(Algorithm):
             check_momentum_optimizer(optimizer)
         self.flat = bind_flat(model, optimizer if self.shared_momentum else None)
         # survivors leave failed members out
-        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache, transport=self.options.transport)
+        self.groups = LiveGroups(self.ctx, capacity=self.options.comm_cache, transport=self.options.transport,
+                                 namespace=f"{self.namespace}/groups")
         self.comms = self.groups.comms
         self.resources.callback(self.groups.close)
         self.tally = GroupTally()
@@ -127,10 +128,10 @@ class Prague(Algorithm):
                     raise ConfigError("--gg-address names one Group Generator; with --gg-shards above 1 the job "
                                       "starts its shards itself: drop --gg-address or pass --gg-shards 1")
                 self.source = ShardedSource(self.ctx, self.options, self.resources, topology, trace=trace,
-                                            membership=self.groups.membership)
+                                            membership=self.groups.membership, namespace=self.namespace)
             else:
                 self.source = ServiceSource(self.ctx, self.options, self.resources, trace=trace,
-                                            membership=self.groups.membership)
+                                            membership=self.groups.membership, namespace=self.namespace)
         self.averager: BackgroundAverager | None = None
         if self.options.overlap == "on":
             rank = self.ctx.rank

@@ -38,6 +38,7 @@ average and ``comm_s`` is 0 (the averaging ran beside compute).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -46,7 +47,8 @@ from typing import Any
 
 from prague.algorithms.prague import overlap_report
 from prague.algorithms.prague.flow import (
-    COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
+    ASK, CATCH_UP, COMMITTED, DRAIN, REDUCE, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging, finishing,
+    overlapped_step,
 )
 from prague.algorithms.prague.overlap import Backlog
 from prague.algorithms.prague.weights import SinceAverage
@@ -361,8 +363,9 @@ class SimPrague(SimMethod):
 
     def _averager(self, w: int) -> Process:
         """``w``'s averaging thread, the runtime's :class:`~.overlap.BackgroundAverager`: the submitted
-        snapshots one after another, each asking for its group and meeting it; it waits for work when
-        there is none (and simply never wakes once its worker is done)."""
+        snapshots one after another, each through :func:`.flow.averaging` (ask for its group, catch up,
+        meet it, settle); it waits for work when there is none (and simply never wakes once its worker is
+        done)."""
         engine, stopped, jobs = self.world.engine, self.world.stopped, self._jobs[w]
         while True:
             if not jobs:
@@ -373,23 +376,35 @@ class SimPrague(SimMethod):
             if w in stopped:  # its worker failed: the averages it had in flight end with it
                 return
             t0 = engine.now
-            group = yield self._ask(w, "request", step)
-            if w in stopped:
-                return
-            self._latency(engine.now - t0)
+            group: Any = None
             correction = None
-            if group.is_local:
-                self.local_steps += 1
-            else:
-                seq = group.seq
-                self._weigh(w, seq, step)
-                if self._math_on:
-                    self._snapshots.setdefault(seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
-                yield self._meet(w, group, lambda members: self._correct(seq, members))
-                if w in stopped:
-                    return
-                correction = self._corrections.pop((seq, w), None)
-            self._backlogs[w].finished(index, correction)
+            flow = averaging()
+            effect, argument = next(flow)
+            while True:
+                reply: Any = None
+                if effect == ASK:
+                    group = reply = yield self._ask(w, "request", step)
+                    if w in stopped:
+                        return
+                    self._latency(engine.now - t0)
+                elif effect == CATCH_UP:
+                    if self._math_on:
+                        self._snapshots.setdefault(group.seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
+                elif effect == REDUCE:
+                    seq = group.seq
+                    self._weigh(w, seq, step)
+                    yield self._meet(w, group, functools.partial(self._correct, seq))
+                    if w in stopped:
+                        return
+                    correction = self._corrections.pop((seq, w), None)
+                else:  # SETTLE
+                    if group.is_local:
+                        self.local_steps += 1
+                    self._backlogs[w].finished(index, correction if argument else None)
+                try:
+                    effect, argument = flow.send(reply)
+                except StopIteration:
+                    break
             self.averaging_s += engine.now - t0
             self._finished[w].append((index, group, correction))
             wake, self._wake[w] = self._wake[w], None

@@ -183,9 +183,10 @@ class ServiceSource:
 
     def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
                  trace: Path | None = None, membership: Membership | None = None,
-                 shard: tuple[int, int] = (0, 1)) -> None:
+                 shard: tuple[int, int] = (0, 1), *, namespace: str) -> None:
         """``shard`` (s, n): this source asks shard s of the job's n Group Generator services
-        (:class:`ShardedSource` holds one per shard)."""
+        (:class:`ShardedSource` holds one per shard). ``namespace``: the method's store-key namespace
+        (:attr:`prague.algorithms.api.Algorithm.namespace`)."""
         from prague.groups.aio import pause_shared_loop
         from prague.groups.client import GroupGeneratorClient  # grpc: only for methods that use the service
 
@@ -199,9 +200,9 @@ class ServiceSource:
         store = ctx.store
         self._store = ctx.private_store()  # the averager thread asks too: never on the loop's connection
         # A service rank 0 starts is one of possibly several in the job (a script may prepare the method
-        # more than once): its keys are under the source's namespace in the job (DistContext.namespace).
+        # more than once): its keys are under the method's namespace (each shard's under its own key).
         # The launcher's service is the job's only one.
-        instance = ctx.namespace("gg") if self._shared else None
+        instance = f"{namespace}/gg" if self._shared else None
         self._shard = shard
         self._address_key = shard_key(GG_ADDRESS_KEY if instance is None else f"{GG_ADDRESS_KEY}/{instance}", shard)
         self._held_key = shard_key(HELD_KEY, shard)
@@ -363,12 +364,13 @@ class ShardedSource:
     rule the simulator routes by); ``finish``, failures and ``leave`` go to every shard."""
 
     def __init__(self, ctx: DistContext, options: PragueOptions, resources: contextlib.ExitStack,
-                 topology: Topology, trace: Path | None = None, membership: Membership | None = None) -> None:
+                 topology: Topology, trace: Path | None = None, membership: Membership | None = None, *,
+                 namespace: str) -> None:
         from prague.groups.shards import ShardPlan
 
         count = options.shard_count(topology)
         self.plan = ShardPlan(topology, count, options.gg_epoch_steps, options.gg_seed)
-        self.sources = [ServiceSource(ctx, options, resources, membership=membership, shard=(s, count),
+        self.sources = [ServiceSource(ctx, options, resources, membership=membership, shard=(s, count), namespace=namespace,
                                       trace=None if trace is None else trace.with_name(f"{trace.stem}-{s}{trace.suffix}"))
                         for s in range(count)]
 

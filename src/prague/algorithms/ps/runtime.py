@@ -139,8 +139,8 @@ class ParameterServerBase(Algorithm):
 
     sends_gradients_in_step = True
 
-    def __init__(self, ctx: Any, options: Any) -> None:
-        super().__init__(ctx, options)
+    def __init__(self, ctx: Any, options: Any, namespace: str | None = None) -> None:
+        super().__init__(ctx, options, namespace)
         self._broken = False  # a communication failed: close() only releases
 
     @classmethod
@@ -166,7 +166,7 @@ class ParameterServerBase(Algorithm):
         if not services_managed(self.ctx.job):
             # The shards rank 0 starts find the job through store keys that are the job's, not this
             # object's: a second parameter server in the same job would meet the first one's keys.
-            if ctx.namespace("ps-own-shards") != "ps-own-shards/0":
+            if not ctx.first_of_job("ps-own-shards"):
                 raise ConfigError("a parameter-server method was already set up in this job without a launcher "
                                   "that manages its shards; a job (a prague launch or torchrun script) runs one: "
                                   "prepare it once, or start each run with prague run")
