@@ -442,6 +442,51 @@ def test_ready_adaptive_window_follows_the_time_between_requests(period: float, 
     assert ready.stats()["window_s"] == ready.window_s
 
 
+def test_ready_median_of_a_large_job_lags_by_at_most_a_sixteenth_of_it() -> None:
+    """Up to MEDIAN_EVERY workers measured, every request moves the adaptive window; beyond, it is half the
+    exact median of the moving averages as they were at most 1/MEDIAN_EVERY of the workers ago, taken again
+    far less often than at every request."""
+    from prague.groups.ready import ADAPTIVE_SHARE, MEDIAN_EVERY
+
+    n = 8 * MEDIAN_EVERY
+    ready = make_generator("ready", GeneratorConfig(nproc=n, group_size=2, window_s=0.0, avoid_repeats=False))
+    for w in range(n):  # first requests, in pairs: nothing measured yet
+        ready.request(w, 0.0)
+    periods = [0.01 * (w + 1) for w in range(n)]  # a second request measures each worker's period
+    medians, windows = [], []
+    for k in range(n):
+        ready.request(k, periods[k])
+        windows.append(ready.window_s)
+        ordered = periods[: k + 1]
+        mid = len(ordered) // 2
+        medians.append(ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2)
+        lagging = [j for j in range(k + 1) if ready.window_s == pytest.approx(ADAPTIVE_SHARE * medians[j])]
+        assert lagging, f"the window after request {k} is no median of the periods measured so far"
+        behind = k - max(lagging)
+        if k < MEDIAN_EVERY:
+            assert behind == 0
+        assert behind <= (k + 1) / MEDIAN_EVERY
+    late = range(2 * MEDIAN_EVERY, n)
+    moves = sum(1 for k in late if windows[k] != windows[k - 1])
+    assert 0 < moves <= len(late) // 2  # the median moved at every one of these requests; the window did not
+
+
+def test_ready_deadline_is_the_oldest_waiting_even_out_of_order() -> None:
+    """The window closes after the oldest waiting request, also when requests arrive out of time order
+    (a replayed log, a clock step back), and that request anchors the group the window forms."""
+    ready = make_generator("ready", GeneratorConfig(nproc=8, group_size=3, window_s=1.0, avoid_repeats=False))
+    ready.request(5, 2.0)
+    assert ready.next_deadline() == 3.0
+    ready.request(7, 1.5)  # earlier than the request already waiting
+    assert ready.next_deadline() == 2.5
+    assert ready.poll(2.4) == []
+    formed = ready.poll(2.5)
+    assert sorted(w for w, _ in formed) == [5, 7] and formed[0][1].members == (5, 7)
+    assert ready.next_deadline() is None
+    ready.request(1, 3.0)
+    assert ready.next_deadline() == 4.0
+
+
 def test_a_fixed_window_stays_fixed() -> None:
     ready = make_generator("ready", GeneratorConfig(nproc=2, group_size=2, window_s=0.2))
     for k in range(5):

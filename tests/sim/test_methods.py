@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -88,10 +89,19 @@ def test_ps_eager_never_waits_when_the_server_keeps_up() -> None:
     assert record["algorithm_stats"][0]["mean_staleness"] > 0  # the price: stale gradients
 
 
-def test_large_runs_finish_for_every_generator() -> None:
+def test_large_runs_finish_for_every_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each generator's run of 256 workers finishes, with the cycle collector off while its engine runs
+    (its cost grew with the job's live objects) and on again after."""
+    from prague.sim.engine import Engine
+
+    states = []
+    run = Engine.run
+    monkeypatch.setattr(Engine, "run", lambda self, *a: (states.append(gc.isenabled()), run(self, *a))[1])
+    assert gc.isenabled()
     for generator in ("static", "smart", "random", "ready"):
         record = _sim(f"prague:{generator}", nproc=256, nodes=64, steps=6)
         assert record["nproc"] == 256 and len(record["mean_compute_s"]) == 256
+    assert states == [False] * 4 and gc.isenabled()
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -27,7 +27,9 @@ member. Here no group is fixed before all its members are waiting at the GG:
 The window. A fixed ``window_s``, or with ``window_s = 0`` one that follows the job: the policy keeps, for
 every worker, a moving average of the time between its requests (its iteration as the generator sees
 it) and sets the window to :data:`ADAPTIVE_SHARE` of the median of those, within
-[:data:`MIN_WINDOW_S`, :data:`MAX_WINDOW_S`] (:data:`FIRST_WINDOW_S` until some worker has asked twice).
+[:data:`MIN_WINDOW_S`, :data:`MAX_WINDOW_S`] (:data:`FIRST_WINDOW_S` until some worker has asked twice),
+taken again each time ``1 / MEDIAN_EVERY`` of the workers have asked (at every request up to
+:data:`MEDIAN_EVERY` workers).
 This is meant for overlapped workers (``prague --overlap on``): their request waits on a background
 thread while the next iteration computes, so waiting up to half an iteration costs nothing and gives
 slower workers time to arrive; a blocking worker would pay the window itself, so ``prague`` passes a
@@ -40,7 +42,6 @@ finishing worker (it is not waiting), but may complete a group for the others.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from itertools import combinations
 
 from prague.errors import ConfigError
@@ -56,6 +57,8 @@ MIN_WINDOW_S = 0.001
 MAX_WINDOW_S = 5.0
 #: Weight of the newest interval in a worker's moving average.
 _EWMA = 0.3
+#: The median of the workers' intervals is taken again after ``1 / MEDIAN_EVERY`` of them asked.
+MEDIAN_EVERY = 16
 
 
 class ReadyGenerator(PolicyBase):
@@ -67,8 +70,10 @@ class ReadyGenerator(PolicyBase):
         self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
         self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
         self._last_request: list[float | None] = [None] * config.nproc
-        self._interval: list[float | None] = [None] * config.nproc  # moving average, per worker
-        self._sorted: list[float] = []  # the known averages, kept sorted: a median per request costs no sort
+        self._interval: dict[int, float] = {}  # moving average, per worker that has asked twice
+        self._since_median = 0  # intervals measured since the median was last taken
+        self._last_arrival = float("-inf")
+        self._in_order = True  # requests so far came in time order: the oldest waiting is the first
         self._window_s = config.window_s if config.window_s > 0 else FIRST_WINDOW_S
         self.counters.extra.update(
             full_groups=0, window_groups=0, all_here_groups=0, window_expiries=0, holds=0, total_wait_s=0.0,
@@ -84,6 +89,10 @@ class ReadyGenerator(PolicyBase):
                 "wait for the answer"
             )
         self._note_request(worker, iteration)
+        if now_s < self._last_arrival:
+            self._in_order = False
+        else:
+            self._last_arrival = now_s
         self._waiting[worker] = now_s
         if self.config.window_s == 0:
             self._measure(worker, now_s)
@@ -102,7 +111,14 @@ class ReadyGenerator(PolicyBase):
     def next_deadline(self) -> float | None:
         if not self._waiting:
             return None
-        return min(self._waiting.values()) + self._window_s
+        return self._waiting[self._oldest()] + self._window_s
+
+    def _oldest(self) -> int:
+        """The worker waiting longest (the first to arrive, unless requests came out of time order)."""
+        waiting = self._waiting
+        if self._in_order:
+            return next(iter(waiting))
+        return min(waiting, key=waiting.__getitem__)
 
     def poll(self, now_s: float) -> list[Answer]:
         deadline = self.next_deadline()
@@ -125,13 +141,18 @@ class ReadyGenerator(PolicyBase):
         if last is None:
             return
         gap = max(0.0, now_s - last)
-        mean = self._interval[worker]
-        if mean is not None:
-            del self._sorted[bisect_left(self._sorted, mean)]
-        mean = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
-        self._interval[worker] = mean
-        insort(self._sorted, mean)
-        known, mid = self._sorted, len(self._sorted) // 2
+        mean = self._interval.get(worker)
+        self._interval[worker] = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
+        # The median is taken again once 1 / MEDIAN_EVERY of the workers measured have asked since: at
+        # every request of a job of up to MEDIAN_EVERY workers; in a larger one, whose median a few
+        # requests barely move, one sort every n / MEDIAN_EVERY requests (about MEDIAN_EVERY x log n
+        # comparisons a request, where keeping every request's median exact moved O(n) values each time).
+        self._since_median += 1
+        if self._since_median * MEDIAN_EVERY < len(self._interval):
+            return
+        self._since_median = 0
+        known = sorted(self._interval.values())
+        mid = len(known) // 2
         middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2  # as statistics.median
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s
@@ -185,7 +206,7 @@ class ReadyGenerator(PolicyBase):
 
     def _take(self, k: int, requester: int | None, kind: str, now_s: float) -> list[Answer]:
         """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers."""
-        anchor = min(self._waiting, key=self._waiting.__getitem__)
+        anchor = self._oldest()
         chosen = [anchor]
         candidates = [w for w in self._waiting if w != anchor]
         if k - 1 >= len(candidates):

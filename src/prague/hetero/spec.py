@@ -23,6 +23,7 @@ depend on call order: a worker, a test and the simulator all see the same slow i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -45,11 +46,18 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@functools.lru_cache(maxsize=1 << 17)
+def _prefix(seed: int, stream: int, rank: int) -> int:
+    """The hash of ``(seed, stream, rank)`` that every step's draw of that rank's stream starts from."""
+    h = _splitmix64(seed & _MASK64)
+    for v in (stream, rank):
+        h = _splitmix64(h ^ (v & _MASK64))
+    return h
+
+
 def uniform(seed: int, rank: int, step: int, stream: int = 0) -> float:
     """A uniform draw in [0, 1) that depends only on its arguments."""
-    h = _splitmix64(seed & _MASK64)
-    for v in (stream, rank, step):
-        h = _splitmix64(h ^ (v & _MASK64))
+    h = _splitmix64(_prefix(seed, stream, rank) ^ (step & _MASK64))
     return (h >> 11) * (1.0 / (1 << 53))
 
 

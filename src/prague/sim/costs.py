@@ -141,7 +141,10 @@ def exchange_s(members: int, size_bytes: float, link: Link, bandwidth_share: flo
 def spans_nodes(members: tuple[int, ...], topology: Topology) -> bool:
     wpn = topology.workers_per_node
     first = members[0] // wpn
-    return any(m // wpn != first for m in members)
+    for m in members:
+        if m // wpn != first:
+            return True
+    return False
 
 
 def group_link(members: tuple[int, ...], topology: Topology, cluster: Cluster) -> Link:
@@ -172,7 +175,7 @@ class Queue:
         return self.free_at
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Transfer:
     """A transfer running on the :class:`Fabric`, from :meth:`Fabric.begin` to :meth:`Fabric.end`: its
     bottleneck ``link``, the ``share`` of it the transfer got when it began, the nodes whose network cards
@@ -213,18 +216,22 @@ class Fabric:
         """Register a transfer among ``members`` now (it shares their links until :meth:`end`); the
         returned :class:`Transfer` says its link and share, and times its bytes through the bursts."""
         wpn = self.topology.workers_per_node
+        first = members[0] // wpn
         if spans_nodes(members, self.topology):
             nodes = tuple(sorted({m // wpn for m in members}))
             loads, kind, link = self.nic, "nic", self.cluster.inter
         else:
-            nodes = (members[0] // wpn,)
+            nodes = (first,)
             loads, kind, link = self.bus, "bus", self.cluster.intra
+        worst = 0
         for node in nodes:
-            loads[node] += 1
+            load = loads[node] = loads[node] + 1
+            if load > worst:
+                worst = load
         share = 1.0
         if self.cluster.contention:
-            worst = max(loads[node] for node in nodes)
-            self.max_share_denominator = max(self.max_share_denominator, worst)
+            if worst > self.max_share_denominator:
+                self.max_share_denominator = worst
             share = 1.0 / worst
         return Transfer(kind, nodes, link, share, self.clock(), self.bursts)
 

@@ -64,6 +64,10 @@ from prague.sim.method import SimMethod
 from prague.sim.world import World
 
 _SAMPLE_EVERY = 4
+# The policy's CPU time is read around every 4th call of the first :data:`_TIMED_EARLY`, then every 64th: a
+# thread CPU clock read is a system call, dearer than a small decision, and a large run has calls to spare.
+_TIMED_EARLY = 4096
+_TIMED_LATE_EVERY = 64
 # A call to the service: (what, worker, the step a request comes after, the shard that serves it).
 Job = tuple[str, "int | None", "int | None", int]
 
@@ -140,9 +144,10 @@ class SimPrague(SimMethod):
 
     # -- the Group Generator, as a service --------------------------------------------------------
     def _call(self, what: str, worker: int | None, now: float, iteration: int | None = None) -> list[Answer]:
-        """Call the policy with ``now_s=now`` (simulated time); every 4th call's CPU time is measured. A
+        """Call the policy with ``now_s=now`` (simulated time); the CPU time of a sample of calls is measured. A
         sharded generator's ``poll`` names its shard as ``worker``."""
-        timed = self.policy_calls % _SAMPLE_EVERY == 0
+        calls = self.policy_calls
+        timed = calls % (_SAMPLE_EVERY if calls < _TIMED_EARLY else _TIMED_LATE_EVERY) == 0
         if timed:
             t0 = time.thread_time_ns()
         answers = call_policy(self.policy, what, worker, now, iteration)
@@ -162,19 +167,22 @@ class SimPrague(SimMethod):
         what, worker, iteration, shard = job
         answers = self._call(what, shard if what == "poll" and self.sharded is not None else worker, start, iteration)
         delay = start - self.world.engine.now + self._service + self._half_rtt
+        replies: list[tuple[Signal, Any]] = []
         for w, group in answers:
             if what == "finish" and w == worker:
                 continue
             sig = self._answer[w]
             self._answer[w] = None
             assert sig is not None, f"the policy answered worker {w}, which is not waiting"
-            sig.fire_after(delay, group)
+            replies.append((sig, group))
         if what == "finish":
             assert worker is not None
             sig = self._answer[worker]
             self._answer[worker] = None
             assert sig is not None
-            sig.fire_after(delay, [g for w, g in answers if w == worker])
+            replies.append((sig, [g for w, g in answers if w == worker]))
+        if replies:  # one call's answers all arrive together: one event delivers them, in order
+            self.world.engine.after(delay, _deliver, replies)
         if self._timers:
             if what == "finish" or what == "exclude":  # every shard hears of it
                 for s in range(len(self.queues)):
@@ -480,6 +488,12 @@ class SimPrague(SimMethod):
                               busy_local_steps=self.counts.busy_local_steps,
                               average_waits=self.counts.average_waits,
                               averaging_s=self.averaging_s, exposed_s=exposed)
+
+
+def _deliver(replies: list[tuple[Signal, Any]]) -> None:
+    """Fire each signal with its answer, in the order the Group Generator gave them."""
+    for sig, answer in replies:
+        sig.fire(answer)
 
 
 def _quantile(values: list[float], q: float) -> float:
