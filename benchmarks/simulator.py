@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/simulator.py --paper                  # 16 workers, 4 x 4, vs the paper
     .venv/bin/python benchmarks/simulator.py --scale --steps 200      # 16..1,024 workers, every generator
     .venv/bin/python benchmarks/simulator.py --timing                 # 1,024 workers x 1,000 steps, smart
+    .venv/bin/python benchmarks/simulator.py --scale-timing           # prague at 1,024 x 1,000 .. 65,536 x 100
+    .venv/bin/python benchmarks/simulator.py --consensus --sizes 1024x200,16384x200   # how well it mixes
     .venv/bin/python benchmarks/simulator.py --all --out runs/bench_sim.json
 
 ``--paper`` runs every method on the ``paper`` cluster preset (:data:`prague.sim.cluster.PAPER`: 4 nodes x
@@ -205,6 +207,50 @@ def bench_timing(steps: int = 1000, workers: int = 1024) -> dict[str, Any]:
     return out
 
 
+#: The sizes of issue-scale timing: (workers, iterations), 8 workers per node, ``prague`` (the ``ready``
+#: generator, its default shards), ``paper:5``, 100 ms steps.
+SCALE_SIZES = ((1024, 1000), (16384, 1000), (65536, 100))
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1024x1000,16384x100"`` -> ((1024, 1000), (16384, 100))."""
+    try:
+        sizes = tuple((int(w), int(k)) for w, k in (part.split("x") for part in text.split(",")))
+    except ValueError:
+        raise SystemExit(f"--sizes {text!r}: write WORKERSxITERATIONS[,...], like 1024x1000,16384x100") from None
+    if not sizes or any(w < 8 or w % 8 or k < 1 for w, k in sizes):
+        raise SystemExit(f"--sizes {text!r}: workers must be a multiple of 8 (8 per node), iterations >= 1")
+    return sizes
+
+
+def bench_scale_timing(sizes: tuple[tuple[int, int], ...] = SCALE_SIZES, math: str = "none") -> list[dict[str, Any]]:
+    """How long ``prague simulate --algorithms prague --scenarios paper:5 --nproc N --nodes N/8 --steps K
+    --model resnet18 --compute emulated --compute-ms 100`` takes, per size: wall and CPU seconds, events, the
+    cost per worker-iteration, and what the run reports of the Group Generator (shards, the busiest shard's
+    utilisation), the share of local steps and, with ``math="mixing"``, the consensus distance at the end."""
+    rows = []
+    for workers, steps in sizes:
+        t, c = time.perf_counter(), time.process_time()
+        r = simulate(SimConfig.of(algorithm="prague", scenario="paper:5", nproc=workers, nodes=workers // 8,
+                                  steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
+                                  compute="emulated", compute_ms=100.0, math=math)).to_dict()
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        stats = r["algorithm_stats"][0]
+        rows.append({"workers": workers, "steps": steps, "math": math, "wall_s": wall, "cpu_s": cpu,
+                     "engine_s": r["sim"]["run_s"], "events": r["sim"]["events"],
+                     "us_per_worker_iteration": 1e6 * cpu / (workers * steps),
+                     "gg_shards": stats.get("gg_shards"), "gg_utilization": stats.get("gg_utilization"),
+                     "local_step_share": stats.get("local_step_share"),
+                     "consensus_distance": r.get("consensus_distance"),
+                     "fraction_of_limit": r["fraction_of_limit"]})
+        row = rows[-1]
+        consensus = "" if row["consensus_distance"] is None else f", consensus distance {row['consensus_distance']:.2f}"
+        print(f"  {workers} x {steps}: {wall:.1f} s wall, {cpu:.1f} s CPU, {row['us_per_worker_iteration']:.1f} us "
+              f"per worker-iteration, {row['gg_shards']} shard(s) at most {100 * (row['gg_utilization'] or 0):.0f}% "
+              f"busy{consensus}", flush=True)
+    return rows
+
+
 #: Failure rates per worker-hour: the one large clusters report (Llama 3, Dubey et al. 2024: 419 unexpected
 #: interruptions in 54 days on 16,384 GPUs, about 2e-5), and higher ones, where a job of 1,000 steps meets some.
 FAILURE_RATES = (2e-5, 1e-3, 1e-2, 1e-1)
@@ -245,12 +291,20 @@ def main() -> None:
     p.add_argument("--timing", action="store_true")
     p.add_argument("--failures", action="store_true", help="time to 1,000 steps under failure rates, per method")
     p.add_argument("--workers", default="1024", help="comma-separated worker counts for --failures")
+    p.add_argument("--scale-timing", action="store_true",
+                   help="time prague simulate at --sizes (default 1024x1000,16384x1000,65536x100)")
+    p.add_argument("--consensus", action="store_true",
+                   help="the consensus distance (--math mixing) at --sizes, for the sharded Group Generator")
+    p.add_argument("--sizes", default=None, help="WORKERSxITERATIONS[,...] for --scale-timing and --consensus")
     p.add_argument("--all", action="store_true")
     p.add_argument("--steps", type=int, default=200, help="iterations per worker for --scale")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args()
-    if not (args.engine or args.paper or args.scale or args.timing or args.failures or args.all):
-        p.error("choose at least one of --engine, --paper, --scale, --timing, --failures, --all")
+    if not (args.engine or args.paper or args.scale or args.timing or args.failures or args.all
+            or args.scale_timing or args.consensus):
+        p.error("choose at least one of --engine, --paper, --scale, --timing, --scale-timing, --consensus, "
+                "--failures, --all")
+    sizes = parse_sizes(args.sizes) if args.sizes else SCALE_SIZES
     results: dict[str, Any] = {"benchmark": "simulator", "command": "python benchmarks/simulator.py " + " ".join(sys.argv[1:]),
                                "machine": platform.platform(), "python": platform.python_version()}
     if args.engine or args.all:
@@ -261,6 +315,10 @@ def main() -> None:
         results["scale"] = bench_scale(args.steps)
     if args.timing or args.all:
         results["timing"] = bench_timing()
+    if args.scale_timing:
+        results["scale_timing"] = bench_scale_timing(sizes)
+    if args.consensus:
+        results["consensus"] = bench_scale_timing(sizes, math="mixing")
     if args.failures or args.all:
         results["failures"] = bench_failures(tuple(int(w) for w in args.workers.split(",")))
     if args.out:

@@ -192,9 +192,12 @@ class ReadyGenerator(PolicyBase):
         if len(self._waiting) < 2:
             return False
         floor = self._next_seq - self._horizon
-        return all(
-            self._last_met.get(pair, floor - 1) >= floor for pair in combinations(sorted(self._waiting), 2)
-        )
+        last_met, waiting = self._last_met, sorted(self._waiting)
+        for i, a in enumerate(waiting):
+            for b in waiting[i + 1:]:
+                if last_met.get((a, b), floor - 1) < floor:
+                    return False
+        return True
 
     def _weight(self, candidate: int, chosen: list[int]) -> int:
         horizon = self._horizon
