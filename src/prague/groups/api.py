@@ -46,6 +46,8 @@ def _is_int(value: object) -> bool:
 
 def check_worker_id(worker: object, nproc: int) -> None:
     """Raise ConfigError unless ``worker`` is a rank in ``0..nproc - 1``."""
+    if type(worker) is int and 0 <= worker < nproc:  # the common case, first: a policy checks every call
+        return
     if not _is_int(worker) or not 0 <= worker < nproc:  # type: ignore[operator]
         raise ConfigError(
             f"unknown worker id {worker!r}; this group generator serves workers 0..{nproc - 1}"

@@ -184,6 +184,10 @@ class ShardedGenerator:
         deadlines = [d for d in (s.next_deadline() for s in self.shards) if d is not None]
         return min(deadlines) if deadlines else None
 
+    def waiting_shards(self) -> list[int]:
+        """The shards where some worker waits for its group (the others have no deadline)."""
+        return [s for s, shard in enumerate(self.shards) if shard.policy.waiting_count]
+
     def shard_deadline(self, shard: int) -> float | None:
         return self.shards[shard].next_deadline()
 

@@ -184,8 +184,9 @@ class SimPrague(SimMethod):
         if replies:  # one call's answers all arrive together: one event delivers them, in order
             self.world.engine.after(delay, _deliver, replies)
         if self._timers:
-            if what == "finish" or what == "exclude":  # every shard hears of it
-                for s in range(len(self.queues)):
+            if what == "finish" or what == "exclude":  # every shard hears of it; those with nobody
+                # waiting have no deadline before or after
+                for s in (range(len(self.queues)) if self.sharded is None else self.sharded.waiting_shards()):
                     self._arm_timer(s)
             else:
                 self._arm_timer(shard)
