@@ -6,7 +6,7 @@ callbacks and a trip through its environment. Measured by ``benchmarks/simulator
 project's 2-core machine (1,024 workers x 300 iterations of compute, a pairwise rendezvous and a
 transfer; the same workload, the same simulated end time): SimPy 4.1.2 needed 2.4 s and 4.1 s of CPU in
 two runs, this loop 1.1 s and 1.7 s (2.1-2.5x less). A whole Prague-smart run spends about a third of
-its time in the engine, and the 1,024-worker target (1,000 iterations in under 60 s; about 35 s of CPU
+its time in the engine, and the 1,024-worker target (1,000 iterations in under 20 s; about 27 s of CPU
 here) leaves no room for that factor, nor for a dependency, so the engine is this file.
 
 Contract:
