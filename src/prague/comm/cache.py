@@ -34,14 +34,6 @@ class CommunicatorCache(Generic[V]):
             self._entries.move_to_end(members)
         return value
 
-    def touch(self, members: Members) -> bool:
-        """Whether ``members`` has an entry; if so, it is now the most recently used."""
-        entries = self._entries
-        if members in entries and entries[members] is not None:
-            entries.move_to_end(members)
-            return True
-        return False
-
     def put(self, members: Members, value: V) -> list[V]:
         """Cache ``value`` for ``members`` as the most recently used; returns the entries evicted to make room."""
         self._entries[members] = value
@@ -79,7 +71,7 @@ def group_needs_setup(caches: Iterable[CommunicatorCache[bool]], members: Member
     runtime's handshake (:meth:`prague.comm.preduce.GroupCommunicators.get`) has the same outcome."""
     missing, evicted = False, 0
     for cache in caches:
-        if cache.touch(members):
+        if cache.get(members) is not None:  # now its most recently used
             continue
         missing = True
         evicted += len(cache.put(members, True))

@@ -103,9 +103,6 @@ class ReadyGenerator(PolicyBase):
         if worker in self._waiting:
             raise ConfigError(f"worker {worker} is waiting for a group; call finish after receiving it")
         self._mark_finished(worker)
-        if not self._waiting:  # nobody here for whom it could complete a group
-            self._new_batch()
-            return []
         return self._settle(None, now_s)
 
     def _withdraw(self, worker: int) -> None:
@@ -159,11 +156,6 @@ class ReadyGenerator(PolicyBase):
         middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2  # as statistics.median
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s
-
-    @property
-    def waiting_count(self) -> int:
-        """How many workers wait for a group."""
-        return len(self._waiting)
 
     def waiting(self) -> list[int]:
         """Workers waiting for a group, oldest first."""

@@ -185,8 +185,8 @@ class ShardedGenerator:
         return min(deadlines) if deadlines else None
 
     def waiting_shards(self) -> list[int]:
-        """The shards where some worker waits for its group (the others have no deadline)."""
-        return [s for s, shard in enumerate(self.shards) if shard.policy.waiting_count]
+        """The shards with a deadline: those where some worker waits for its group."""
+        return [s for s, shard in enumerate(self.shards) if shard.next_deadline() is not None]
 
     def shard_deadline(self, shard: int) -> float | None:
         return self.shards[shard].next_deadline()

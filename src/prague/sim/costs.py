@@ -216,12 +216,11 @@ class Fabric:
         """Register a transfer among ``members`` now (it shares their links until :meth:`end`); the
         returned :class:`Transfer` says its link and share, and times its bytes through the bursts."""
         wpn = self.topology.workers_per_node
-        first = members[0] // wpn
         if spans_nodes(members, self.topology):
             nodes = tuple(sorted({m // wpn for m in members}))
             loads, kind, link = self.nic, "nic", self.cluster.inter
         else:
-            nodes = (first,)
+            nodes = (members[0] // wpn,)
             loads, kind, link = self.bus, "bus", self.cluster.intra
         worst = 0
         for node in nodes:
