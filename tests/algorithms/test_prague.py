@@ -103,8 +103,12 @@ def test_compressed_or_weighted_averages_train_digits(tmp_path: Path, flags: lis
                   "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
-    assert s["test_accuracy"] > 0.85  # the ready generator's floor above (DEFAULT_RUNS): its runs vary by points
-    assert s["consensus_distance"] < 2.5
+    # the ready generator's defaults, so its bounds (DEFAULT_RUNS): how often ready averages in 120 steps of
+    # about 1 ms varies run to run, and with it accuracy by points and the distance by a factor of two (2.6
+    # seen in a clean-clone suite run with int8)
+    accuracy, distance = DEFAULT_RUNS["ready"]
+    assert s["test_accuracy"] > accuracy
+    assert s["consensus_distance"] < distance
     for w in s["algorithm_stats"]:
         assert w["preduces"] > 0 and w["averaging_sent_bytes"] > 0
         assert (w["compress"], w["average_by"]) == (("int8", "equal") if flags[0] == "--compress" else ("none", "samples"))
