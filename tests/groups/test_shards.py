@@ -20,7 +20,7 @@ from prague_testing import wait_gone
 
 from prague.errors import ConfigError
 from prague.groups import GeneratorConfig, Topology
-from prague.groups.shards import ShardedGenerator, ShardPlan, auto_shards
+from prague.groups.shards import ShardedGenerator, ShardPlan, ShardView, auto_shards, merged_stats
 from prague.simulate.run import SimConfig, simulate
 
 
@@ -86,6 +86,113 @@ def _drive(policy: ShardedGenerator, workers: int, steps: int, seed: int) -> lis
     for w in range(workers):
         take(policy.finish(w, now))
     return answers
+
+
+class _EagerShards:
+    """The job's shards each told of a finish or a failure at once, as one service per shard is: what
+    :class:`ShardedGenerator`, which tells a shard of a finish only when next asking it, must decide exactly
+    as."""
+
+    def __init__(self, config: GeneratorConfig, plan: ShardPlan) -> None:
+        self.plan, self.shards, self._asked = plan, [ShardView(config, s, plan.shards) for s in range(plan.shards)], \
+            [0] * config.nproc
+
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list:
+        step = self._asked[worker] if iteration is None else iteration
+        self._asked[worker] += 1
+        return self.shards[self.plan.shard_of(worker, step)].request(worker, now_s, iteration)
+
+    def finish(self, worker: int, now_s: float) -> list:
+        return [a for shard in self.shards for a in shard.finish(worker, now_s)]
+
+    def exclude(self, worker: int, now_s: float) -> list:
+        return [a for shard in self.shards for a in shard.exclude(worker, now_s)]
+
+    def poll(self, now_s: float) -> list:
+        return [a for shard in self.shards for a in shard.poll(now_s)]
+
+    def next_deadline(self) -> float | None:
+        return min((d for d in (s.next_deadline() for s in self.shards) if d is not None), default=None)
+
+    def stats(self) -> dict:
+        return merged_stats([s.stats() for s in self.shards], [s.counters.members for s in self.shards])
+
+
+def _drive_unequal(policy, workers: int, seed: int, failed: int) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """Workers of unequal lengths (5-30 steps) finishing while others still ask, worker ``failed`` excluded
+    while it waits, mid-run: every answer as (call, worker, seq, members), in order."""
+    rng = random.Random(seed)
+    steps = [rng.randint(5, 30) for _ in range(workers)]
+    clock = [rng.random() * 0.01 for _ in range(workers)]
+    step, waiting, done = [0] * workers, set(), set()
+    answers: list[tuple[str, int, int, tuple[int, ...]]] = []
+
+    def take(call: str, got: list) -> None:
+        for w, g in got:
+            answers.append((call, w, g.seq, g.members))
+            waiting.discard(w)
+
+    now = 0.0
+    while len(done) < workers:
+        ready = [w for w in range(workers) if w not in waiting and w not in done]
+        deadline = policy.next_deadline()
+        upcoming = min((clock[w] for w in ready), default=float("inf"))
+        if deadline is not None and deadline <= upcoming:
+            now = max(now, deadline)
+            take("poll", policy.poll(now))
+            continue
+        w = min(ready, key=clock.__getitem__)
+        now = max(now, clock[w])
+        if step[w] == steps[w]:
+            done.add(w)
+            take("finish", policy.finish(w, now))
+            continue
+        waiting.add(w)
+        take("request", policy.request(w, now, step[w]))
+        step[w] += 1
+        clock[w] = now + 0.01 * (1 + 3 * (w % 5 == 0)) * (0.8 + 0.4 * rng.random())
+        if w == failed and step[w] >= 8 and w in waiting:  # it fails while it waits for a group
+            done.add(w)
+            waiting.discard(w)
+            answers.append(("failed", w, -1, ()))
+            take("exclude", policy.exclude(w, now))
+    return answers
+
+
+@pytest.mark.parametrize("size,shards,window", [(3, 4, 0.05), (2, 4, 0.1), (3, 8, 0.0)])
+def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, window: float) -> None:
+    """The in-process generator tells a shard of a finish only when it next asks it (or at once where the
+    finish forms groups: everyone still active waits there); every answer and counter is the same as with
+    every shard told at once, including the end, where the last workers are grouped by who is left, and a
+    worker failing while it waits."""
+    topology = Topology(nodes=8, workers_per_node=4)
+    config = GeneratorConfig(nproc=32, topology=topology, group_size=size, seed=5, window_s=window)
+    calls = set()
+    for seed in range(3):
+        plan = ShardPlan(topology, shards=shards, epoch_steps=3, seed=seed)
+        lazy, eager = ShardedGenerator(config, plan), _EagerShards(config, plan)
+        got = _drive_unequal(lazy, 32, seed, failed=seed + 1)
+        assert got == _drive_unequal(eager, 32, seed, failed=seed + 1)
+        assert lazy.stats() == eager.stats()
+        calls |= {call for call, *_ in got}
+    # requests, the window and a finish formed groups (the all-here rule), and a worker failed
+    assert {"request", "poll", "finish", "failed"} <= calls
+
+
+def test_a_finish_is_refused_as_one_shard_refuses_it() -> None:
+    topology = Topology(nodes=4, workers_per_node=2)
+    policy = ShardedGenerator(GeneratorConfig(nproc=8, topology=topology, group_size=3, seed=1, window_s=0.01),
+                              ShardPlan(topology, shards=2, epoch_steps=2, seed=1))
+    assert policy.request(0, 0.0, 0) == []
+    with pytest.raises(ConfigError, match="worker 0 is waiting for a group"):
+        policy.finish(0, 0.001)
+    assert policy.finish(5, 0.001) == []
+    with pytest.raises(ConfigError, match="worker 5 already called finish"):
+        policy.finish(5, 0.002)
+    with pytest.raises(ConfigError, match="worker 5 already called finish"):
+        policy.request(5, 0.002, 1)  # whichever shard it asks has heard of the finish
+    with pytest.raises(ConfigError, match="unknown worker id 9"):
+        policy.finish(9, 0.002)
 
 
 def test_groups_form_inside_one_shard_and_every_request_is_answered_once() -> None:

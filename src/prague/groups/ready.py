@@ -105,6 +105,17 @@ class ReadyGenerator(PolicyBase):
         self._mark_finished(worker)
         return self._settle(None, now_s)
 
+    def finish_many(self, finishes: list[tuple[int, float]]) -> list[Answer]:
+        """``finish(worker, now_s)`` for each of ``finishes`` in order, the answers together. With nobody waiting
+        a finish only marks its worker (it cannot form a group), so then each costs a few list writes."""
+        if self._waiting:
+            return [a for worker, now_s in finishes for a in self.finish(worker, now_s)]
+        for worker, _ in finishes:
+            self._check_worker(worker)
+            self._mark_finished(worker)
+            self._new_batch()
+        return []
+
     def _withdraw(self, worker: int) -> None:
         self._waiting.pop(worker, None)
 
@@ -160,6 +171,11 @@ class ReadyGenerator(PolicyBase):
     def waiting(self) -> list[int]:
         """Workers waiting for a group, oldest first."""
         return list(self._waiting)
+
+    @property
+    def waiting_count(self) -> int:
+        """How many workers wait for a group."""
+        return len(self._waiting)
 
     def last_met(self, a: int, b: int) -> int | None:
         """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met)."""

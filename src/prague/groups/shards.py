@@ -20,6 +20,9 @@ a second, so about 1,000 workers at 100 ms steps). Shards divide the job instead
 
 Groups keep one global ``seq``: a shard's own numbers ``k`` become ``k * shards + s``, unique across
 shards. A worker finishing or failed is reported to every shard (each may hold it as not yet arrived).
+In one process (:class:`ShardedGenerator`, the simulator's) a finish reaches a shard when that shard is next
+called, unless it would form a group there at once: the shard then decides exactly as if told at once,
+and a job's finishes cost O(1) each instead of O(shards).
 The shards' decisions are the same objects in the service and in the simulator; only who calls them
 differs.
 """
@@ -31,7 +34,7 @@ import random
 from typing import Any
 
 from prague.errors import ConfigError
-from prague.groups.api import Answer, GeneratorConfig, Group, Observer, PolicyCounters, Topology
+from prague.groups.api import Answer, GeneratorConfig, Group, Observer, PolicyCounters, Topology, check_worker_id
 from prague.groups.ready import ReadyGenerator
 
 #: ``--gg-shards 0`` (auto): one shard for about this many workers. At 100 ms steps and about 110 us a
@@ -123,6 +126,10 @@ class ShardView:
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.finish(worker, now_s))
 
+    def finish_many(self, finishes: list[tuple[int, float]]) -> list[Answer]:
+        """:meth:`finish` for each of ``finishes``, in order."""
+        return self._global(self.policy.finish_many(finishes))
+
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.exclude(worker, now_s))
 
@@ -131,6 +138,11 @@ class ShardView:
 
     def next_deadline(self) -> float | None:
         return self.policy.next_deadline()
+
+    @property
+    def waiting_count(self) -> int:
+        """How many workers wait at this shard."""
+        return self.policy.waiting_count
 
     def continue_after(self, seq: int, counts: list[int]) -> None:
         """A restarted shard: number its groups after the global ``seq`` an earlier instance handed out."""
@@ -157,42 +169,103 @@ class ShardedGenerator:
         self.config, self.plan = config, plan
         self.shards = [ShardView(config, s, plan.shards, observer=observer) for s in range(plan.shards)]
         self._asked = [0] * config.nproc  # requests per worker: the step of a request that names none
+        self._last_shard: dict[int, int] = {}  # the shard of each worker's latest request
+        # Finishes not yet told to every shard: the job's, in order, and how many each shard was told. A shard
+        # is told (:meth:`_tell`) before anything else is asked of it, so it sees its calls in their order.
+        self._finishes: list[tuple[int, float]] = []
+        self._told = [0] * plan.shards
+        self._active = config.nproc  # workers that have neither finished nor been excluded
+        self._waiting = 0  # workers waiting, over every shard
+        #: The shards the latest call may have changed (those whose deadline may have moved).
+        self.touched: list[int] = []
+
+    def _tell(self, s: int) -> list[Answer]:
+        """Tell shard ``s`` of every finish it has not heard of, in order; the groups that formed."""
+        shard, told, finishes = self.shards[s], self._told[s], self._finishes
+        if told == len(finishes):
+            return []
+        answers = shard.finish_many(finishes[told:])
+        self._told[s] = len(finishes)
+        self._waiting -= len(answers)  # each worker answered was waiting
+        return answers
+
+    def _shard(self, s: int) -> ShardView:
+        """Shard ``s``, told of every finish so far. Telling it later than a finish happened changes nothing,
+        as :meth:`finish` leaves for later only the finishes that form no group at the shard: its waiting
+        workers are the same as then, since nothing else was asked of it in between, so each finish meets
+        the state it would have met."""
+        if self._told[s] != len(self._finishes) and self._tell(s):
+            raise RuntimeError(f"shard {s} formed groups on a finish it was told of late")
+        return self.shards[s]
 
     def route(self, worker: int, iteration: int | None = None) -> int:
         """The shard that serves ``worker``'s next request (after step ``iteration``)."""
         return self.plan.shard_of(worker, self._asked[worker] if iteration is None else iteration)
 
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
-        answers = self.shards[self.route(worker, iteration)].request(worker, now_s, iteration)
+        s = self.route(worker, iteration)
+        if self._told[s] != len(self._finishes):
+            self._shard(s)
+        answers = self.shards[s].request(worker, now_s, iteration)
+        self._waiting += 1 - len(answers)  # the requester waits, and each worker answered waited
         self._asked[worker] += 1
+        self._last_shard[worker] = s
+        self.touched = [s]
         return answers
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
-        return [a for shard in self.shards for a in shard.finish(worker, now_s)]
+        """Tell every shard that ``worker`` finished. The shard of its latest request is told now (it refuses a
+        worker still waiting there, or one that finished already), and so is a shard where every worker still
+        active is now waiting (the only case where a finish forms groups: :class:`ReadyGenerator` groups
+        whoever waits once nobody else can come); the others are told when next asked (:meth:`_shard`)."""
+        check_worker_id(worker, self.config.nproc)
+        home = self._last_shard.get(worker, self.route(worker))
+        got = {home: self._shard(home).finish(worker, now_s)}
+        self._waiting -= len(got[home])
+        self._finishes.append((worker, now_s))
+        self._told[home] = len(self._finishes)
+        self._active -= 1
+        if 0 < self._active <= self._waiting:  # everyone active waits somewhere: at one shard, maybe
+            for s, shard in enumerate(self.shards):
+                if s != home and shard.waiting_count == self._active:
+                    got[s] = self._tell(s)
+        self.touched = sorted(got)
+        return [a for s in self.touched for a in got[s]]
 
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
-        return [a for shard in self.shards for a in shard.exclude(worker, now_s)]
+        check_worker_id(worker, self.config.nproc)
+        shards = [self._shard(s) for s in range(len(self.shards))]
+        self._active -= not shards[0].policy.finished[worker]
+        answers = []
+        for shard in shards:
+            before = shard.waiting_count
+            answers += shard.exclude(worker, now_s)
+            self._waiting += shard.waiting_count - before
+        self.touched = list(range(len(self.shards)))
+        return answers
 
     def poll(self, now_s: float) -> list[Answer]:
-        return [a for shard in self.shards for a in shard.poll(now_s)]
+        answers = [a for s in range(len(self.shards)) for a in self.poll_shard(s, now_s)]
+        self.touched = list(range(len(self.shards)))
+        return answers
 
     def poll_shard(self, shard: int, now_s: float) -> list[Answer]:
         """Poll one shard (its own timer: :meth:`shard_deadline`)."""
-        return self.shards[shard].poll(now_s)
+        answers = self._shard(shard).poll(now_s)
+        self._waiting -= len(answers)
+        self.touched = [shard]
+        return answers
 
     def next_deadline(self) -> float | None:
         deadlines = [d for d in (s.next_deadline() for s in self.shards) if d is not None]
         return min(deadlines) if deadlines else None
 
-    def waiting_shards(self) -> list[int]:
-        """The shards with a deadline: those where some worker waits for its group."""
-        return [s for s, shard in enumerate(self.shards) if shard.next_deadline() is not None]
-
     def shard_deadline(self, shard: int) -> float | None:
         return self.shards[shard].next_deadline()
 
     def stats(self) -> dict[str, float | int]:
-        return merged_stats([s.stats() for s in self.shards], [s.counters.members for s in self.shards])
+        shards = [self._shard(s) for s in range(len(self.shards))]  # a finish can count a hold
+        return merged_stats([s.stats() for s in shards], [s.counters.members for s in shards])
 
 
 def merged_stats(per: list[dict[str, Any]], members: list[int]) -> dict[str, float | int]:

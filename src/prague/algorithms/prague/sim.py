@@ -183,13 +183,10 @@ class SimPrague(SimMethod):
             replies.append((sig, [g for w, g in answers if w == worker]))
         if replies:  # one call's answers all arrive together: one event delivers them, in order
             self.world.engine.after(delay, _deliver, replies)
-        if self._timers:
-            if what == "finish" or what == "exclude":  # every shard hears of it; those with nobody
-                # waiting have no deadline before or after
-                for s in (range(len(self.queues)) if self.sharded is None else self.sharded.waiting_shards()):
-                    self._arm_timer(s)
-            else:
-                self._arm_timer(shard)
+        if self._timers:  # the shards whose deadline the call may have moved (a finish: only those it formed
+            # groups at, the others hear of it when next asked)
+            for s in (self.sharded.touched if self.sharded is not None else (shard,)):
+                self._arm_timer(s)
 
     def _serve(self, job: Job) -> None:
         self._serve_at(job, self.world.engine.now)
