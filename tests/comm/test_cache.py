@@ -57,3 +57,14 @@ def test_after_a_group_every_member_holds_it_and_sizes_stay_bounded(schedule: li
         assert missing == (not held_by_all)
         assert all(caches[m].keys()[-1] == group for m in group)
         assert all(len(c) <= cap for c in caches)
+
+
+@given(st.lists(st.sampled_from([(0, 1), (0, 2), (1, 2), (0, 1, 2), (2, 3)]), max_size=30), st.integers(1, 3))
+def test_use_is_get_then_put_on_a_miss(schedule: list[tuple[int, ...]], cap: int) -> None:
+    """``use`` (the simulator's one call) leaves the cache as ``get``, then ``put`` when missing, would."""
+    used, reference = CommunicatorCache[bool](cap), CommunicatorCache[bool](cap)
+    for members in schedule:
+        hit = reference.get(members) is not None
+        expected = None if hit else len(reference.put(members, True))
+        assert used.use(members, True) == expected
+        assert used.keys() == reference.keys()

@@ -527,6 +527,47 @@ def test_ready_prefers_partners_not_met_recently() -> None:
     assert picked_stranger / trials > 0.7  # weights 4 : 1 -> expected 0.8
 
 
+class _KeepsEveryMeeting:
+    """In place of a ready generator's list of meetings to drop: drops none (the matrix keeps every pair)."""
+
+    def append(self, item: object) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("size", [2, 3])
+def test_ready_forgets_meetings_older_than_its_horizon_without_deciding_otherwise(seed: int, size: int) -> None:
+    """Pairs that met more than a horizon of groups ago weigh as strangers, so the generator drops them: its
+    recency matrix stays within the pairs of a horizon of groups, and every answer is the one a generator that
+    keeps every meeting gives (holds, partners, window groups), over a long run of unequal workers."""
+    n = 10
+    config = GeneratorConfig(nproc=n, group_size=size, seed=seed, window_s=0.05)
+    kept, pruned = make_generator("ready", config), make_generator("ready", config)
+    kept._met_order = _KeepsEveryMeeting()  # type: ignore[attr-defined]
+    rng = random.Random(seed)
+    waiting: set[int] = set()
+    now = 0.0
+    for _ in range(3000):
+        now += rng.expovariate(200.0)
+        idle = [w for w in range(n) if w not in waiting]
+        if idle and rng.random() < 0.9:
+            worker = rng.choice(idle)
+            answers = kept.request(worker, now)
+            assert pruned.request(worker, now) == answers
+            waiting.add(worker)
+        else:
+            answers = kept.poll(now)
+            assert pruned.poll(now) == answers
+        waiting -= {w for w, _ in answers}
+    assert kept.stats() == pruned.stats() and kept.stats()["holds"] > 0
+    horizon = -(-n // size)
+    assert len(pruned._last_met) <= horizon * math.comb(size, 2)  # type: ignore[attr-defined]
+    assert len(kept._last_met) > len(pruned._last_met)  # type: ignore[attr-defined]
+
+
 def repeat_rate(groups: dict[int, Group], horizon: int) -> float:
     """Share of groups (of 2 or more) in which every pair already met within the last ``horizon`` groups."""
     last: dict[tuple[int, int], int] = {}

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prague_testing import run_cli
 from prague.errors import ConfigError
-from prague.hetero.spec import parse_scenario, uniform
+from prague.hetero.spec import parse_scenario, uniform, uniform_steps
 
 
 @pytest.mark.parametrize("n", [4, 8, 16])
@@ -86,3 +88,23 @@ def test_emulated_compute_applies_the_straggler_factor(tmp_path: Path) -> None:
     assert slow - fast == pytest.approx(0.120, abs=0.025)
     # rank 0 waits for the straggler in DDP's collectives, which counts as communication, not compute
     assert summary["mean_comm_s"][0] > 0.08
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 10**6), st.integers(0, 2**40), st.integers(0, 64),
+       st.integers(0, 9))
+def test_the_array_draws_are_the_single_draws(seed: int, rank: int, start: int, count: int, stream: int) -> None:
+    assert uniform_steps(seed, rank, start, start + count, stream).tolist() == [
+        uniform(seed, rank, step, stream) for step in range(start, start + count)]
+
+
+@pytest.mark.parametrize("text", ["paper:5", "paper:5+paper:3", "paper:4+straggler:1:3:20-90", "straggler:2:4",
+                                  "homogeneous"])
+def test_slowdowns_drawn_a_block_at_a_time_are_the_step_by_step_ones(text: str) -> None:
+    """The simulator's block of paper slowdowns, times the stragglers', is :meth:`Scenario.slowdown` at every step."""
+    sc, n = parse_scenario(text, seed=11), 4
+    for rank in range(n):
+        for start in (0, 37):
+            slowed = sc.paper_slowdowns(rank, start, start + 300, n)
+            assert all(start <= step < start + 300 and factor > 1 for step, factor in slowed.items())
+            assert [sc.straggler_slowdown(rank, step, slowed.get(step, 1.0)) for step in range(start, start + 300)] \
+                == [sc.slowdown(rank, step, n) for step in range(start, start + 300)]

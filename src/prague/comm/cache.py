@@ -36,13 +36,22 @@ class CommunicatorCache(Generic[V]):
 
     def put(self, members: Members, value: V) -> list[V]:
         """Cache ``value`` for ``members`` as the most recently used; returns the entries evicted to make room."""
-        self._entries[members] = value
-        self._entries.move_to_end(members)
+        entries = self._entries
+        if members in entries:
+            entries.move_to_end(members)
+        entries[members] = value
         evicted = []
-        while len(self._entries) > self.capacity:
-            _, old = self._entries.popitem(last=False)
-            evicted.append(old)
+        while len(entries) > self.capacity:
+            evicted.append(entries.popitem(last=False)[1])
         return evicted
+
+    def use(self, members: Members, value: V) -> int | None:
+        """``members``' entry as the most recently used: None if it was cached, else ``value`` is cached for it
+        (as :meth:`put`) and the count of entries evicted is returned (the simulator's whole use of a cache)."""
+        if members in self._entries:
+            self._entries.move_to_end(members)
+            return None
+        return len(self.put(members, value))
 
     def pop(self, members: Members) -> V | None:
         """Forget ``members``; returns its entry, if any."""
@@ -71,8 +80,8 @@ def group_needs_setup(caches: Iterable[CommunicatorCache[bool]], members: Member
     runtime's handshake (:meth:`prague.comm.preduce.GroupCommunicators.get`) has the same outcome."""
     missing, evicted = False, 0
     for cache in caches:
-        if cache.get(members) is not None:  # now its most recently used
-            continue
-        missing = True
-        evicted += len(cache.put(members, True))
+        dropped = cache.use(members, True)  # now its most recently used
+        if dropped is not None:
+            missing = True
+            evicted += dropped
     return missing, evicted

@@ -13,7 +13,8 @@ member. Here no group is fixed before all its members are waiting at the GG:
   time, drawn at random with weight ``min(s, H) ** 2``, where s is the number of groups formed since
   the candidate last met any member chosen so far (never met: no limit) and ``H = ceil(nproc / S)`` is
   about one round of groups. A partner met in the previous group has weight 1 against ``H ** 2`` for
-  a stranger or anyone not met for a round.
+  a stranger or anyone not met for a round. A meeting older than H groups therefore weighs as none, and the
+  matrix drops it: it holds the pairs of the last H groups at most, however long the job.
 * Why a hold is needed: requests arrive one at a time and a group forms as soon as S wait, so without
   more there are never more than S waiting and the preference never gets a choice. With
   ``avoid_repeats`` (default on), when every pair among the S waiting workers met within the last H
@@ -29,7 +30,8 @@ every worker, a moving average of the time between its requests (its iteration a
 it) and sets the window to :data:`ADAPTIVE_SHARE` of the median of those, within
 [:data:`MIN_WINDOW_S`, :data:`MAX_WINDOW_S`] (:data:`FIRST_WINDOW_S` until some worker has asked twice),
 taken again each time ``1 / MEDIAN_EVERY`` of the workers have asked (at every request up to
-:data:`MEDIAN_EVERY` workers).
+:data:`MEDIAN_EVERY` workers), by a linear-time selection (``numpy.partition``): the cost of a request does not
+grow with the job.
 This is meant for overlapped workers (``prague --overlap on``): their request waits on a background
 thread while the next iteration computes, so waiting up to half an iteration costs nothing and gives
 slower workers time to arrive; a blocking worker would pay the window itself, so ``prague`` passes a
@@ -42,7 +44,10 @@ finishing worker (it is not waiting), but may complete a group for the others.
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import combinations
+
+import numpy as np
 
 from prague.errors import ConfigError
 from prague.groups.api import Answer, GeneratorConfig, Observer
@@ -68,9 +73,15 @@ class ReadyGenerator(PolicyBase):
         super().__init__(config, observer=observer)
         self._waiting: dict[int, float] = {}  # worker -> time of its request, in arrival order
         self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
+        # The pairs set, oldest first: an entry older than the horizon weighs as one never set, so it is
+        # dropped, and the matrix holds at most the pairs of the last horizon groups whatever the job's length.
+        self._met_order: deque[tuple[int, tuple[int, int]]] = deque()
         self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
         self._last_request: list[float | None] = [None] * config.nproc
-        self._interval: dict[int, float] = {}  # moving average, per worker that has asked twice
+        # The moving averages of the workers that have asked twice, each in its slot of one array (the order
+        # they were first measured in), whose median numpy selects in linear time; grown by doubling.
+        self._slot: dict[int, int] = {}
+        self._intervals = np.empty(16)
         self._since_median = 0  # intervals measured since the median was last taken
         self._last_arrival = float("-inf")
         self._in_order = True  # requests so far came in time order: the oldest waiting is the first
@@ -152,19 +163,27 @@ class ReadyGenerator(PolicyBase):
         if last is None:
             return
         gap = max(0.0, now_s - last)
-        mean = self._interval.get(worker)
-        self._interval[worker] = gap if mean is None else (1 - _EWMA) * mean + _EWMA * gap
+        slot = self._slot.get(worker)
+        if slot is None:
+            slot = self._slot[worker] = len(self._slot)
+            if slot == len(self._intervals):
+                self._intervals = np.concatenate([self._intervals, np.empty(slot)])
+            self._intervals[slot] = gap
+        else:
+            self._intervals[slot] = (1 - _EWMA) * float(self._intervals[slot]) + _EWMA * gap
         # The median is taken again once 1 / MEDIAN_EVERY of the workers measured have asked since: at
         # every request of a job of up to MEDIAN_EVERY workers; in a larger one, whose median a few
-        # requests barely move, one sort every n / MEDIAN_EVERY requests (about MEDIAN_EVERY x log n
-        # comparisons a request, where keeping every request's median exact moved O(n) values each time).
+        # requests barely move, one selection every n / MEDIAN_EVERY requests (about MEDIAN_EVERY linear
+        # passes over n values spread over n requests: a constant cost a request).
         self._since_median += 1
-        if self._since_median * MEDIAN_EVERY < len(self._interval):
+        measured = len(self._slot)
+        if self._since_median * MEDIAN_EVERY < measured:
             return
         self._since_median = 0
-        known = sorted(self._interval.values())
-        mid = len(known) // 2
-        middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2  # as statistics.median
+        # As statistics.median: the middle value, or the mean of the two middle ones (the same float).
+        low, high = (measured - 1) // 2, measured // 2
+        known = np.partition(self._intervals[:measured], (low, high))
+        middle = float(known[high]) if low == high else (float(known[low]) + float(known[high])) / 2
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s
 
@@ -178,7 +197,8 @@ class ReadyGenerator(PolicyBase):
         return len(self._waiting)
 
     def last_met(self, a: int, b: int) -> int | None:
-        """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met)."""
+        """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met, or not within the
+        last ``ceil(nproc / group_size)`` groups: the horizon beyond which meetings no longer count)."""
         return self._last_met.get((min(a, b), max(a, b)))
 
     def stats(self) -> dict[str, float | int]:
@@ -239,6 +259,13 @@ class ReadyGenerator(PolicyBase):
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
             extra["total_wait_s"] += now_s - self._waiting.pop(m)
-        for a, b in combinations(group.members, 2):
-            self._last_met[(a, b)] = group.seq
+        last_met, order, seq = self._last_met, self._met_order, group.seq
+        for pair in combinations(group.members, 2):
+            last_met[pair] = seq
+            order.append((seq, pair))
+        floor = self._next_seq - self._horizon  # older meetings weigh as none (_weight, _is_repeat)
+        while order and order[0][0] < floor:
+            old, pair = order.popleft()
+            if last_met[pair] == old:
+                del last_met[pair]
         return [(m, group) for m in group.members]

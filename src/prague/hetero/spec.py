@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
+
 from prague.errors import ConfigError
 
 KINDS = ("homogeneous", "paper", "straggler", "crash", "hang", "failures")
@@ -59,6 +61,17 @@ def uniform(seed: int, rank: int, step: int, stream: int = 0) -> float:
     """A uniform draw in [0, 1) that depends only on its arguments."""
     h = _splitmix64(_prefix(seed, stream, rank) ^ (step & _MASK64))
     return (h >> 11) * (1.0 / (1 << 53))
+
+
+def uniform_steps(seed: int, rank: int, start: int, stop: int, stream: int = 0) -> np.ndarray:
+    """``uniform(seed, rank, step, stream)`` for every step in ``start..stop-1`` (>= 0), the same floats, computed
+    as arrays: unsigned 64-bit arithmetic wraps as :func:`_splitmix64`'s masks do."""
+    x = np.arange(start, stop, dtype=np.uint64) ^ np.uint64(_prefix(seed, stream, rank))
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,23 @@ class Scenario:
         for term in self.paper:
             if uniform(self.seed, rank, step, self._paper_stream) < 1.0 / world_size:
                 factor *= term.factor
+        return self.straggler_slowdown(rank, step, factor)
+
+    def paper_slowdowns(self, rank: int, start: int, stop: int, world_size: int) -> dict[int, float]:
+        """The steps in ``start..stop-1`` that the ``paper`` terms slow for ``rank``, each with its factor from
+        them (the others: 1.0); drawn as arrays, the same draws as :meth:`slowdown`."""
+        slowed: dict[int, float] = {}
+        if self.paper:
+            factor = 1.0
+            for term in self.paper:  # every term draws the same number: they slow the same steps
+                factor *= term.factor
+            draws = uniform_steps(self.seed, rank, start, stop, self._paper_stream)
+            for offset in np.flatnonzero(draws < 1.0 / world_size).tolist():
+                slowed[start + offset] = factor
+        return slowed
+
+    def straggler_slowdown(self, rank: int, step: int, factor: float = 1.0) -> float:
+        """``factor`` times the slowdown the ``straggler`` terms give ``rank`` at ``step``."""
         for s in self.stragglers:
             if s.rank == rank and s.covers(step):
                 factor *= s.factor

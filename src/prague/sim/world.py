@@ -183,6 +183,9 @@ class World:
         self._out_of_batches = [False] * self.n
         self._slow = not scenario.is_homogeneous
         self._slowdown_at = [(-1, 1.0)] * self.n  # per rank: (step, its slowdown), from compute_s
+        # per rank: the block of ``steps`` steps whose paper slowdowns were drawn last (its index, the slowed steps)
+        self._paper_block: list[tuple[int, dict[int, float]]] = [(-1, {})] * self.n
+        self._block = max(1, steps)
         self.faulty = scenario.has_faults  # some worker crashes or hangs (fault_at)
         self._fail_at_s = [scenario.failure_time_s(w) for w in range(self.n)] if scenario.rates else None
         self._math_on = self.math.enabled
@@ -235,12 +238,24 @@ class World:
         """This worker's compute time at ``step`` (0 <= step < steps), slowdowns included."""
         t = self._base_s[rank]
         if self._slow:
-            factor = self.scenario.slowdown(rank, step, self.n)
+            factor = self._slowdown(rank, step)
             self._slowdown_at[rank] = (step, factor)  # :meth:`record` logs it
             t *= factor
         t += self._overhead_s
         jitter = self._jitter[rank]
-        return t if jitter is None else t * jitter[step]
+        if jitter is None:
+            return t
+        draws = jitter.draws
+        return t * (draws[step] if step < len(draws) else jitter[step])
+
+    def _slowdown(self, rank: int, step: int) -> float:
+        """``scenario.slowdown(rank, step, n)``, its paper draws made a block of steps at a time."""
+        index, slowed = self._paper_block[rank]
+        if step // self._block != index:
+            index = step // self._block
+            slowed = self.scenario.paper_slowdowns(rank, index * self._block, (index + 1) * self._block, self.n)
+            self._paper_block[rank] = (index, slowed)
+        return self.scenario.straggler_slowdown(rank, step, slowed.get(step, 1.0))
 
     def backward_s(self, rank: int, step: int) -> float:
         """The backward at the end of :meth:`compute_s` (rank, step): ``cluster.backward_share`` of the nominal
@@ -259,7 +274,7 @@ class World:
         if self._slow:
             at, factor = self._slowdown_at[rank]
             if at != step:
-                factor = self.scenario.slowdown(rank, step, self.n)
+                factor = self._slowdown(rank, step)
         self.slowdown_log[rank].append(factor)
         self.comm_log[rank].append(comm_s)
         self.wait_log[rank].append(wait_s)
