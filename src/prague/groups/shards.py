@@ -66,7 +66,6 @@ class ShardPlan:
             raise ConfigError(f"--gg-epoch-steps must be an integer >= 1, got {epoch_steps!r}")
         self.topology, self.shards, self.epoch_steps, self.seed = topology, shards, epoch_steps, seed
         self._orders: dict[int, list[int]] = {}  # epoch -> shard of each node
-        self._per_node = topology.workers_per_node
 
     def epoch(self, iteration: int) -> int:
         """The epoch of a request made after step ``iteration``."""
@@ -91,9 +90,7 @@ class ShardPlan:
         """The shard that serves ``worker``'s request after step ``iteration``."""
         if self.shards == 1:
             return 0
-        epoch = self.epoch(iteration)
-        table = self._orders.get(epoch)  # the common case, without a call
-        return (table or self._shard_of_node(epoch))[worker // self._per_node]
+        return self._shard_of_node(self.epoch(iteration))[worker // self.topology.workers_per_node]
 
     def members(self, shard: int, epoch: int) -> list[int]:
         """The workers shard ``shard`` serves in ``epoch``, in rank order."""

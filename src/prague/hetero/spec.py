@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -41,7 +41,8 @@ MAX_FACTOR = 1e6
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def _splitmix64(x: Any) -> Any:
+    """SplitMix64's finaliser of ``x``: a Python int, or an array of unsigned 64-bit ints (element-wise)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -65,13 +66,10 @@ def uniform(seed: int, rank: int, step: int, stream: int = 0) -> float:
 
 def uniform_steps(seed: int, rank: int, start: int, stop: int, stream: int = 0) -> np.ndarray:
     """``uniform(seed, rank, step, stream)`` for every step in ``start..stop-1`` (>= 0), the same floats, computed
-    as arrays: unsigned 64-bit arithmetic wraps as :func:`_splitmix64`'s masks do."""
-    x = np.arange(start, stop, dtype=np.uint64) ^ np.uint64(_prefix(seed, stream, rank))
-    x += np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    as arrays by :func:`_splitmix64` itself: on unsigned 64-bit arrays its masks change nothing, the arithmetic
+    wraps as they would."""
+    h: np.ndarray = _splitmix64(np.arange(start, stop, dtype=np.uint64) ^ np.uint64(_prefix(seed, stream, rank)))
+    return (h >> 11) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)

@@ -138,18 +138,13 @@ class Engine:
         heap = self._heap
         pop = heapq.heappop
         count = 0
-        if until_s is None:
-            while heap:
-                t, _, fn, arg = pop(heap)
-                self.now = t
-                fn(arg)
-                count += 1
-        else:
-            while heap and heap[0][0] <= until_s:
-                t, _, fn, arg = pop(heap)
-                self.now = t
-                fn(arg)
-                count += 1
+        while heap:
+            if until_s is not None and heap[0][0] > until_s:
+                break
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            fn(arg)
+            count += 1
         self.events += count
         return self.now
 

@@ -243,10 +243,7 @@ class World:
             t *= factor
         t += self._overhead_s
         jitter = self._jitter[rank]
-        if jitter is None:
-            return t
-        draws = jitter.draws
-        return t * (draws[step] if step < len(draws) else jitter[step])
+        return t if jitter is None else t * jitter[step]
 
     def _slowdown(self, rank: int, step: int) -> float:
         """``scenario.slowdown(rank, step, n)``, its paper draws made a block of steps at a time."""
