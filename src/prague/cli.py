@@ -74,12 +74,15 @@ def resolve_job(args: argparse.Namespace, *, nproc: int | None, algorithm: str =
         cfg = config_from_args(args, algorithm=algorithm, scenario=scenario, nproc=nproc, out=out)
         if not here and args.resume:  # torchrun running `prague worker --resume` with the flags
             cfg = dataclasses.replace(cfg, resume=True)
-    method_resources(cfg)  # the method's services can be declared for this job, before anything starts
     if here:
         from prague.runtime.forkserver import prestart
 
         cfg.check_data_source()
-        prestart(cfg.data, not cfg.emulated)  # the flags hold: the fork server imports while the rest is checked
+        # The flags hold: the fork server imports while the rest is checked (the method's runtime, imported to
+        # declare its services, is torch's import too: started first, the server's overlaps it).
+        prestart(cfg.data, not cfg.emulated)
+    method_resources(cfg)  # the method's services can be declared for this job, before anything starts
+    if here:
         check_backend(cfg)
         if cfg.hosts is not None:
             check_privileges()

@@ -27,7 +27,7 @@ from prague.errors import CommError, ConfigError
 from prague.groups import GeneratorConfig, Group, Topology, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups.client import GroupGeneratorClient
-from prague.groups.service import GroupGeneratorServer, main
+from prague.groups.service import GroupGeneratorServer, SignalFlag, main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,6 +243,21 @@ def test_subprocess_stops_on_sigterm(tmp_path: Path) -> None:
         assert proc.wait(timeout=15) == 0
     finally:
         _stop(proc)
+
+
+def test_the_signal_handler_returns_while_the_shutdown_event_is_held() -> None:
+    """The handler runs in the main thread between two bytecodes, which may be inside the shutdown event's own
+    wait with its lock held (a Shutdown RPC set the event a moment before the launcher's SIGTERM came): it
+    must return there, and the serving loop then stops on its note. (It used to set the event itself and
+    wait for that lock forever: the launcher killed the service after its 5 s grace.)"""
+    server = GroupGeneratorServer(make_generator("ready", GeneratorConfig(nproc=2)), TOKEN)
+    handler = SignalFlag()
+    with server.shutdown_requested._cond:  # the lock Event.wait holds as it wakes  # type: ignore[attr-defined]
+        caller = threading.Thread(target=handler, args=(signal.SIGTERM, None), daemon=True)
+        caller.start()
+        caller.join(2.0)
+        assert not caller.is_alive(), "the handler waited for the shutdown event's lock"
+    assert handler.signum == signal.SIGTERM
 
 
 def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:

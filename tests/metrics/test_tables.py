@@ -166,3 +166,21 @@ def test_the_picture_of_a_workload_is_drawn_beside_the_decision_table(tmp_path: 
     assert out.read_bytes().startswith(b"\x89PNG") and capsys.readouterr().out == decision_table(read_decision([bench]))
     assert main(["report", str(bench), "--plot", str(out)]) == 2
     assert "--plot draws the decision table's benches: add --decide" in capsys.readouterr().err
+
+
+def test_the_pictures_title_holds_what_the_benches_share_and_each_label_what_differs() -> None:
+    """Two benches of one scenario on different clusters get different labels; what both share is the title."""
+    from prague.metrics.tables import ScenarioCells, _plot_labels
+
+    def cells(where: str, scenario: str, settings: str = "") -> ScenarioCells:
+        return ScenarioCells(where, settings, scenario, [], {})
+
+    plain = "cnn on mnist to 98.5%, 8 workers, one machine"
+    congested = "cnn on mnist to 98.5%, 8 workers on 4 hosts at 1gbit, cross-traffic bursts:0.3:20"
+    title, labels = _plot_labels([cells(plain, "homogeneous"), cells(plain, "paper:5"),
+                                  cells(congested, "homogeneous", "; `--group-size 2`")])
+    assert title == "cnn on mnist to 98.5%"
+    assert labels == ["homogeneous\n8 workers\none machine", "paper:5\n8 workers\none machine",
+                      "homogeneous\n8 workers on 4 hosts at 1gbit\ncross-traffic bursts:0.3:20\n--group-size 2"]
+    assert _plot_labels([cells(plain, "homogeneous"), cells(plain, "straggler:3:4")]) == (
+        plain, ["homogeneous", "straggler:3:4"])

@@ -642,6 +642,23 @@ class GroupGeneratorServer:
         self.stop()
 
 
+#: How often :func:`serve` looks at :class:`SignalFlag` while it waits for a Shutdown RPC.
+_SIGNAL_POLL_S = 0.1
+
+
+class SignalFlag:
+    """The signal handler of :func:`serve`: it notes the signal and nothing more, and the serving loop looks at
+    the note. A handler runs in the main thread between two of its bytecodes, which may be inside the
+    shutdown event's own wait with that event's lock held (a Shutdown RPC set it a moment before): setting the
+    event from the handler would then wait for that lock forever, and the service would hang until killed."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+
 def serve(
     config: GeneratorConfig,
     host: str,
@@ -682,16 +699,13 @@ def serve(
         if trace is not None:
             server.core.trace_to(trace)
         server.start(host, port)
+        signalled = SignalFlag()
         if threading.current_thread() is threading.main_thread():
-
-            def on_signal(signum: int, frame: FrameType | None) -> None:
-                server.request_shutdown()
-
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, on_signal)
+                previous[sig] = signal.signal(sig, signalled)
         if ready_file is not None:
             atomic_write_text(Path(ready_file), server.address + "\n")
-        while not server.wait_for_shutdown(1.0):
+        while signalled.signum is None and not server.wait_for_shutdown(_SIGNAL_POLL_S):
             pass
     finally:
         server.stop()

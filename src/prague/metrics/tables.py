@@ -223,11 +223,12 @@ def versus_best_figure(scenarios: Sequence[ScenarioCells]) -> bytes:
     if not scenarios:
         raise ConfigError("prague report --plot needs the bench.json of one bench or more")
     groups: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
-    for s in scenarios:
+    title, labels = _plot_labels(scenarios)
+    for s, label in zip(scenarios, labels):
         best = next((c for c in s.cells if c["method"] == s.cells[0]["best_baseline"]), None)
         bars = [("best baseline", best)] if best is not None else []
         bars += [(c["method"], c) for c in s.cells if c["method"].split(":", 1)[0] not in BASELINE_METHODS]
-        groups.append((s.scenario + s.settings.replace("; ", "\n").replace("`", ""), bars))
+        groups.append((label, bars))
     names = list(dict.fromkeys(name for _, bars in groups for name, _ in bars if name != "best baseline"))
     colours = {"best baseline": "0.6", **method_colours(names)}
     width = 0.8 / max(1, max(len(bars) for _, bars in groups))
@@ -261,8 +262,21 @@ def versus_best_figure(scenarios: Sequence[ScenarioCells]) -> bytes:
     ax.set_ylim(0, 1.2 * top)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"Against the best baseline of each scenario ({scenarios[0].where})", fontsize="medium")
+    ax.set_title(f"Against the best baseline of each scenario ({title})", fontsize="medium")
     return png_bytes(fig)
+
+
+def _plot_labels(scenarios: Sequence[ScenarioCells]) -> tuple[str, list[str]]:
+    """The picture's title and each scenario's label. What every bench shares (the workload, the cluster) goes
+    in the title; what differs (another cluster, cross traffic, a flag) goes under its own bars, so that two
+    benches of one scenario are told apart."""
+    parts = [s.where.split(", ") for s in scenarios]
+    shared = 0
+    while all(len(p) > shared and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    labels = ["\n".join([s.scenario, *own[shared:]]) + s.settings.replace("; ", "\n").replace("`", "")
+              for s, own in zip(scenarios, parts)]
+    return ", ".join(parts[0][:shared]), labels
 
 
 def _decision_row(cluster: str, group: list[dict[str, Any]],

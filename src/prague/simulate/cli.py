@@ -184,7 +184,7 @@ def _run_configs(args: argparse.Namespace, out: Path) -> list[RunConfig]:
         raise ConfigError("--algorithms and --scenarios each need at least one entry, e.g. allreduce and homogeneous")
     check_options_apply(args, algorithms, topology=("nodes",))
     if getattr(args, "optimizer", None) not in (None, "sgd"):
-        raise ConfigError(f"--optimizer {args.optimizer}: the simulator's arithmetic applies SGD's rule "
+        raise ConfigError(f"--optimizer {args.optimizer!r}: the simulator's arithmetic applies SGD's rule "
                           "(prague.sim.math); simulate with --optimizer sgd, or train with prague run or bench")
     if getattr(args, "hosts", None) is not None and args.inter_gbps is not None:
         raise ConfigError(f"--inter-gbps {args.inter_gbps} and --hosts both set the inter-node bandwidth; with "
