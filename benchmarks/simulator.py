@@ -196,17 +196,6 @@ def bench_scale(steps: int = 200, sizes: tuple[int, ...] = (16, 64, 256, 1024)) 
     return rows
 
 
-def bench_timing(steps: int = 1000, workers: int = 1024) -> dict[str, Any]:
-    t, c = time.perf_counter(), time.process_time()
-    r = simulate(SimConfig.of(algorithm="prague:smart", scenario="paper:5", nproc=workers, nodes=workers // 4,
-                           steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER)).to_dict()
-    out = {"workers": workers, "steps": steps, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
-           "events": r["sim"]["events"], "fraction_of_limit": r["fraction_of_limit"]}
-    print(f"\nprague:smart, {workers} workers x {steps} iterations: {out['wall_s']:.1f} s wall, "
-          f"{out['cpu_s']:.1f} s CPU, {out['events']} events")
-    return out
-
-
 #: The sizes of issue-scale timing: (workers, iterations), 8 workers per node, ``prague`` (the ``ready``
 #: generator, its default shards), ``paper:5``, 100 ms steps.
 SCALE_SIZES = ((1024, 1000), (16384, 1000), (65536, 100))
@@ -223,20 +212,21 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
     return sizes
 
 
-def bench_scale_timing(sizes: tuple[tuple[int, int], ...] = SCALE_SIZES, math: str = "none") -> list[dict[str, Any]]:
-    """How long ``prague simulate --algorithms prague --scenarios paper:5 --nproc N --nodes N/8 --steps K
+def bench_scale_timing(sizes: tuple[tuple[int, int], ...] = SCALE_SIZES, math: str = "none",
+                       algorithm: str = "prague", per_node: int = 8) -> list[dict[str, Any]]:
+    """How long ``prague simulate --algorithms ALGORITHM --scenarios paper:5 --nproc N --nodes N/PER_NODE --steps K
     --model resnet18 --compute emulated --compute-ms 100`` takes, per size: wall and CPU seconds, events, the
     cost per worker-iteration, and what the run reports of the Group Generator (shards, the busiest shard's
     utilisation), the share of local steps and, with ``math="mixing"``, the consensus distance at the end."""
     rows = []
     for workers, steps in sizes:
         t, c = time.perf_counter(), time.process_time()
-        r = simulate(SimConfig.of(algorithm="prague", scenario="paper:5", nproc=workers, nodes=workers // 8,
+        r = simulate(SimConfig.of(algorithm=algorithm, scenario="paper:5", nproc=workers, nodes=workers // per_node,
                                   steps=steps, batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
                                   compute="emulated", compute_ms=100.0, math=math)).to_dict()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         stats = r["algorithm_stats"][0]
-        rows.append({"workers": workers, "steps": steps, "math": math, "wall_s": wall, "cpu_s": cpu,
+        rows.append({"algorithm": algorithm, "workers": workers, "steps": steps, "math": math, "wall_s": wall, "cpu_s": cpu,
                      "engine_s": r["sim"]["run_s"], "events": r["sim"]["events"],
                      "us_per_worker_iteration": 1e6 * cpu / (workers * steps),
                      "gg_shards": stats.get("gg_shards"), "gg_utilization": stats.get("gg_utilization"),
@@ -245,7 +235,7 @@ def bench_scale_timing(sizes: tuple[tuple[int, int], ...] = SCALE_SIZES, math: s
                      "fraction_of_limit": r["fraction_of_limit"]})
         row = rows[-1]
         consensus = "" if row["consensus_distance"] is None else f", consensus distance {row['consensus_distance']:.2f}"
-        print(f"  {workers} x {steps}: {wall:.1f} s wall, {cpu:.1f} s CPU, {row['us_per_worker_iteration']:.1f} us "
+        print(f"  {algorithm}, {workers} x {steps}: {wall:.1f} s wall, {cpu:.1f} s CPU, {row['us_per_worker_iteration']:.1f} us "
               f"per worker-iteration, {row['gg_shards']} shard(s) at most {100 * (row['gg_utilization'] or 0):.0f}% "
               f"busy{consensus}", flush=True)
     return rows
@@ -314,7 +304,8 @@ def main() -> None:
     if args.scale or args.all:
         results["scale"] = bench_scale(args.steps)
     if args.timing or args.all:
-        results["timing"] = bench_timing()
+        # the paper's generator at 1,024 workers x 1,000 iterations, 4 workers per node
+        results["timing"] = bench_scale_timing(((1024, 1000),), algorithm="prague:smart", per_node=4)
     if args.scale_timing:
         results["scale_timing"] = bench_scale_timing(sizes)
     if args.consensus:

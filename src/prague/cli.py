@@ -80,7 +80,7 @@ def resolve_job(args: argparse.Namespace, *, nproc: int | None, algorithm: str =
         cfg.check_data_source()
         # The flags hold: the fork server imports while the rest is checked (the method's runtime, imported to
         # declare its services, is torch's import too: started first, the server's overlaps it).
-        prestart(cfg.data, not cfg.emulated)
+        prestart(not cfg.emulated, worker_imports(cfg))
     method_resources(cfg)  # the method's services can be declared for this job, before anything starts
     if here:
         check_backend(cfg)
@@ -160,13 +160,21 @@ def _progress_printer(total_ranks: int) -> tuple[Any, Any]:
     return bar, tick
 
 
+def worker_imports(cfg: Any) -> tuple[str, ...]:
+    """What ``cfg``'s workers import beyond prague's runtime: its method's modules, and its data set's loader
+    if they train (emulated compute loads no data); the fork server preloads them."""
+    from prague.workload.catalog import loader_imports
+
+    return (*cfg.method.worker_imports, *(() if cfg.emulated else loader_imports(cfg.data, cfg.seed)))
+
+
 def run_config(cfg: Any, *, quiet: bool = False) -> dict[str, Any]:
     """Launch ``cfg.nproc`` workers for ``cfg`` on this machine; return rank 0's summary.
 
     Raises WorkerFailed if a worker fails (after stopping every process)."""
     from prague.runtime.forkserver import prestart
 
-    prestart(cfg.data, not cfg.emulated)  # the worker fork server imports torch meanwhile
+    prestart(not cfg.emulated, worker_imports(cfg))  # the fork server imports torch meanwhile
     from prague.runtime.launcher import LaunchSpec, launch
     from prague.train.checkpoint import CHECKPOINTS_DIR, resume_step
     from prague.train.config import job_file, worker_argv, write_job

@@ -13,7 +13,11 @@ import pytest
 
 from prague.errors import ConfigError
 from prague.jobenv import JobEnv
-from prague.runtime.forkserver import DATA_PRELOAD, TRAINING_PRELOAD, PRELOAD, forkable, start_mode
+from prague.algorithms.registry import parse_method
+from prague.cli import worker_imports
+from prague.runtime.forkserver import TRAINING_PRELOAD, PRELOAD, forkable, preload_modules, start_mode
+from prague.train.config import RunConfig
+from prague.workload.catalog import digits_split_file
 from prague_testing import run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -66,5 +70,27 @@ def test_the_fork_server_preloads_neither_the_simulator_nor_plotting_nor_scikit_
     assert "torch._dynamo" not in imported  # emulated compute trains nothing: no optimizer, no dynamo
     assert not {m for m in imported if m.split(".")[0] in ("sklearn", "matplotlib")}
     assert not {m for m in imported if m.startswith(("prague.sim", "prague.simulate"))}
-    assert DATA_PRELOAD == {"digits": ("sklearn.datasets", "sklearn.model_selection")}
     assert TRAINING_PRELOAD == ("torch._dynamo",)
+
+
+def test_the_server_preloads_what_the_jobs_workers_would_import_each(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated compute: prague's runtime only, plus DDP's torch._dynamo for allreduce; training: the
+    optimizers' torch._dynamo and the data set's loader, scikit-learn for digits until its split is kept."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def job(algorithm: str, compute: str, data: str = "digits") -> list[str]:
+        cfg = RunConfig(algorithm, "homogeneous", 2, str(tmp_path / "out"), compute=compute, data=data, seed=11)
+        return preload_modules(not cfg.emulated, worker_imports(cfg))
+
+    sklearn = ["sklearn.datasets", "sklearn.model_selection"]
+    assert parse_method("allreduce:drop")[0].worker_imports == ("torch._dynamo",)
+    assert job("prague", "emulated") == [PRELOAD]
+    assert job("allreduce:backup", "emulated") == [PRELOAD, "torch._dynamo"]
+    assert job("prague", "real") == [PRELOAD, "torch._dynamo", *sklearn]
+    assert job("allreduce", "paced", "synthetic") == [PRELOAD, "torch._dynamo"]  # once
+    (tmp_path / ".cache" / "prague").mkdir(parents=True)
+    split = digits_split_file(11)
+    assert split is not None
+    split.write_bytes(b"")  # kept (whether it reads is the loader's business)
+    assert job("prague", "real") == [PRELOAD, "torch._dynamo"]

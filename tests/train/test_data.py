@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from prague.errors import ConfigError, DataError
 from prague.workload.catalog import DATASETS as CATALOG
-from prague.workload.catalog import check_pairing
+from prague.workload.catalog import LOADER_IMPORTS, check_pairing, digits_split_file, loader_imports
 from prague.workload.data import (
     DATASETS,
     Dataset,
@@ -50,6 +50,30 @@ def test_digits_split_is_seeded(digits: Dataset) -> None:
     other = load_dataset("digits", seed=1)
     assert torch.equal(again.train_x, digits.train_x) and torch.equal(again.test_y, digits.test_y)
     assert not torch.equal(other.train_x, digits.train_x)
+
+
+def test_a_kept_digits_split_is_the_one_scikit_learn_makes_and_a_broken_one_is_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load keeps seed 3's split in the cache folder and says so to the fork server (nothing to
+    import); the next load reads it and gets the same tensors; a damaged file is replaced; a cache folder
+    that cannot be written only costs the import."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    kept = digits_split_file(3)
+    assert kept is not None and kept.parent == tmp_path / "home" / ".cache" / "prague" and not kept.exists()
+    assert loader_imports("digits", 3) == LOADER_IMPORTS["digits"]
+    first = load_dataset("digits", seed=3)
+    assert kept.is_file() and loader_imports("digits", 3) == () and loader_imports("digits", 4) != ()
+    assert loader_imports("mnist", 3) == ()
+    kept.write_bytes(kept.read_bytes()[:100])  # a truncated file
+    again = load_dataset("digits", seed=3)
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        assert torch.equal(getattr(again, name), getattr(first, name)), name
+    with np.load(kept) as npz:
+        assert npz["train_x"].shape == (1437, 8, 8)  # made again
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / ".cache").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("HOME", str(tmp_path / "ro"))
+    assert torch.equal(load_dataset("digits", seed=3).test_x, first.test_x)
 
 
 def test_synthetic_is_seeded_and_shaped() -> None:

@@ -170,7 +170,9 @@ class Method:
     measure, such as a queue's utilisation). ``survives_failures``: the survivors of a crashed or hung
     worker train on without it (:mod:`prague.runtime.liveness`); otherwise the launcher stops the job.
     ``sgd_only``: the method applies SGD's update rule itself (the parameter servers' shards), so the
-    workers' optimizer must be SGD.
+    workers' optimizer must be SGD. ``worker_imports``: modules the method's workers import even when they
+    do not train (emulated compute), which the worker fork server then preloads once for all of them
+    (:func:`prague.runtime.forkserver.prestart`).
     """
 
     name: str
@@ -187,6 +189,7 @@ class Method:
     variant_sims: Mapping[str, str] = field(default_factory=dict)
     plain_default: bool = False
     sgd_only: bool = False
+    worker_imports: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):

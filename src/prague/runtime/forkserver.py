@@ -44,8 +44,6 @@ from prague.errors import ConfigError
 
 START_MODES = ("fork", "exec")
 PRELOAD = "prague.preload"
-#: What a data set's loader imports, preloaded only for jobs that use that data set.
-DATA_PRELOAD = {"digits": ("sklearn.datasets", "sklearn.model_selection")}
 #: What training imports beyond :data:`PRELOAD`, preloaded only for jobs that train (not emulated compute):
 #: every ``torch.optim`` optimizer imports ``torch._dynamo`` on first use, 1.4 s.
 TRAINING_PRELOAD = ("torch._dynamo",)
@@ -67,24 +65,30 @@ def forkable(argv: Sequence[str]) -> bool:
     return list(argv[:4]) == [sys.executable, "-m", "prague", "worker"]
 
 
-def _context(data: str | None = None, trains: bool = True) -> multiprocessing.context.ForkServerContext:
-    """The fork server, started on first use with the preload modules (those of ``data`` too, and what
-    training needs if the jobs ``trains``) and a single-threaded environment. Later jobs reuse it as it
-    is: a worker imports what it lacks itself."""
+def preload_modules(trains: bool = True, imports: Sequence[str] = ()) -> list[str]:
+    """What the fork server imports before it forks: prague's runtime (:data:`PRELOAD`), what training
+    needs if the jobs ``trains`` (emulated compute does not), and ``imports``: what the job's method and
+    data set import anyway (:attr:`prague.algorithms.spec.Method.worker_imports`,
+    :func:`prague.workload.catalog.loader_imports`); each once, in that order."""
+    return list(dict.fromkeys([PRELOAD, *(TRAINING_PRELOAD if trains else ()), *imports]))
+
+
+def _context(trains: bool = True, imports: Sequence[str] = ()) -> multiprocessing.context.ForkServerContext:
+    """The fork server, started on first use with :func:`preload_modules` and a single-threaded environment.
+    Later jobs reuse it as it is: a worker imports what it lacks itself."""
     ctx = multiprocessing.get_context("forkserver")
     with _lock:
-        ctx.set_forkserver_preload([PRELOAD, *(TRAINING_PRELOAD if trains else ()), *DATA_PRELOAD.get(data or "", ())])
+        ctx.set_forkserver_preload(preload_modules(trains, imports))
         with jobenv.overridden(_SINGLE_THREADED):  # the server inherits it when it starts
             multiprocessing.forkserver.ensure_running()
     return ctx
 
 
-def prestart(data: str | None = None, trains: bool = True) -> None:
-    """Start the fork server now (unless workers are to be exec'd), for jobs on data set ``data`` that
-    train (``trains``; emulated compute does not), so that its imports overlap the launcher's own
-    preparations; the first fork waits for them."""
+def prestart(trains: bool = True, imports: Sequence[str] = ()) -> None:
+    """Start the fork server now (unless workers are to be exec'd) with :func:`preload_modules`, so that
+    its imports overlap the launcher's own preparations; the first fork waits for them."""
     if start_mode(jobenv.current()) == "fork":
-        _context(data, trains)
+        _context(trains, imports)
 
 
 def stop() -> None:

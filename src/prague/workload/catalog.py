@@ -7,8 +7,11 @@ the real things and a test checks that they agree with these facts.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from prague.errors import ConfigError, unknown_choice
 
@@ -68,6 +71,36 @@ def check_pairing(model: str, data: str) -> None:
     if model not in TEXT_MODELS and info.text:
         raise ConfigError(f"model {model!r} reads images, but data set {data!r} holds text; pass --model "
                           f"{TEXT_MODELS[0]}, or an image data set ({', '.join(d for d, i in DATASETS.items() if not i.text)})")
+
+
+#: What loading a data set imports beyond torch and NumPy: digits comes from scikit-learn (0.8 s to import).
+LOADER_IMPORTS = {"digits": ("sklearn.datasets", "sklearn.model_selection")}
+
+
+def cache_dir() -> Path:
+    """Where prague keeps what it can rebuild: ``~/.cache/prague``."""
+    return Path(os.path.expanduser("~")) / ".cache" / "prague"
+
+
+def digits_split_file(seed: int) -> Path | None:
+    """The file that keeps the digits train/test split of ``seed`` (:func:`prague.workload.data.load_dataset`
+    writes it on first use), named by scikit-learn's version, which makes the split; None without
+    scikit-learn."""
+    try:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return cache_dir() / f"digits-split-sklearn{version}-seed{seed}.npz"
+
+
+def loader_imports(name: str, seed: int) -> tuple[str, ...]:
+    """The modules loading data set ``name`` with ``seed`` imports (none once the digits split of ``seed``
+    is kept), for the worker fork server to preload (:mod:`prague.runtime.forkserver`)."""
+    if name == "digits":
+        kept = digits_split_file(seed)
+        if kept is not None and kept.is_file():
+            return ()
+    return LOADER_IMPORTS.get(name, ())
 
 
 #: Seeds are below 2**32, the bound of scikit-learn's and NumPy's seeds (the digits split uses them).

@@ -3,7 +3,8 @@
 Four data sets, chosen with :func:`load_dataset`:
 
 * ``digits``: scikit-learn's bundled 8x8 handwritten digits (1,797 images, offline), a seeded,
-  class-stratified 80/20 train/test split, standardised with the training split's mean and std.
+  class-stratified 80/20 train/test split, standardised with the training split's mean and std. Each seed's
+  split is kept in prague's cache folder after its first load (``~/.cache/prague``).
 * ``mnist``: MNIST from a local directory in the standard IDX layout (see :mod:`prague.workload.mnist`),
   normalised with the usual constants ``((x / 255) - 0.1307) / 0.3081``.
 * ``synthetic``: seeded Gaussian class prototypes plus noise at CIFAR's shape 3x32x32
@@ -20,7 +21,9 @@ at the same step, and a test can rebuild the union of all ranks' batches in one 
 
 from __future__ import annotations
 
+import io
 import math
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,9 @@ import torch.nn.functional as F
 
 from prague.errors import ConfigError, DataError, unknown_choice
 from prague.workload.catalog import DATASETS as CATALOG
-from prague.workload.catalog import TEXT_BYTES, TEXT_CONTEXT, TEXT_TEST_WINDOWS, check_seed, steps_per_epoch
+from prague.io import atomic_write_bytes
+from prague.workload.catalog import (TEXT_BYTES, TEXT_CONTEXT, TEXT_TEST_WINDOWS, check_seed, dataset_info,
+                                     digits_split_file, steps_per_epoch)
 from prague.workload.mnist import load_mnist
 
 __all__ = [
@@ -231,7 +236,23 @@ def make_synthetic(
     )
 
 
-def _load_digits(seed: int) -> Dataset:
+_DIGITS_SPLIT = ("train_x", "test_x", "train_y", "test_y")
+
+
+def _digits_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's digits in ``seed``'s class-stratified split (images scaled to [0, 1]): kept in the cache
+    (:func:`prague.workload.catalog.digits_split_file`) after the first load, since importing scikit-learn
+    takes longer than a short run's training. A kept file that cannot be read is made again; a cache that
+    cannot be written is skipped."""
+    kept = digits_split_file(seed)
+    if kept is not None:
+        try:
+            with np.load(kept) as npz:
+                arrays = tuple(npz[k] for k in _DIGITS_SPLIT)
+            if arrays[0].shape[1:] == (8, 8) and len(arrays[0]) == len(arrays[2]) == dataset_info("digits").train_samples:
+                return arrays  # type: ignore[return-value]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            pass
     # Imported here: scikit-learn is slow to import and only this data set needs it.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -239,12 +260,22 @@ def _load_digits(seed: int) -> Dataset:
     bunch = load_digits()
     images = np.asarray(bunch.images, dtype=np.float32) / DIGITS_MAX_PIXEL
     labels = np.asarray(bunch.target, dtype=np.int64)
-    train_x, test_x, train_y, test_y = train_test_split(
-        images, labels, test_size=DIGITS_TEST_FRACTION, random_state=seed, stratify=labels
-    )
+    split = train_test_split(images, labels, test_size=DIGITS_TEST_FRACTION, random_state=seed, stratify=labels)
+    if kept is not None:
+        buffer = io.BytesIO()
+        np.savez(buffer, **dict(zip(_DIGITS_SPLIT, split)))
+        try:
+            atomic_write_bytes(kept, buffer.getvalue())
+        except OSError:  # a read-only home: load from scikit-learn each time
+            pass
+    return tuple(split)  # type: ignore[return-value]
+
+
+def _load_digits(seed: int) -> Dataset:
+    train_x, test_x, train_y, test_y = _digits_split(seed)
     # One mean and std for all pixels (per-pixel std is zero at the always-blank borders).
     mean, std = float(train_x.mean()), float(train_x.std())
-    height, width = images.shape[1:]
+    height, width = train_x.shape[1:]
 
     def prepare(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy((x - mean) / std).to(torch.float32).unsqueeze(1).contiguous()
