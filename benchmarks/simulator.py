@@ -260,9 +260,9 @@ def bench_failures(workers: tuple[int, ...] = (1024,), steps: int = 1000, checkp
     for n in workers:
         free: dict[str, dict[str, Any]] = {}  # each method's failure-free row
         for rate in (0.0, *rates):
+            scenario = "paper:5" + (f"+failures:{rate:g}" if rate else "")
+            first_failure_s = min(parse_scenario(scenario).failure_time_s(rank) for rank in range(n))
             for algorithm in ("prague", "allreduce"):
-                scenario = "paper:5" + (f"+failures:{rate:g}" if rate else "")
-                first_failure_s = min(parse_scenario(scenario).failure_time_s(rank) for rank in range(n))
                 if algorithm == "prague" and algorithm in free and first_failure_s >= free[algorithm]["job_s"]:
                     rows.append({**free[algorithm], "rate_per_hour": rate, "sim_cpu_s": 0.0, "reused": True})
                 else:
