@@ -8,13 +8,13 @@ cached, which is evicted, when a group has to build a new communicator.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from prague.errors import ConfigError
 
 V = TypeVar("V")
+_ABSENT = object()
 Members = tuple[int, ...]
 
 
@@ -25,33 +25,43 @@ class CommunicatorCache(Generic[V]):
         if capacity < 1:
             raise ConfigError(f"communicator cache capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[Members, V] = OrderedDict()
+        # A dict keeps its keys in insertion order: re-inserting a key makes it the most recently used, and the
+        # first key is the least recently used (plain dict operations, cheaper than an OrderedDict's).
+        self._entries: dict[Members, V] = {}
 
     def get(self, members: Members) -> V | None:
         """The entry of ``members`` (now the most recently used), or None."""
-        value = self._entries.get(members)
-        if value is not None:
-            self._entries.move_to_end(members)
+        entries = self._entries
+        value = entries.get(members)
+        if value is not None:  # to the end: the most recently used
+            del entries[members]
+            entries[members] = value
         return value
 
     def put(self, members: Members, value: V) -> list[V]:
         """Cache ``value`` for ``members`` as the most recently used; returns the entries evicted to make room."""
         entries = self._entries
-        if members in entries:
-            entries.move_to_end(members)
+        entries.pop(members, None)
         entries[members] = value
         evicted = []
         while len(entries) > self.capacity:
-            evicted.append(entries.popitem(last=False)[1])
+            evicted.append(entries.pop(next(iter(entries))))
         return evicted
 
     def use(self, members: Members, value: V) -> int | None:
         """``members``' entry as the most recently used: None if it was cached, else ``value`` is cached for it
         (as :meth:`put`) and the count of entries evicted is returned (the simulator's whole use of a cache)."""
-        if members in self._entries:
-            self._entries.move_to_end(members)
+        entries = self._entries
+        known = entries.pop(members, _ABSENT)
+        if known is not _ABSENT:  # back in, now the most recently used
+            entries[members] = cast(V, known)
             return None
-        return len(self.put(members, value))
+        entries[members] = value
+        evicted = 0
+        while len(entries) > self.capacity:
+            del entries[next(iter(entries))]
+            evicted += 1
+        return evicted
 
     def pop(self, members: Members) -> V | None:
         """Forget ``members``; returns its entry, if any."""

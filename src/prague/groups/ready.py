@@ -78,10 +78,11 @@ class ReadyGenerator(PolicyBase):
         self._met_order: deque[tuple[int, tuple[int, int]]] = deque()
         self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
         self._last_request: list[float | None] = [None] * config.nproc
-        # The moving averages of the workers that have asked twice, each in its slot of one array (the order
-        # they were first measured in), whose median numpy selects in linear time; grown by doubling.
+        # The moving averages of the workers that have asked twice, each in its slot of one list (the order
+        # they were first measured in; a list's item is read and written faster than a numpy array's), whose
+        # median numpy selects in linear time.
         self._slot: dict[int, int] = {}
-        self._intervals = np.empty(16)
+        self._intervals: list[float] = []
         self._since_median = 0  # intervals measured since the median was last taken
         self._last_arrival = float("-inf")
         self._in_order = True  # requests so far came in time order: the oldest waiting is the first
@@ -93,7 +94,8 @@ class ReadyGenerator(PolicyBase):
 
     # -- protocol -----------------------------------------------------------------------------------
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
-        self._check_worker(worker)
+        if type(worker) is not int or not 0 <= worker < self.config.nproc or self.finished[worker]:
+            self._check_worker(worker)  # raises: the common case costs no call
         if worker in self._waiting:
             raise ConfigError(
                 f"worker {worker} is already waiting for its group; request once per iteration and "
@@ -131,9 +133,12 @@ class ReadyGenerator(PolicyBase):
         self._waiting.pop(worker, None)
 
     def next_deadline(self) -> float | None:
-        if not self._waiting:
+        waiting = self._waiting
+        if not waiting:
             return None
-        return self._waiting[self._oldest()] + self._window_s
+        if self._in_order:  # the oldest is the first to arrive (as _oldest, without its call)
+            return next(iter(waiting.values())) + self._window_s
+        return waiting[self._oldest()] + self._window_s
 
     def _oldest(self) -> int:
         """The worker waiting longest (the first to arrive, unless requests came out of time order)."""
@@ -165,12 +170,10 @@ class ReadyGenerator(PolicyBase):
         gap = max(0.0, now_s - last)
         slot = self._slot.get(worker)
         if slot is None:
-            slot = self._slot[worker] = len(self._slot)
-            if slot == len(self._intervals):
-                self._intervals = np.concatenate([self._intervals, np.empty(slot)])
-            self._intervals[slot] = gap
+            self._slot[worker] = len(self._slot)
+            self._intervals.append(gap)
         else:
-            self._intervals[slot] = (1 - _EWMA) * float(self._intervals[slot]) + _EWMA * gap
+            self._intervals[slot] = (1 - _EWMA) * self._intervals[slot] + _EWMA * gap
         # The median is taken again once 1 / MEDIAN_EVERY of the workers measured have asked since: at
         # every request of a job of up to MEDIAN_EVERY workers; in a larger one, whose median a few
         # requests barely move, one selection every n / MEDIAN_EVERY requests (about MEDIAN_EVERY linear
@@ -182,7 +185,7 @@ class ReadyGenerator(PolicyBase):
         self._since_median = 0
         # As statistics.median: the middle value, or the mean of the two middle ones (the same float).
         low, high = (measured - 1) // 2, measured // 2
-        known = np.partition(self._intervals[:measured], (low, high))
+        known = np.partition(np.array(self._intervals), (low, high))
         middle = float(known[high]) if low == high else (float(known[low]) + float(known[high])) / 2
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s

@@ -267,8 +267,9 @@ class World:
 
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
-        step = len(self.end_s[rank])
-        self.end_s[rank].append(self.engine.now)
+        ends, now = self.end_s[rank], self.engine.now
+        step = len(ends)
+        ends.append(now)
         self.compute_log[rank].append(compute_s)
         factor = 1.0
         if self._slow:
@@ -279,7 +280,7 @@ class World:
         self.comm_log[rank].append(comm_s)
         self.wait_log[rank].append(wait_s)
         if self._math_on:
-            self.math.reached(rank, len(self.end_s[rank]) - 1, self.engine.now)
+            self.math.reached(rank, step, now)
 
     def timings(self) -> list[WorkerTiming]:
         return [WorkerTiming(end_s=self.end_s[w], compute_s=self.compute_log[w], comm_s=self.comm_log[w],

@@ -100,11 +100,15 @@ class SimPrague(SimMethod):
         self._numel = int(world.state_bytes // 4)
         self._message_bytes = None if o.compress == "none" else float(payload_bytes(self._numel, o.compress))
         self.sent_bytes = 0.0  # summed over workers
+        self._member_bytes: dict[int, float] = {}  # a member's bytes sent, by group size
         # --average-by samples: each worker's steps since its last average, and each open group's weights
         self._since = [SinceAverage() for _ in range(world.n)] if o.average_by == "samples" else None
         self._group_weights: dict[int, dict[int, float]] = {}
         # Policies that never set a deadline (the buffered ones) need no poll timer.
         self._timers = not isinstance(self.policy, (BufferedPolicy, StaticGenerator))
+        # A shard's next deadline (the ready window of its oldest waiting worker), bound once: asked after every call.
+        self._deadline: Callable[[int], float | None] = (
+            self.sharded.shard_deadline if self.sharded is not None else lambda shard: self.policy.next_deadline())
         self.queues = [Queue() for _ in range(shards)]
         self._half_rtt = world.cluster.gg_rtt_s / 2.0
         self._service = world.cluster.gg_service_s
@@ -150,7 +154,10 @@ class SimPrague(SimMethod):
         timed = calls % (_SAMPLE_EVERY if calls < _TIMED_EARLY else _TIMED_LATE_EVERY) == 0
         if timed:
             t0 = time.thread_time_ns()
-        answers = call_policy(self.policy, what, worker, now, iteration)
+        if what == "request" and worker is not None:  # call_policy's own case, without its call
+            answers = self.policy.request(worker, now, iteration)
+        else:
+            answers = call_policy(self.policy, what, worker, now, iteration)
         if timed:
             self._sampled_ns += time.thread_time_ns() - t0
             self._sampled += 1
@@ -203,9 +210,6 @@ class SimPrague(SimMethod):
             engine.at(start, self._serve, job)
         else:
             self._serve_at(job, start)
-
-    def _deadline(self, shard: int) -> float | None:
-        return self.policy.next_deadline() if self.sharded is None else self.sharded.shard_deadline(shard)
 
     def _arm_timer(self, shard: int) -> None:
         deadline = self._deadline(shard)
@@ -260,7 +264,11 @@ class SimPrague(SimMethod):
     def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None]) -> Signal:
         """``w`` joins ``group``'s average (blocking, or on its averaging thread): a ring all-reduce of the
         state, or with ``--compress`` a ring all-gather of every member's message of the runtime's size."""
-        self.sent_bytes += member_send_bytes(self._numel, group.size, self.options.compress)
+        size = len(group.members)
+        sent = self._member_bytes.get(size)
+        if sent is None:
+            sent = self._member_bytes[size] = member_send_bytes(self._numel, size, self.options.compress)
+        self.sent_bytes += sent
         if self._message_bytes is None:
             return self.world.meet(group.seq, group.members, on_done=on_done, rank=w)
         return self.world.meet(group.seq, group.members, self._message_bytes, on_done=on_done, rank=w,
@@ -327,6 +335,7 @@ class SimPrague(SimMethod):
         world, o = self.world, self.options
         engine, math = world.engine, world.math
         in_flight, most, busy, counts = (lambda: self._in_flight[w]), o.max_in_flight, o.busy_policy, self.counts
+        math_on = self._math_on  # NoMath's hooks do nothing: not called
         for k in world.steps_of(w):
             fault = world.fault_at(w, k) if world.faulty else None
             if fault is not None:  # crash or hang: this worker's processes end here
@@ -334,7 +343,8 @@ class SimPrague(SimMethod):
                 return
             compute = world.compute_s(w, k)
             yield compute
-            math.local_step(w, k)
+            if math_on:
+                math.local_step(w, k)
             t0 = engine.now
             for effect in overlapped_step(in_flight, most, busy, counts):
                 if effect == TAKE_READY:
@@ -342,7 +352,7 @@ class SimPrague(SimMethod):
                 elif effect == TAKE_OLDEST:
                     yield from self._take_oldest(w)
                 else:  # SUBMIT
-                    self._submit(w, math.values(w), k)
+                    self._submit(w, math.values(w) if math_on else None, k)
             waited = engine.now - t0
             self.exposed_s += waited
             world.record(w, compute, 0.0, waited)
@@ -431,8 +441,10 @@ class SimPrague(SimMethod):
     def _apply(self, w: int) -> None:
         index, group, correction = self._finished[w].popleft()
         self._in_flight[w] -= 1
-        self.world.math.add(w, correction)
-        self._log(w, index, group)
+        if self._math_on:
+            self.world.math.add(w, correction)
+        if self.world.decisions is not None:
+            self._log(w, index, group)
 
     def _take_ready(self, w: int) -> None:
         while self._finished[w]:
