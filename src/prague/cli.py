@@ -444,6 +444,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     script = Path(args.script[0])
     if not script.is_file():
         raise ConfigError(f"script {str(script)!r} does not exist; pass the path of a Python file")
+    from prague.runtime.forkserver import prestart
+
+    prestart()  # the ranks are forked from it (a .py script): it imports torch meanwhile
     spec = LaunchSpec(
         argv=[sys.executable, str(script), *args.script[1:]], nproc=args.nproc,
         log_dir=args.log_dir, echo_ranks=frozenset(range(args.nproc)) if args.echo_all else frozenset({0}),

@@ -15,7 +15,7 @@ from prague.errors import ConfigError
 from prague.jobenv import JobEnv
 from prague.algorithms.registry import parse_method
 from prague.cli import worker_imports
-from prague.runtime.forkserver import TRAINING_PRELOAD, PRELOAD, forkable, preload_modules, start_mode
+from prague.runtime.forkserver import TRAINING_PRELOAD, PRELOAD, _exit_code, forkable, preload_modules, start_mode
 from prague.train.config import RunConfig
 from prague.workload.catalog import digits_split_file
 from prague_testing import run_cli
@@ -32,8 +32,51 @@ def test_start_mode_and_what_can_be_forked() -> None:
     with pytest.raises(ConfigError, match="PRAGUE_WORKER_START must be one of fork, exec"):
         start_mode(JobEnv.read({"PRAGUE_WORKER_START": "spawn"}))
     assert forkable([sys.executable, "-m", "prague", "worker", "--algorithm", "allreduce"])
-    assert not forkable([sys.executable, "train.py"])
+    assert not forkable([sys.executable, "no-such-script.py"])  # not a file: exec'd, and it says so itself
+    assert forkable([sys.executable, str(SCRIPT), "--flag"])  # prague launch's ranks
+    assert not forkable([sys.executable, "-u", str(SCRIPT)])  # interpreter options: exec'd
     assert not forkable(["/other/python", "-m", "prague", "worker"])
+    assert not forkable(["/other/python", str(SCRIPT)])
+
+
+def test_exit_codes_as_the_interpreter_makes_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [_exit_code(c) for c in (None, 0, 3, 256, -1)] == [0, 0, 3, 0, 255]
+    assert _exit_code("bye") == 1 and capsys.readouterr().err == "bye\n"
+
+
+# A launched script that shows what it ran as: its name, arguments, folder on sys.path, exit handlers and code.
+SCRIPT_TEXT = """
+import atexit, json, os, sys
+from pathlib import Path
+rank = int(os.environ["RANK"])
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / f"exit{rank}").write_text("ran"))
+(out / f"rank{rank}.json").write_text(json.dumps({"name": __name__, "argv": sys.argv[1:], "file": __file__,
+                                                 "first": sys.path[0] == os.path.dirname(os.path.abspath(__file__))}))
+if rank == 1 and len(sys.argv) > 2:
+    sys.exit(int(sys.argv[2]))
+"""
+SCRIPT = Path(__file__)  # any existing .py file can stand for a script
+
+
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_a_launched_script_runs_as_a_fresh_interpreter_runs_it(tmp_path: Path, start: str) -> None:
+    """``prague launch``'s ranks are forked from the preloaded server (or exec'd): either way the script is
+    ``__main__`` with its own arguments and folder, its exit handlers run, and its exit code is the rank's."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_TEXT)
+    for code in (None, 3):
+        out = tmp_path / f"{start}-{code}"
+        out.mkdir()
+        args = [str(out)] + ([] if code is None else [str(code)])
+        res = run_cli("launch", "--nproc", "2", str(script), *args, env={"PRAGUE_WORKER_START": start})
+        assert (res.returncode == 0) == (code is None), res.stderr
+        for rank in range(2):
+            seen = json.loads((out / f"rank{rank}.json").read_text())
+            assert seen == {"name": "__main__", "argv": args, "file": str(script), "first": True}
+            assert (out / f"exit{rank}").read_text() == "ran"
+        if code is not None:
+            assert "worker rank 1 failed (exit code 3)" in res.stderr, res.stderr
 
 
 def _losses(out: Path) -> list[list[float]]:
