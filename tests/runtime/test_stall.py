@@ -77,7 +77,7 @@ def test_waiting_workers_name_the_hung_rank(tmp_path: Path, algorithm: str, code
     stops naming it. (prague's default ``ready`` generator groups only workers that ask: nobody waits
     for a frozen one, so nothing to warn about.)"""
     res = run_cli("run", "--algorithm", algorithm, "--nproc", "3", "--steps", "30", "--compute", "emulated",
-                  "--compute-ms", "30", "--slowdown", "hang:2:15", "--lease-s", "4", "--stall-warn-s", "1",
+                  "--compute-ms", "30", "--slowdown", "hang:2:15", "--lease-s", "3", "--stall-warn-s", "1",
                   "--out", str(tmp_path / "run"), "--quiet", timeout_s=120)
     assert res.returncode == code, res.stderr
     warnings = [line for line in res.stderr.splitlines() if "has waited" in line]
