@@ -56,12 +56,7 @@ class CommunicatorCache(Generic[V]):
         if known is not _ABSENT:  # back in, now the most recently used
             entries[members] = cast(V, known)
             return None
-        entries[members] = value
-        evicted = 0
-        while len(entries) > self.capacity:
-            del entries[next(iter(entries))]
-            evicted += 1
-        return evicted
+        return len(self.put(members, value))
 
     def pop(self, members: Members) -> V | None:
         """Forget ``members``; returns its entry, if any."""

@@ -94,8 +94,7 @@ class ReadyGenerator(PolicyBase):
 
     # -- protocol -----------------------------------------------------------------------------------
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
-        if type(worker) is not int or not 0 <= worker < self.config.nproc or self.finished[worker]:
-            self._check_worker(worker)  # raises: the common case costs no call
+        self._check_worker(worker)
         if worker in self._waiting:
             raise ConfigError(
                 f"worker {worker} is already waiting for its group; request once per iteration and "
@@ -133,12 +132,9 @@ class ReadyGenerator(PolicyBase):
         self._waiting.pop(worker, None)
 
     def next_deadline(self) -> float | None:
-        waiting = self._waiting
-        if not waiting:
+        if not self._waiting:
             return None
-        if self._in_order:  # the oldest is the first to arrive (as _oldest, without its call)
-            return next(iter(waiting.values())) + self._window_s
-        return waiting[self._oldest()] + self._window_s
+        return self._waiting[self._oldest()] + self._window_s
 
     def _oldest(self) -> int:
         """The worker waiting longest (the first to arrive, unless requests came out of time order)."""

@@ -87,15 +87,10 @@ class ShardPlan:
         return table
 
     def shard_of(self, worker: int, iteration: int) -> int:
-        """The shard that serves ``worker``'s request after step ``iteration`` (asked twice per request in the
-        simulator: the epoch's table is looked up in place, the same as ``_shard_of_node(epoch(iteration))``)."""
+        """The shard that serves ``worker``'s request after step ``iteration``."""
         if self.shards == 1:
             return 0
-        epoch = (iteration if iteration > 0 else 0) // self.epoch_steps
-        table = self._orders.get(epoch)
-        if table is None:
-            table = self._shard_of_node(epoch)
-        return table[worker // self.topology.workers_per_node]
+        return self._shard_of_node(self.epoch(iteration))[worker // self.topology.workers_per_node]
 
     def members(self, shard: int, epoch: int) -> list[int]:
         """The workers shard ``shard`` serves in ``epoch``, in rank order."""
@@ -265,7 +260,7 @@ class ShardedGenerator:
         return min(deadlines) if deadlines else None
 
     def shard_deadline(self, shard: int) -> float | None:
-        return self.shards[shard].policy.next_deadline()
+        return self.shards[shard].next_deadline()
 
     def stats(self) -> dict[str, float | int]:
         shards = [self._shard(s) for s in range(len(self.shards))]  # a finish can count a hold

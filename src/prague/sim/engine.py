@@ -144,12 +144,6 @@ class Engine:
         heap = self._heap
         pop = heapq.heappop
         count = 0
-        if until_s is None:  # the whole run: no bound to test at every event
-            while heap:
-                t, _, fn, arg = pop(heap)
-                self.now = t
-                fn(arg)
-                count += 1
         while heap:
             if until_s is not None and heap[0][0] > until_s:
                 break

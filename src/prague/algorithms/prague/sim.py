@@ -100,7 +100,6 @@ class SimPrague(SimMethod):
         self._numel = int(world.state_bytes // 4)
         self._message_bytes = None if o.compress == "none" else float(payload_bytes(self._numel, o.compress))
         self.sent_bytes = 0.0  # summed over workers
-        self._member_bytes: dict[int, float] = {}  # a member's bytes sent, by group size
         # --average-by samples: each worker's steps since its last average, and each open group's weights
         self._since = [SinceAverage() for _ in range(world.n)] if o.average_by == "samples" else None
         self._group_weights: dict[int, dict[int, float]] = {}
@@ -154,10 +153,7 @@ class SimPrague(SimMethod):
         timed = calls % (_SAMPLE_EVERY if calls < _TIMED_EARLY else _TIMED_LATE_EVERY) == 0
         if timed:
             t0 = time.thread_time_ns()
-        if what == "request" and worker is not None:  # call_policy's own case, without its call
-            answers = self.policy.request(worker, now, iteration)
-        else:
-            answers = call_policy(self.policy, what, worker, now, iteration)
+        answers = call_policy(self.policy, what, worker, now, iteration)
         if timed:
             self._sampled_ns += time.thread_time_ns() - t0
             self._sampled += 1
@@ -264,11 +260,7 @@ class SimPrague(SimMethod):
     def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None]) -> Signal:
         """``w`` joins ``group``'s average (blocking, or on its averaging thread): a ring all-reduce of the
         state, or with ``--compress`` a ring all-gather of every member's message of the runtime's size."""
-        size = len(group.members)
-        sent = self._member_bytes.get(size)
-        if sent is None:
-            sent = self._member_bytes[size] = member_send_bytes(self._numel, size, self.options.compress)
-        self.sent_bytes += sent
+        self.sent_bytes += member_send_bytes(self._numel, group.size, self.options.compress)
         if self._message_bytes is None:
             return self.world.meet(group.seq, group.members, on_done=on_done, rank=w)
         return self.world.meet(group.seq, group.members, self._message_bytes, on_done=on_done, rank=w,
@@ -443,8 +435,7 @@ class SimPrague(SimMethod):
         self._in_flight[w] -= 1
         if self._math_on:
             self.world.math.add(w, correction)
-        if self.world.decisions is not None:
-            self._log(w, index, group)
+        self._log(w, index, group)
 
     def _take_ready(self, w: int) -> None:
         while self._finished[w]:
