@@ -15,7 +15,7 @@ from prague.hetero.spec import parse_scenario
 from prague.runtime.liveness import HEARTBEAT_S, LAUNCHER_TICK_S
 from prague.sim.cluster import PAPER
 from prague.sim.world import World
-from prague.simulate.run import SimConfig, simulate
+from prague.simulate.run import SimConfig, simulate, simulate_charged
 
 
 def _world(lease_s: float = 10.0) -> World:
@@ -162,6 +162,22 @@ def test_allreduce_under_a_failure_rate_restarts_and_takes_longer() -> None:
         base.run, scenario="paper:5+failures:0.999"))).to_dict()
     assert failing["restarts"] == len(failing["failures"]) > 0
     assert failing["job_s"] > clean["job_s"] + failing["restarts"] * PAPER.restart_s
+    # one run, charged for each scenario: the records of the runs simulated one by one, but for run_s
+    scenarios = ["paper:5", "paper:5+failures:0.999", "paper:5+crash:3:100+failures:0.5"]
+    charged = [r.to_dict() for r in simulate_charged(base, scenarios)]
+    alone = [clean, failing, simulate(dataclasses.replace(base, run=dataclasses.replace(
+        base.run, scenario=scenarios[2]))).to_dict()]
+    for one, other in zip(charged, alone):
+        for record in (one, other):
+            record["sim"].pop("run_s")
+            record.pop("command", None)
+        assert one == other
+    assert charged[2]["scenario"] == "paper:5+crash:3:100+failures:0.5" and charged[2]["restarts"] >= 1
+    with pytest.raises(ConfigError, match="differ in more than"):
+        simulate_charged(base, ["paper:5", "paper:4+failures:0.1"])
+    with pytest.raises(ConfigError, match="simulate each"):
+        simulate_charged(SimConfig.of(algorithm="prague", scenario="paper:5", nproc=64, nodes=16, steps=300,
+                                      model="mlp"), ["paper:5", "paper:5+failures:0.1"])
     with pytest.raises(ConfigError, match="charges as time"):
         SimConfig.of(algorithm="allreduce", scenario="crash:1:3", nproc=4, steps=5, model="mlp", math="real")
 

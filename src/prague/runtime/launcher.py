@@ -361,6 +361,9 @@ class Job:
             for rank in hung:
                 detail = f"stopped making progress (no heartbeat for {self.spec.lease_s:g} s; --lease-s)"
                 if not survivable:
+                    # fenced first: a frozen process ignores SIGTERM (stop() would wait out its grace), and
+                    # its peers, blocked on it, get their broken connections now
+                    self.workers[rank].signal_group(signal.SIGKILL)
                     self.stop()
                     raise WorkerFailed(rank, None, f"rank {rank} {detail}; this method cannot go on without it")
                 self._lose(rank, "hang", detail)

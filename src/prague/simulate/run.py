@@ -243,6 +243,25 @@ def _no_collection() -> Iterator[None]:
 
 def simulate(config: SimConfig) -> RunRecord:
     """Simulate ``config`` to the end; return its record (the runtime's summary fields, simulated)."""
+    return simulate_charged(config, [config.run.scenario])[0]
+
+
+def simulate_charged(config: SimConfig, scenarios: list[str]) -> list[RunRecord]:
+    """``config`` under each of ``scenarios``, which differ from its own in failure terms only (``crash``,
+    ``hang``, ``failures``), for a method that restarts from a checkpoint after a failure: such a method is
+    simulated without its failures and charged for them afterwards (:mod:`prague.sim.restarts`), so one run
+    serves every scenario, each record charged for its own failures (what ``simulate`` of each would
+    return, but for ``run_s``). ConfigError when a scenario differs otherwise, or when the method goes on
+    after a failure (its run differs with them: simulate each)."""
+    configs = [dataclasses.replace(config, run=dataclasses.replace(config.run, scenario=s)) for s in scenarios]
+    if len(configs) > 1:
+        plain = {_without_failures(c.run.scenario) for c in configs}
+        if len(plain) > 1:
+            raise ConfigError(f"scenarios {scenarios!r} differ in more than their crash, hang and failures terms; "
+                              "one run serves only scenarios that share their slowdowns: simulate each")
+        if config.method.survives_failures:
+            raise ConfigError(f"{config.method.name} goes on after a failure, so each failure scenario is a run of "
+                              "its own: simulate each")
     started = time.perf_counter()
     trace: list[tuple[Any, ...]] | None = [] if config.trace else None
     threads = torch.get_num_threads()
@@ -251,27 +270,33 @@ def simulate(config: SimConfig) -> RunRecord:
         # synchronisation (measured 20x slower with 2 threads on a busy 2-core machine).
         torch.set_num_threads(1)
     try:
-        world, method = build(config, trace)
+        world, method = build(configs[0], trace)
         with contextlib.closing(world), _no_collection():
             method.start()
             world.engine.run()
             method.check_done()
         run_s = time.perf_counter() - started
-        return _record(config, world, method, run_s, trace)
+        return [_record(c, world, method, run_s, trace) for c in configs]
     finally:
         torch.set_num_threads(threads)
+
+
+def _without_failures(scenario: str) -> Any:
+    """``scenario`` parsed, less its failure terms and its text: what a restarting method's run depends on."""
+    return dataclasses.replace(parse_scenario(scenario), text="", crashes=(), hangs=(), rates=())
 
 
 def _record(config: SimConfig, world: World, method: Any, run_s: float,
             trace: list[tuple[Any, ...]] | None) -> RunRecord:
     run = config.run
+    scenario = parse_scenario(run.scenario, seed=run.seed)  # the world's, with any failures it was run without
     ran = max((len(ends) for ends in world.end_s), default=0)  # under a budget: the most any worker ran
     failures = [f.summary() for f in world.declared.values()]
     restarts, extra_s = None, 0.0
     if config.charged_restarts:
         ends = [max(e[k] for e in world.end_s if len(e) > k) for k in range(ran)]  # the slowest rank's steps
-        charged = restarts_charge(ends, parse_scenario(run.scenario, seed=run.seed), run.nproc,
-                                  world.cluster.restart_s, run.lease_s, run.checkpoint_every)
+        charged = restarts_charge(ends, scenario, run.nproc, world.cluster.restart_s, run.lease_s,
+                                  run.checkpoint_every)
         failures, restarts, extra_s = [f.summary() for f in charged.failures], charged.restarts, charged.extra_s
     warmup = warmup_steps(ran, run.warmup_steps)
     parameters, state_bytes = model_size(run.model, run.data)
@@ -299,7 +324,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         world.timings(), batch_size=run.batch_size, warmup=warmup,
         algorithm=spec.name, variant=spec.variant_of(method.options), nproc=run.nproc,
         compute_mode="real" if config.math == "real" else "emulated", compute_ms=cluster.compute_s * 1e3,
-        scenario=world.scenario.text, model=run.model, parameters=parameters, data=run.data,
+        scenario=scenario.text, model=run.model, parameters=parameters, data=run.data,
         steps=ran, seed=run.seed, backend="sim", lr=run.lr, optimizer=run.optimizer,
         budget=None if run.budget is None else parse_budget(run.budget).text,
         shares=config.shares(method.options)[0],
