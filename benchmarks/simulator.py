@@ -152,9 +152,9 @@ def bench_paper(steps: int = 400) -> list[dict[str, Any]]:
     print("\n| variant | method | scenario | simulated vs homogeneous allreduce | paper | within 15% |")
     print("|---|---|---|---:|---:|---|")
     for r in rows:
-        paper = "-" if r["paper"] is None else f"{r['paper']:.2f}"
+        figure = "-" if r["paper"] is None else f"{r['paper']:.2f}"
         ok = "-" if r["within_15pct"] is None else ("yes" if r["within_15pct"] else "no")
-        print(f"| {r['variant']} | {r['method']} | {r['scenario']} | {r['relative']:.2f} | {paper} | {ok} |")
+        print(f"| {r['variant']} | {r['method']} | {r['scenario']} | {r['relative']:.2f} | {figure} | {ok} |")
     return rows
 
 
@@ -267,12 +267,12 @@ def bench_failures(workers: tuple[int, ...] = (1024,), steps: int = 1000, checkp
                                 batch_size=128, model="resnet18", data="synthetic", cluster=PAPER,
                                 checkpoint_every=checkpoint_every)
 
-        def row(rate: float, algorithm: str, r: dict[str, Any], cpu_s: float, reused: bool) -> None:
+        def row(rate: float, algorithm: str, r: dict[str, Any], cpu_s: float, reused: str) -> None:
             rows.append({"workers": n, "rate_per_hour": rate, "method": algorithm, "job_s": r["job_s"],
                          "failures": len(r["failures"]), "restarts": r.get("restarts") or 0,
-                         "sim_cpu_s": cpu_s, "reused": reused})
+                         "sim_cpu_s": cpu_s, "reused": bool(reused)})
             print(f"  {n} workers, failures:{rate:g}, {algorithm}: {r['job_s']:.1f} s, {len(r['failures'])} "
-                  f"failure(s){' (one run, charged)' if reused else ''}", flush=True)
+                  f"failure(s){reused and f' ({reused})'}", flush=True)
 
         # prague's survivors go on: each rate whose first failure falls before the failure-free run's end is
         # a run of its own
@@ -280,18 +280,18 @@ def bench_failures(workers: tuple[int, ...] = (1024,), steps: int = 1000, checkp
         for rate, scenario in zip((0.0, *rates), scenarios):
             first_failure_s = min(parse_scenario(scenario).failure_time_s(rank) for rank in range(n))
             if free and first_failure_s >= free["job_s"]:
-                row(rate, "prague", free, 0.0, True)
+                row(rate, "prague", free, 0.0, "the failure-free run")
                 continue
             c = time.process_time()
             r = simulate(config("prague", scenario)).to_dict()
-            row(rate, "prague", r, time.process_time() - c, False)
+            row(rate, "prague", r, time.process_time() - c, "")
             free = free or r
         # allreduce restarts from its checkpoint: one run without failures, charged for each rate's
         c = time.process_time()
         records = simulate_charged(config("allreduce", scenarios[0]), scenarios)
         cpu_s = time.process_time() - c
         for i, (rate, record) in enumerate(zip((0.0, *rates), records)):
-            row(rate, "allreduce", record.to_dict(), cpu_s if i == 0 else 0.0, i > 0)
+            row(rate, "allreduce", record.to_dict(), cpu_s if i == 0 else 0.0, "one run, charged" if i else "")
     print("\n| workers | failures per worker-hour | method | failures | restarts | time to 1,000 steps (s) |")
     print("|---:|---:|---|---:|---:|---:|")
     for r in rows:
