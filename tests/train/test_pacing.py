@@ -135,7 +135,9 @@ def test_without_a_gate_the_real_backward_runs_at_once_and_the_step_is_padded_at
         F.cross_entropy(model(x), y).backward()
         backward_end = time.perf_counter() - t0
         pace.pad_rest()
-        assert 0.1 - 1e-3 <= backward_end < 0.2  # the forward part, then the real backward only
+        # the forward part, then the real backward only (a few ms); held at a gate it would end with the
+        # backward part, at 0.3 s: 0.25 leaves room for a busy machine's scheduling (0.2024 s seen under load)
+        assert 0.1 - 1e-3 <= backward_end < 0.25
         assert time.perf_counter() - t0 >= 0.3 - 1e-3
     assert pace.due(list(model.parameters())) is None  # outside a step: nothing to wait for
 
