@@ -141,7 +141,7 @@ def simulator(document: dict[str, Any]) -> str:
         for m in methods:
             r = by.get((workers, rate, m))
             row += (["-", "-"] if r is None else
-                    [f"{r['failures']}" + (f" ({r['restarts']})" if r["restarts"] else ""), f"{r['job_s']:,.1f}"])
+                    [f"{r['failures']:,}" + (f" ({r['restarts']:,})" if r["restarts"] else ""), f"{r['job_s']:,.1f}"])
         rows.append(row)
     return _command(document) + _table(header, ["---:"] * len(header), rows)
 
