@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -234,6 +235,10 @@ class Scenario:
     def has_faults(self) -> bool:
         """Whether some worker may crash or hang (a term, or a failure rate)."""
         return bool(self.crashes or self.hangs or self.rates)
+
+    def without_failures(self) -> Scenario:
+        """This scenario less its crash, hang and failure-rate terms (the same text, seed and slowdowns)."""
+        return dataclasses.replace(self, crashes=(), hangs=(), rates=())
 
     def failure_time_s(self, rank: int) -> float:
         """When ``rank`` fails under the failure rates, s on the job's clock (infinity without a rate)."""

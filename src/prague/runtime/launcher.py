@@ -267,7 +267,7 @@ class Job:
             return False
 
     def _lose(self, rank: int, kind: str, detail: str) -> None:
-        """A survivable failure: declare it, fence a hung worker, warn (or, for a rank whose own
+        """A survivable failure: declare it, warn (or, for a rank whose own
         torch.distributed call broke under an earlier failure, say it failed for that reason); say when
         the job's leader, its lowest living rank, moves."""
         leader = self.leader()
@@ -280,8 +280,6 @@ class Job:
         now = self.leader()
         if now != leader and now >= 0 and self.workers[leader].echo:  # before the failure is declared: what
             self.workers[now].echo = True  # the new leader prints once it learns of it reaches the console
-        if kind == "hang":
-            self.workers[rank].signal_group(signal.SIGKILL)  # fencing: its peers' connections fail now
         if after:  # the rank said what to use instead (SURVIVABLE) in its own line
             announce_failure(self.store, failure, "the others go on where they use prague's collectives")
         else:
@@ -360,10 +358,10 @@ class Job:
             survivable = bool(hung or crashed) and self._survivable()  # asked only when a worker failed
             for rank in hung:
                 detail = f"stopped making progress (no heartbeat for {self.spec.lease_s:g} s; --lease-s)"
+                # fencing, whether the others go on or not: its peers' connections to it fail now, and a frozen
+                # process ignores the SIGTERM of stop(), which would wait out its grace
+                self.workers[rank].signal_group(signal.SIGKILL)
                 if not survivable:
-                    # fenced first: a frozen process ignores SIGTERM (stop() would wait out its grace), and
-                    # its peers, blocked on it, get their broken connections now
-                    self.workers[rank].signal_group(signal.SIGKILL)
                     self.stop()
                     raise WorkerFailed(rank, None, f"rank {rank} {detail}; this method cannot go on without it")
                 self._lose(rank, "hang", detail)

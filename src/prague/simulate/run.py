@@ -209,7 +209,7 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
     ))
     scenario = parse_scenario(run.scenario, seed=run.seed)
     if config.charged_restarts:  # run without its failures; they are charged afterwards (restarts.charge)
-        scenario = dataclasses.replace(scenario, crashes=(), hangs=(), rates=())
+        scenario = scenario.without_failures()
     world = World(cluster=cluster, topology=config.topology, scenario=scenario, steps=steps,
                   state_bytes=state_bytes, seed=run.seed, math=math, trace=trace, decisions=config.decisions,
                   cross_traffic=config.traffic, gradient_bytes=gradient_sizes(run.model, run.data),
@@ -255,7 +255,8 @@ def simulate_charged(config: SimConfig, scenarios: list[str]) -> list[RunRecord]
     after a failure (its run differs with them: simulate each)."""
     configs = [dataclasses.replace(config, run=dataclasses.replace(config.run, scenario=s)) for s in scenarios]
     if len(configs) > 1:
-        plain = {_without_failures(c.run.scenario) for c in configs}
+        # what a restarting method's run depends on: each scenario less its failure terms, and its text
+        plain = {dataclasses.replace(parse_scenario(s).without_failures(), text="") for s in scenarios}
         if len(plain) > 1:
             raise ConfigError(f"scenarios {scenarios!r} differ in more than their crash, hang and failures terms; "
                               "one run serves only scenarios that share their slowdowns: simulate each")
@@ -279,11 +280,6 @@ def simulate_charged(config: SimConfig, scenarios: list[str]) -> list[RunRecord]
         return [_record(c, world, method, run_s, trace) for c in configs]
     finally:
         torch.set_num_threads(threads)
-
-
-def _without_failures(scenario: str) -> Any:
-    """``scenario`` parsed, less its failure terms and its text: what a restarting method's run depends on."""
-    return dataclasses.replace(parse_scenario(scenario), text="", crashes=(), hangs=(), rates=())
 
 
 def _record(config: SimConfig, world: World, method: Any, run_s: float,
