@@ -25,7 +25,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from prague import native
+
 __version__ = "0.1.0"
+
+#: ``"pure"`` or ``"compiled (N modules)"`` (``make compiled``); a compiled module older than its source is
+#: refused here, with the fix, rather than run in place of the code that was edited.
+BUILD = native.state()
 
 _EXPORTS = {
     "DistContext": "prague.runtime.context",

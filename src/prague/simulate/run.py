@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from prague import BUILD
 from prague.algorithms.spec import Method
 from prague.errors import ConfigError, unknown_choice
 from prague.groups.api import Topology
@@ -309,6 +310,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         "math": config.math,
         "events": world.engine.events,
         "run_s": run_s,
+        "build": BUILD,  # what ran the simulation (``run_s`` depends on it, the records do not)
         "groups": world.groups_run,  # ring all-reduces and P-Reduces run (all members at once)
         "max_link_sharing": world.fabric.max_share_denominator,
         "link_rate": config.link_rate,

@@ -83,7 +83,7 @@ class SimEagerSGD(SimRounds):
             count = sum(c.count for c in taken)
             weight = sum(c.weight for c in taken)
             self.tally.add(final or is_sync_round(round_id, self.options.sync_every), count,
-                           sum(c.fresh for c in taken), [s for c in taken for s in c.staleness])
+                           sum(c.fresh for c in taken), [lag for c in taken for lag in c.staleness])
             total = None
             for s in (sums[w] for w in members):
                 if s is not None:

@@ -1,0 +1,105 @@
+"""Which build of the simulator's hot path is imported: pure Python, or compiled with mypyc.
+
+``make compiled`` (``PRAGUE_COMPILE=1`` for any build, see ``setup.py``) compiles the modules of
+:data:`COMPILED` to C extensions with mypyc, and writes :data:`MANIFEST` beside them: the SHA-256 of each
+source it compiled. An extension module shadows its ``.py`` file, so a source edited after the build would
+silently not run; :func:`state` refuses that with the fix, and ``import prague`` calls it. Only the standard
+library is imported here: ``setup.py`` loads this file on its own, before anything is installed.
+
+The compiled build takes the same decisions as the pure one (the same source, checked by mypy); only its
+speed differs. It pays where the simulator spends its time: a million worker-iterations of Python calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+#: The modules compiled by ``make compiled``, relative to ``src/``: the event engine and the world, the
+#: Group Generator's decision code, and each method's simulated loop with the rules it shares with its runtime.
+COMPILED: tuple[str, ...] = (
+    "prague/sim/engine.py",
+    "prague/sim/world.py",
+    "prague/sim/costs.py",
+    "prague/sim/traffic.py",
+    "prague/sim/restarts.py",
+    "prague/groups/trace.py",
+    "prague/groups/base.py",
+    "prague/groups/ready.py",
+    "prague/groups/smart.py",
+    "prague/groups/static.py",
+    "prague/groups/random_gen.py",
+    "prague/groups/shards.py",
+    "prague/comm/cache.py",
+    "prague/comm/codecs.py",
+    "prague/algorithms/prague/sim.py",
+    "prague/algorithms/prague/flow.py",
+    "prague/algorithms/allreduce/sim.py",
+    "prague/algorithms/allreduce/backup_sim.py",
+    "prague/algorithms/allreduce/balanced_sim.py",
+    "prague/algorithms/allreduce/drop_sim.py",
+    "prague/algorithms/adpsgd/sim.py",
+    "prague/algorithms/localsgd/sim.py",
+    "prague/algorithms/diloco/sim.py",
+    "prague/algorithms/dssync/sim.py",
+    "prague/algorithms/eager_sgd/sim.py",
+    "prague/algorithms/lossy/sim.py",
+    "prague/algorithms/ps/sim.py",
+    "prague/algorithms/ps_eager/sim.py",
+)
+
+#: Written by the compiled build beside the package: ``{source path: sha256 of the source compiled}``.
+MANIFEST = "native_manifest.json"
+
+_SRC = Path(__file__).resolve().parent.parent
+
+
+class StaleBuildError(ImportError):
+    """A compiled module no longer matches its source."""
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_manifest(src: Path, target: Path) -> Path:
+    """Record the digest of every compiled source under ``src`` into ``target/`` (the built package)."""
+    entries = {path: digest(src / path) for path in COMPILED}
+    out = target / MANIFEST
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def extensions(src: Path = _SRC) -> list[str]:
+    """The modules of :data:`COMPILED` that have a compiled extension beside their source."""
+    found = []
+    for path in COMPILED:
+        source = src / path
+        stem = source.name[: -len(".py")]
+        if any((source.parent / (stem + suffix)).exists() for suffix in EXTENSION_SUFFIXES):
+            found.append(path)
+    return found
+
+
+def state(src: Path = _SRC) -> str:
+    """``"pure"``, or ``"compiled (N modules)"``; :class:`StaleBuildError` when a compiled module is stale."""
+    built = extensions(src)
+    if not built:
+        return "pure"
+    fix = "run `make compiled` to build it again, or `make clean-compiled` to run the pure Python"
+    manifest = src / "prague" / MANIFEST
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise StaleBuildError(f"compiled modules without a readable {manifest} ({exc}): {fix}") from None
+    stale = [
+        path for path in built
+        if (src / path).exists() and recorded.get(path) != digest(src / path)
+    ]
+    if stale:
+        raise StaleBuildError(f"compiled modules older than their source: {', '.join(stale)}: {fix}")
+    return f"compiled ({len(built)} modules)"
