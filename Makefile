@@ -37,7 +37,7 @@ test: $(VENV)/.dev-installed
 gpu-check:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py
 
-# The simulator's hot path compiled to C with mypyc (setup.py, prague/native.py): the same decisions, 1.6x
+# The simulator's hot path compiled to C with mypyc (setup.py, prague/native.py): the same decisions, 1.7x
 # sooner. An extension shadows its source, so after editing a compiled module build again or clean; a stale
 # build is refused at import with this fix.
 compiled: $(VENV)/.dev-installed

@@ -28,6 +28,8 @@ class BuildWithManifest(build_ext):
 
     def run(self) -> None:
         super().run()
+        if not self.extensions:  # the pure build: nothing compiled, nothing to record
+            return
         target = ROOT / "src" / "prague" if self.inplace else Path(self.build_lib) / "prague"
         target.mkdir(parents=True, exist_ok=True)
         native.write_manifest(ROOT / "src", target)

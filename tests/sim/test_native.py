@@ -74,11 +74,16 @@ def test_extensions_without_a_manifest_are_refused(tmp_path: Path) -> None:
         native.state(src)
 
 
+def _pure_copy(src: Path) -> Path:
+    """This package's sources under ``src``, without any compiled module: the pure build."""
+    shutil.copytree(SRC / "prague", src / "prague",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", native.MANIFEST))
+    return src
+
+
 def test_import_prague_refuses_a_stale_build(tmp_path: Path) -> None:
     """The check runs where it protects: ``import prague``, before any extension could shadow its source."""
-    copy = tmp_path / "src"
-    shutil.copytree(SRC / "prague", copy / "prague", ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__",
-                                                                                   native.MANIFEST))
+    copy = _pure_copy(tmp_path / "src")
     _compile(copy, "prague/sim/engine.py")
     native.write_manifest(copy, copy / "prague")
     with (copy / "prague/sim/engine.py").open("a") as f:
@@ -127,8 +132,6 @@ def _records(src: Path, args: str, out: Path) -> list:
 @pytest.mark.skipif(prague.BUILD == "pure", reason="the pure build runs: `make test-compiled` tests the compiled one")
 @pytest.mark.timeout(600)
 def test_the_compiled_build_takes_the_pure_builds_decisions(tmp_path: Path) -> None:
-    pure = tmp_path / "pure"
-    shutil.copytree(SRC / "prague", pure / "prague", ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__",
-                                                                                   native.MANIFEST))
+    pure = _pure_copy(tmp_path / "pure")
     for k, args in enumerate(_CONFIGS):
         assert _records(SRC, args, tmp_path / f"c{k}") == _records(pure, args, tmp_path / f"p{k}"), args
