@@ -489,14 +489,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from prague.train.config import check_options_apply, check_out_folder
 
     check_options_apply(args, algorithms)
-    from prague.metrics.pilot import best, parse_lr_values
+    from prague.metrics.pilot import best, check_pilot_seeds, parse_lr_values
 
     lr_values = None if args.lr is None else parse_lr_values(args.lr)
     if lr_values is not None:
         args.lr = lr_values[0]  # the cells are checked with the first; a pilot picks each one's
-    elif args.pilot_budget is not None:
-        raise ConfigError("--pilot-budget is the budget of a learning-rate pilot: give --lr several values "
-                          "(0.025,0.05,0.1,0.2) or drop it")
+    for flag, given in (("--pilot-budget", args.pilot_budget), ("--pilot-seeds", args.pilot_seeds)):
+        if given is not None and (lr_values is None or len(lr_values) < 2):
+            raise ConfigError(f"{flag} sets a learning-rate pilot, which needs --lr with several values "
+                              "(0.025,0.05,0.1,0.2): give them or drop the flag")
+    if args.pilot_seeds is not None:
+        check_pilot_seeds(args.pilot_seeds)
     if args.resume and args.out is None:
         raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")
@@ -583,9 +586,9 @@ def _lr_pilot(args: argparse.Namespace, out: Path, cells: list[Any], values: tup
     budget = parse_budget(args.pilot_budget or DEFAULT_PILOT_BUDGET).text
     by_cell = {(c.algorithm, c.scenario): c for c in cells}
 
-    def run(algorithm: str, scenario: str, lr: float, folder: Path) -> dict[str, Any]:
+    def run(algorithm: str, scenario: str, lr: float, seed: int, folder: Path) -> dict[str, Any]:
         cfg = dataclasses.replace(by_cell[(algorithm, scenario)], lr=lr, budget=budget, steps=None, epochs=None,
-                                  out=folder, compute_ms=nominal)
+                                  out=folder, compute_ms=nominal, seed=seed)
         if cfg.out.exists():  # an interrupted pilot run: start it afresh
             shutil.rmtree(cfg.out)
         try:
@@ -596,7 +599,8 @@ def _lr_pilot(args: argparse.Namespace, out: Path, cells: list[Any], values: tup
             print(f"FAILED pilot {algorithm} / {scenario} / lr {lr:g}: {exc}", file=sys.stderr, flush=True)
             return {}
 
-    results = run_pilot(out, list(by_cell), values, run)
+    first = cells[0].seed
+    results = run_pilot(out, list(by_cell), values, list(range(first, first + (args.pilot_seeds or 1))), run)
     print("\n".join(["learning rates chosen by the pilot:", *pilot_lines(results)]), flush=True)
     return results
 
@@ -706,6 +710,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     _lr_list_flag(b)
     b.add_argument("--pilot-budget", default=None,
                    help="with several --lr values: the budget of each pilot run (default epochs:1)")
+    b.add_argument("--pilot-seeds", type=int, default=None, metavar="K",
+                   help="with several --lr values: run each value's pilot on the bench's first K seeds and keep "
+                        "the one that reached the target on the most, then the soonest by the median (default 1)")
     b.add_argument("--quiet", action="store_true")
 
     m = sub.add_parser("methods", help="list every method, its variants and options")

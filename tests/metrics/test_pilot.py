@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from prague.errors import ConfigError
-from prague.metrics.pilot import best, parse_lr_values, pilot_lines
+from prague.metrics.pilot import MAX_PILOT_SEEDS, best, check_pilot_seeds, parse_lr_values, pilot_lines, run_pilot
 from prague_testing import bench_records, run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,6 +34,45 @@ def test_the_best_reaches_the_target_soonest_else_is_most_accurate() -> None:
         "allreduce / homogeneous: lr 0.2 (0.01: 70.00%; 0.1: 9.0 s; 0.2: 5.0 s)"]
 
 
+def test_over_several_seeds_the_best_reaches_the_target_most_often_then_soonest() -> None:
+    def runs(lr: float, *ttas: float | None, accuracy: float = 0.9) -> list[dict[str, object]]:
+        return [{"lr": lr, "seed": seed, "time_to_target_s": t, "test_accuracy": accuracy}
+                for seed, t in enumerate(ttas)]
+
+    lucky, steady = runs(0.1, 40.0, None, accuracy=0.95), runs(0.05, 50.0, 52.0)
+    assert best(lucky + steady) == 0.05  # one seed alone (40 s against 50 s) would pick 0.1
+    assert best([lucky[0], steady[0]]) == 0.1
+    assert best(runs(0.1, 40.0, 70.0, 71.0) + runs(0.05, 50.0, 52.0, 90.0)) == 0.05  # the median, not the best seed
+    assert best(runs(0.1, None, None, accuracy=0.8) + runs(0.2, None, None, accuracy=0.85)) == 0.2
+    assert best(runs(0.2, 50.0, 50.0) + runs(0.1, 50.0, 50.0)) == 0.1  # a tie: the smaller value
+    assert pilot_lines({("prague", "paper:5"): lucky + steady}) == [
+        "prague / paper:5: lr 0.05 (0.1: 40.0 s, 95.00%; 0.05: 50.0 s, 52.0 s)"]
+    assert check_pilot_seeds(2) == 2
+    for bad in (0, MAX_PILOT_SEEDS + 1):
+        with pytest.raises(ConfigError, match="--pilot-seeds must be a number of seeds"):
+            check_pilot_seeds(bad)
+
+
+def test_the_pilot_runs_every_value_on_every_seed_once_and_keeps_the_first_seeds_files(tmp_path: Path) -> None:
+    calls: list[tuple[str, float, int, str]] = []
+
+    def run(algorithm: str, scenario: str, lr: float, seed: int, folder: Path) -> dict[str, object]:
+        calls.append((algorithm, lr, seed, folder.name))
+        return {"time_to_target_s": 10.0 * lr + seed, "test_accuracy": 0.9}
+
+    cells = [("allreduce", "homogeneous"), ("prague:ready", "straggler:3:4")]
+    results = run_pilot(tmp_path, cells, (0.1, 0.2), [7, 8], run)
+    assert len(calls) == 8 and ("prague:ready", 0.2, 8, "prague-ready_straggler-3-4_lr0.2_seed8") in calls
+    assert ("allreduce", 0.1, 7, "allreduce_homogeneous_lr0.1") in calls  # the first seed: the one-seed names
+    assert [(r["lr"], r["seed"]) for r in results[cells[1]]] == [(0.1, 7), (0.1, 8), (0.2, 7), (0.2, 8)]
+    keys = {entry["key"] for entry in json.loads((tmp_path / "pilot.json").read_text())}
+    assert "allreduce|homogeneous|0.1" in keys and "allreduce|homogeneous|0.1|seed8" in keys
+    calls.clear()
+    assert run_pilot(tmp_path, cells, (0.1, 0.2), [7, 8], run) == results and not calls  # resumed: nothing again
+    run_pilot(tmp_path, cells, (0.1, 0.2), [7, 8, 9], run)  # one seed more: only its runs
+    assert sorted({c[2] for c in calls}) == [9] and len(calls) == 4
+
+
 @pytest.mark.slow
 def test_a_bench_runs_the_pilot_once_and_every_cell_at_its_best(tmp_path: Path) -> None:
     out = tmp_path / "bench"
@@ -52,5 +91,8 @@ def test_a_bench_runs_the_pilot_once_and_every_cell_at_its_best(tmp_path: Path) 
     assert "Learning rate per cell, chosen by the pilot" in (out / "bench.md").read_text()
     res = run_cli(*argv, "--resume", timeout_s=120)  # nothing left: neither the pilot nor the runs again
     assert res.returncode == 0 and "== pilot:" not in res.stdout, res.stdout
-    bad = run_cli("bench", "--pilot-budget", "epochs:1", "--out", str(tmp_path / "x"), timeout_s=60)
-    assert bad.returncode == 2 and "--pilot-budget is the budget of a learning-rate pilot" in bad.stderr
+    for flags in (["--pilot-budget", "epochs:1"], ["--pilot-seeds", "2", "--lr", "0.1"]):
+        bad = run_cli("bench", *flags, "--out", str(tmp_path / "x"), timeout_s=60)
+        assert bad.returncode == 2 and f"{flags[0]} sets a learning-rate pilot" in bad.stderr, bad.stderr
+    bad = run_cli("bench", "--pilot-seeds", "0", "--lr", "0.1,0.2", "--out", str(tmp_path / "x"), timeout_s=60)
+    assert bad.returncode == 2 and "--pilot-seeds must be a number of seeds in 1.." in bad.stderr, bad.stderr

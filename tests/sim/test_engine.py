@@ -20,6 +20,39 @@ def test_events_run_in_time_order_and_fifo_at_equal_times() -> None:
     assert engine.events == 5
 
 
+def test_events_scheduled_for_now_run_after_the_earlier_scheduled_ones_at_the_same_time() -> None:
+    """An event scheduled during a run for the current time: still ordered by (time, the order scheduled)."""
+    engine = Engine()
+    seen: list[tuple[float, str]] = []
+
+    def note(name: str) -> None:
+        seen.append((engine.now, name))
+        if name == "a":  # at t=1, behind b (scheduled earlier for t=1): c now, d a little later, e now
+            engine.after(0.0, note, "c")
+            engine.after(0.5, note, "d")
+            engine.at(1.0, note, "e")
+        if name == "c":
+            engine.at(engine.now, note, "f")
+
+    engine.at(1.0, note, "a")
+    engine.at(1.0, note, "b")
+    engine.at(1.5, note, "g")  # scheduled before d for the same time: first
+    assert engine.pending == 3
+    assert engine.run() == 1.5
+    assert seen == [(1.0, "a"), (1.0, "b"), (1.0, "c"), (1.0, "e"), (1.0, "f"), (1.5, "g"), (1.5, "d")]
+    assert engine.events == 7 and engine.pending == 0
+
+
+def test_run_until_leaves_later_events_and_those_due_now_wait_for_the_next_run() -> None:
+    engine = Engine()
+    seen: list[str] = []
+    engine.at(1.0, lambda _: (seen.append("a"), engine.after(0.0, seen.append, "b")))
+    engine.at(3.0, seen.append, "c")
+    assert engine.run(until_s=2.0) == 1.0 and seen == ["a", "b"]
+    assert engine.run(until_s=0.5) == 1.0 and engine.pending == 1  # before now: nothing runs
+    assert engine.run() == 3.0 and seen == ["a", "b", "c"]
+
+
 def test_cannot_schedule_in_the_past() -> None:
     engine = Engine()
     engine.at(1.0, lambda _: engine.at(0.5, print))

@@ -2,20 +2,22 @@
 
 A method's speed-up can be a learning rate that suits it better than the reference, not its
 synchronisation. ``prague bench --lr 0.025,0.05,0.1,0.2`` therefore first runs every (method, scenario)
-cell at every value on a short budget (``--pilot-budget``, with the bench's first seed), keeps each
-cell's best, then runs the full bench with it; every record carries the value it trained with (``lr``)
-and its cell's pilot (``lr_pilot``), and the report says which was chosen.
+cell at every value on a short budget (``--pilot-budget``), with the bench's first seed or its first
+``--pilot-seeds`` seeds, keeps each cell's best, then runs the full bench with it; every record carries the
+value it trained with (``lr``) and its cell's pilot (``lr_pilot``), and the report says which was chosen.
 
-The best value reaches the bench's target soonest; when none does within the pilot's budget, the one
-with the highest final accuracy. The pilot's results are kept in ``OUT/pilot.json`` as they come, so a
-resumed bench (``--resume``) does not run them again. This module runs nothing itself: the bench hands
-it a function that runs one configuration.
+The best value reaches the bench's target on the most pilot seeds, and among those the soonest (the
+median of its times to target); when none reaches it, the one with the highest mean final accuracy. One
+seed is a weak judge where two values are close: a value that happened to be lucky on it wins. The
+pilot's results are kept in ``OUT/pilot.json`` as they come, so a resumed bench (``--resume``) does not run
+them again. This module runs nothing itself: the bench hands it a function that runs one configuration.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ PILOT_FILE = "pilot.json"
 DEFAULT_PILOT_BUDGET = "epochs:1"
 #: The most values one ``--lr`` may list.
 MAX_VALUES = 16
+#: The most seeds a pilot may run each value on (``--pilot-seeds``).
+MAX_PILOT_SEEDS = 10
 
 
 def parse_lr_values(text: str) -> tuple[float, ...]:
@@ -44,30 +48,52 @@ def parse_lr_values(text: str) -> tuple[float, ...]:
     return values
 
 
+def check_pilot_seeds(seeds: int) -> int:
+    """``--pilot-seeds``: a number of seeds in 1..MAX_PILOT_SEEDS, else a ConfigError naming the range."""
+    if not 1 <= seeds <= MAX_PILOT_SEEDS:
+        raise ConfigError(f"--pilot-seeds must be a number of seeds in 1..{MAX_PILOT_SEEDS}, got {seeds}")
+    return seeds
+
+
+def _by_value(results: Sequence[dict[str, Any]]) -> dict[float, list[dict[str, Any]]]:
+    """The runs of each learning rate (one per pilot seed), in the order the values first appear."""
+    grouped: dict[float, list[dict[str, Any]]] = {}
+    for r in results:
+        grouped.setdefault(float(r["lr"]), []).append(r)
+    return grouped
+
+
+def _score(runs: Sequence[dict[str, Any]]) -> tuple[int, float, float]:
+    """How one value did over its pilot seeds, smaller first: seeds that missed the target, the median
+    time to target of those that reached it (inf when none did), minus the mean final accuracy (a failed
+    run, with neither, counts as a miss at -1)."""
+    reached = [float(r["time_to_target_s"]) for r in runs if r.get("time_to_target_s") is not None]
+    accuracies = [float(r["test_accuracy"]) if r.get("test_accuracy") is not None else -1.0 for r in runs]
+    return (len(runs) - len(reached), statistics.median(reached) if reached else math.inf,
+            -statistics.fmean(accuracies))
+
+
 def best(results: Sequence[dict[str, Any]]) -> float:
-    """The learning rate of the best pilot run: the earliest to the target, else the most accurate."""
+    """The best learning rate of one cell's pilot runs (one or several per value, one per seed): the one
+    that reached the target on the most seeds, then the soonest (median), then the most accurate (mean);
+    the smallest value on a tie."""
     if not results:
         raise ValueError("a pilot needs at least one run")
-
-    def key(r: dict[str, Any]) -> tuple[float, float, float]:
-        tta = r.get("time_to_target_s")
-        accuracy = r.get("test_accuracy")
-        return (tta if tta is not None else math.inf, -(accuracy if accuracy is not None else -1.0), r["lr"])
-
-    return float(min(results, key=key)["lr"])
+    grouped = _by_value(results)
+    return min(grouped, key=lambda lr: (*_score(grouped[lr]), lr))
 
 
 def pilot_entry(record: dict[str, Any]) -> dict[str, Any]:
     """What the pilot keeps of one of its runs."""
-    return {"lr": record.get("lr"), "time_to_target_s": record.get("time_to_target_s"),
+    return {"lr": record.get("lr"), "seed": record.get("seed"), "time_to_target_s": record.get("time_to_target_s"),
             "test_accuracy": record.get("test_accuracy")}
 
 
-def run_pilot(out: Path, cells: Sequence[tuple[str, str]], values: Sequence[float],
-              run: Callable[[str, str, float, Path], dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Run every ``(algorithm, scenario)`` cell at every value of ``values`` (``run(algorithm, scenario,
-    lr, folder)`` runs one and returns its record), skipping those ``OUT/pilot.json`` already holds; returns
-    each cell's results, in the order of ``values``."""
+def run_pilot(out: Path, cells: Sequence[tuple[str, str]], values: Sequence[float], seeds: Sequence[int],
+              run: Callable[[str, str, float, int, Path], dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Run every ``(algorithm, scenario)`` cell at every value of ``values`` on every seed of ``seeds`` (the
+    first is the bench's; ``run(algorithm, scenario, lr, seed, folder)`` runs one and returns its record),
+    skipping those ``OUT/pilot.json`` already holds; returns each cell's results, by value then seed."""
     path = Path(out) / PILOT_FILE
     done: dict[str, dict[str, Any]] = {}
     if path.exists():
@@ -78,25 +104,33 @@ def run_pilot(out: Path, cells: Sequence[tuple[str, str]], values: Sequence[floa
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for algorithm, scenario in cells:
         for lr in values:
-            key = f"{algorithm}|{scenario}|{lr!r}"
-            if key not in done:
-                folder = Path(out) / "pilot" / f"{algorithm.replace(':', '-')}_{scenario.replace(':', '-')}_lr{lr:g}"
-                print(f"== pilot: {algorithm} / {scenario} / lr {lr:g}", flush=True)
-                done[key] = {"key": key, **pilot_entry({**run(algorithm, scenario, lr, folder), "lr": lr})}
-                atomic_write_json(path, list(done.values()))
-            entry = {k: v for k, v in done[key].items() if k != "key"}
-            results.setdefault((algorithm, scenario), []).append(entry)
+            for i, seed in enumerate(seeds):
+                # the first seed's key and folder carry no seed: a one-seed pilot's files stay as they were
+                key = f"{algorithm}|{scenario}|{lr!r}" + (f"|seed{seed}" if i else "")
+                if key not in done:
+                    name = f"{algorithm.replace(':', '-')}_{scenario.replace(':', '-')}_lr{lr:g}"
+                    folder = Path(out) / "pilot" / (name + (f"_seed{seed}" if i else ""))
+                    print(f"== pilot: {algorithm} / {scenario} / lr {lr:g}" + (f" / seed {seed}" if len(seeds) > 1 else ""),
+                          flush=True)
+                    done[key] = {"key": key, **pilot_entry({**run(algorithm, scenario, lr, seed, folder), "lr": lr,
+                                                            "seed": seed})}
+                    atomic_write_json(path, list(done.values()))
+                entry = {k: v for k, v in done[key].items() if k != "key"}
+                results.setdefault((algorithm, scenario), []).append(entry)
     return results
 
 
 def pilot_lines(results: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """One line per cell: every value's time to target (or final accuracy) and the one chosen."""
+    """One line per cell: every value's time to target (or final accuracy), one per pilot seed, and the
+    value chosen."""
     lines = []
     for (algorithm, scenario), runs in results.items():
         shown = []
-        for r in runs:
-            tta, acc = r.get("time_to_target_s"), r.get("test_accuracy")
-            what = f"{tta:.1f} s" if tta is not None else ("-" if acc is None else f"{100 * acc:.2f}%")
-            shown.append(f"{r['lr']:g}: {what}")
+        for lr, seeded in _by_value(runs).items():
+            whats = []
+            for r in seeded:
+                tta, acc = r.get("time_to_target_s"), r.get("test_accuracy")
+                whats.append(f"{tta:.1f} s" if tta is not None else ("-" if acc is None else f"{100 * acc:.2f}%"))
+            shown.append(f"{lr:g}: {', '.join(whats)}")
         lines.append(f"{algorithm} / {scenario}: lr {best(runs):g} ({'; '.join(shown)})")
     return lines

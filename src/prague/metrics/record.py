@@ -63,8 +63,9 @@ class RunRecord:
                             "with its pilot)")
     optimizer: str | None = _doc("the workers' optimizer (`--optimizer`: `sgd` or `adamw`)")
     lr_pilot: list[dict[str, Any]] = _doc_list(
-        "a bench's learning-rate pilot of this cell (`--lr` with several values): `{lr, time_to_target_s, "
-        "test_accuracy}` per value, each a run on `--pilot-budget` with the bench's first seed")
+        "a bench's learning-rate pilot of this cell (`--lr` with several values): `{lr, seed, time_to_target_s, "
+        "test_accuracy}` per value and pilot seed (`--pilot-seeds`, the bench's first seeds), each a run on "
+        "`--pilot-budget`")
     steps: int | None = _doc("iterations per worker (under a `--budget`: the most any worker ran)")
     budget: str | None = _doc("the job-wide `--budget` (`epochs:3`), or null for per-worker `--steps`/`--epochs`")
     shares: str | None = _doc("under a budget: `claimed` (batches from a shared counter: fast workers take more) "
