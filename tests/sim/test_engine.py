@@ -43,9 +43,10 @@ def test_events_scheduled_for_now_run_after_the_earlier_scheduled_ones_at_the_sa
     assert engine.events == 7 and engine.pending == 0
 
 
-def test_run_until_leaves_later_events_and_those_due_now_wait_for_the_next_run() -> None:
+def test_run_until_runs_what_is_due_by_then_and_leaves_later_events_for_the_next_run() -> None:
     engine = Engine()
     seen: list[str] = []
+
     def a(_: Any) -> None:
         seen.append("a")
         engine.after(0.0, seen.append, "b")

@@ -95,7 +95,7 @@ class Jitter:
         else:  # lognormal of mean 1
             sigma = math.sqrt(math.log1p(cv * cv))
             draws = rng.lognormal(-sigma * sigma / 2.0, sigma, count)
-        return np.ascontiguousarray(draws, dtype=np.float64)
+        return draws.astype(np.float64, copy=False)  # doubles, as the array they are appended to
 
 
 def jitter_for(dist: str, cv: float, seed: int, rank: int, steps: int) -> Jitter | None:
