@@ -76,6 +76,7 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
         assert r["nproc"] == 2 and r["steps"] == 6 and r["compute_mode"] == "emulated" and r["compute_ms"] == 5
         assert r["throughput_samples_per_s"] > 0 and r["wall_s"] > 0 and r["no_wait_limit_samples_per_s"] > 0
         assert r["fraction_of_limit"] == pytest.approx(r["throughput_samples_per_s"] / r["no_wait_limit_samples_per_s"])
+        assert r["host"]["cpu"] and r["host"]["logical_cpus"] >= 1  # the machine that ran it
         # The bench lists each run's own record; only the no-wait limit is made one per scenario.
         own = _summary(out / "runs" / f"{r['algorithm']}_{r['scenario'].replace(':', '-')}")
         harmonized = {"no_wait_limit_samples_per_s", "fraction_of_limit"}
@@ -103,6 +104,7 @@ def test_bench_writes_a_consistent_table_and_json_and_a_rerun_keeps_the_earlier_
         assert row["vs homogeneous allreduce"] == f"{rate[key] / rate[('allreduce', 'homogeneous')]:.2f}x"
         assert row["of no-wait limit"] == f"{100 * r['fraction_of_limit']:.0f}%"
     assert "prague bench --algorithms allreduce,dssync" in (out / "bench.md").read_text()
+    assert f"; on {records[0]['host']['cpu']}, " in (out / "bench.md").read_text()
     for plot in ("throughput.png", "accuracy.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
 

@@ -13,7 +13,7 @@ from matplotlib.patches import Rectangle
 
 from prague.errors import ConfigError
 from prague.metrics import report
-from prague.metrics.record import SCHEMA_VERSION, RunRecord
+from prague.metrics.record import SCHEMA_VERSION, RunRecord, host_facts
 from prague.metrics.report import bench_table, load_records, method_label, write_bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -221,6 +221,31 @@ def test_header_line_names_the_shared_settings(records: list[dict[str, Any]]) ->
     assert not header.startswith("|")
     for expected in ("nproc 4", "model mlp", "data synthetic", "compute emulated"):
         assert expected in header
+
+
+def test_header_line_names_the_machines_the_records_ran_on(records: list[dict[str, Any]]) -> None:
+    assert "; on " not in bench_table(records).splitlines()[0]  # records without a host: nothing said
+    xeon = {"cpu": "Xeon", "logical_cpus": 2, "cpu_features": ["avx2", "avx512f"], "python": "3.11.7", "torch": "2.13.0"}
+    epyc = {**xeon, "cpu": "EPYC", "cpu_features": []}
+    header = bench_table([{**r, "host": xeon} for r in records]).splitlines()[0]
+    assert header.endswith("; on Xeon, 2 CPUs, avx2 avx512f")
+    mixed = [{**r, "host": xeon if i % 2 else epyc} for i, r in enumerate(records)]
+    assert bench_table(mixed).splitlines()[0].endswith("; on EPYC, 2 CPUs / Xeon, 2 CPUs, avx2 avx512f")
+
+
+def test_host_facts_read_the_cpu_model_and_features_that_matter() -> None:
+    cpuinfo = ("processor : 0\nmodel name : Test CPU @ 2GHz\nflags : fpu sse avx2 avx512f amx_tile\n\n"
+               "processor : 1\nmodel name : Test CPU @ 2GHz\nflags : fpu sse avx2 avx512f amx_tile\n")
+    facts = host_facts(cpuinfo)
+    assert facts["cpu"] == "Test CPU @ 2GHz"
+    assert facts["cpu_features"] == ["avx2", "avx512f", "amx_tile"]  # in CPU_FEATURES order, others left out
+    assert facts["logical_cpus"] >= 1 and facts["torch"] and facts["python"]
+    bare = host_facts("")  # no /proc/cpuinfo (another system): still a model string, no features
+    assert bare["cpu"] and bare["cpu_features"] == []
+    # a record carries it through its JSON form
+    record = RunRecord.from_dict({"algorithm": "prague", "scenario": "s", "throughput_samples_per_s": 1.0,
+                                  "host": facts})
+    assert record.to_dict()["host"] == facts
 
 
 def test_table_shape_is_valid_markdown(records: list[dict[str, Any]]) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,38 @@ from prague.metrics.summary import (
 )
 
 SCHEMA_VERSION = 5
+
+#: The CPU features a record's ``host`` names when present: those that change how fast a CPU trains (wide
+#: vectors, bfloat16 arithmetic and matrix tiles), so that two benches on machines of one kind can be told apart.
+CPU_FEATURES: tuple[str, ...] = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def host_facts(cpuinfo: str | None = None) -> dict[str, Any]:
+    """What a record says of the machine that ran it: the CPU's model name, the logical CPUs this process may
+    use, which of :data:`CPU_FEATURES` the CPU has, and the Python and torch versions. ``cpuinfo``: the
+    text of ``/proc/cpuinfo`` (read here when None; where there is none, the model is
+    :func:`platform.processor` and the features are left empty)."""
+    import torch  # here: reading and rendering records needs no torch
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", set[str]()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 0)
+    return {"cpu": model or platform.processor() or "unknown", "logical_cpus": cpus,
+            "cpu_features": [f for f in CPU_FEATURES if f in flags], "python": platform.python_version(),
+            "torch": torch.__version__.split("+")[0]}
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -114,6 +148,10 @@ class RunRecord:
     diverged: dict[str, Any] | None = _doc(
         "null, or where the run diverged and stopped: `{rank, step, loss, last_finite_loss, reason}` (loss null: "
         "not finite); its accuracy is that of the broken model, and benches count it as never reaching the target")
+    host: dict[str, Any] | None = _doc(
+        "the machine rank 0 ran on: `{cpu, logical_cpus, cpu_features, python, torch}` (cpu_features: which of "
+        f"{', '.join(f'`{f}`' for f in CPU_FEATURES)} it has; null when simulated, or in records written before "
+        "this field)")
     restarts: int | None = _doc("how many times torchrun (`--max-restarts`) restarted the job, each time from its last "
                                 "complete checkpoint (null: not a torchrun run of the built-in worker)")
     simulated: bool = _doc("true for `prague simulate`", False)

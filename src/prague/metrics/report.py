@@ -330,6 +330,21 @@ def _pace(records: Sequence[Record]) -> str:
     return "/".join(values)
 
 
+def _host(records: Sequence[Record]) -> str:
+    """The machines the records ran on (``host``), ``Intel(R) Xeon(R) Processor, 2 CPUs, avx2 avx512f``;
+    distinct ones joined with `` / ``, empty when no record says."""
+    values: list[str] = []
+    for record in records:
+        host = record.get("host")
+        if isinstance(host, Mapping) and host.get("cpu"):
+            features = host.get("cpu_features")
+            text = (f"{host['cpu']}, {host.get('logical_cpus', '?')} CPUs"
+                    + (f", {' '.join(str(f) for f in features)}" if isinstance(features, list) and features else ""))
+            if text not in values:
+                values.append(text)
+    return " / ".join(values)
+
+
 def _header(records: Sequence[Record]) -> str:
     budget = _distinct(records, "budget")
     modes = _distinct(records, "compute_mode")
@@ -341,6 +356,7 @@ def _header(records: Sequence[Record]) -> str:
         + ("" if budget == "?" else f", budget {budget}")
         + ("" if not any(r.get("optimizer") not in (None, "sgd") for r in records)
            else f", optimizer {_distinct(records, 'optimizer')}")
+        + ("" if not (host := _host(records)) else f"; on {host}")
     )
 
 

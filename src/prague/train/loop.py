@@ -25,7 +25,7 @@ from prague.errors import ConfigError
 from prague.hetero.spec import parse_scenario
 from prague.io import atomic_write_json
 from prague.metrics.decisions import DECISIONS_DIR, DecisionLog
-from prague.metrics.record import RunRecord
+from prague.metrics.record import RunRecord, host_facts
 from prague.metrics.summary import WorkerTiming, warmup_steps
 from prague.metrics.timeline import BACKGROUND_DIR, write_background, write_timeline
 from prague.metrics.writers import Writers, parse_report_to
@@ -452,7 +452,7 @@ def close_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, dat
         ranks=list(closing.ranks), budget=cfg.budget, shares=work.shares,
         samples=sum(completed) * cfg.batch_size, worker_samples=[c * cfg.batch_size for c in completed],
         diverged=diverged.as_dict() if diverged is not None else None,
-        restarts=ctx.job.restart_count,
+        restarts=ctx.job.restart_count, host=host_facts(),
     )
     atomic_write_json(Path(cfg.out) / "summary.json", record.to_dict())
     if cfg.report_to and record.eval_history:
