@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from prague.io import atomic_write_json
+from prague.metrics.record import host_facts
 
 QUICK = ["--steps", "1000000", "--compute", "emulated", "--compute-ms", "20", "--model", "mlp", "--data", "synthetic",
          "--quiet"]
@@ -144,7 +144,7 @@ def main() -> None:
     atomic_write_json(args.out, {
         "benchmark": "failure_detection",
         "config": {"cases": {n: CASES[n].args for n in names}, "common": QUICK, "repeats": args.repeats},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": host_facts(),
         "wall_s": time.time() - t0,
         "rows": rows,
     })

@@ -38,7 +38,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,8 @@ from prague.groups import Topology
 from prague.groups import gg_pb2 as pb
 from prague.groups import gg_pb2_grpc as pb_grpc
 from prague.groups.shards import ShardPlan
+from prague.io import atomic_write_json
+from prague.metrics.record import host_facts
 
 TOKEN = "bench-token"
 APIS = ("stream", "unary")
@@ -229,9 +230,8 @@ def main() -> None:
         for r in rows:
             print(f"| {r['workers']} | {r['shards']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                   f"{100 * r['busiest_shard']:.0f}% | {100 * r['local_step_share']:.1f}% |")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"benchmark": "group_generator", "command": _command(), "simulated": rows},
-                                       indent=2) + "\n")
+        atomic_write_json(args.out, {"benchmark": "group_generator", "command": _command(), "machine": host_facts(),
+                                     "simulated": rows})
         print(f"wrote {args.out}")
         return
     apis = args.api.split(",")
@@ -275,17 +275,15 @@ def main() -> None:
         "generator": args.generator,
         "server": "subprocess",
         "host": "127.0.0.1",
-        "cpus": os.cpu_count(),
+        "machine": host_facts(),
         "load_average": os.getloadavg(),
         "client_procs": args.client_procs,
         "seconds": args.seconds,
-        "python": platform.python_version(),
         "grpc": grpc.__version__,
-        "platform": platform.platform(),
         "headline": headline,
         "results": rows,
     }
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_json(args.out, record)
     print(f"wrote {args.out}")
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import queue
 import statistics
 import sys
@@ -43,6 +42,7 @@ import torch.distributed as dist
 import prague
 from prague.comm.preduce import GroupCommunicators, preduce
 from prague.io import atomic_write_json
+from prague.metrics.record import host_facts
 
 SIZES = {"45 MB": 11_200_000, "4 MB": 1_000_000}  # float32 elements
 
@@ -226,8 +226,7 @@ def main() -> None:
         "config": {"backend": args.backend, "nproc": args.nproc, "group_sizes": args.group_sizes,
                    "sizes": {s: SIZES[s] for s in args.sizes}, "reps": args.reps, "warmup": args.warmup,
                    "create_reps": args.create_reps, "omp_num_threads": 1},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+        "machine": host_facts(),
         "wall_s": time.time() - t0,
         "rows": table,
     }

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prague.hetero.spec import parse_scenario
+from prague.metrics.record import host_facts
 from prague.sim.cluster import PAPER
 from prague.sim.engine import Engine, Process
 from prague.simulate.run import SimConfig, simulate, simulate_charged
@@ -323,7 +323,7 @@ def main() -> None:
                 "--failures, --all")
     sizes = parse_sizes(args.sizes) if args.sizes else SCALE_SIZES
     results: dict[str, Any] = {"benchmark": "simulator", "command": "python benchmarks/simulator.py " + " ".join(sys.argv[1:]),
-                               "machine": platform.platform(), "python": platform.python_version()}
+                               "machine": host_facts()}
     if args.engine or args.all:
         results["engine"] = bench_engine()
     if args.paper or args.all:

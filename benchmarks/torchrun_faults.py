@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from prague.io import atomic_write_json
+from prague.metrics.record import host_facts
 from prague.net.hosts import EmulatedHosts, missing_privileges, parse_rate
 
 NODES, PER_NODE, STEPS, STEP = 2, 2, 60, 20
@@ -96,7 +96,7 @@ def main() -> int:
             print(f"{method:15} {fault:12} {'ok' if row['ok'] else 'FAILED':6} exit {row['exit_codes']} "
                   f"{row['seconds']:6.1f} s  failures {row['failures']}  steps {row['completed_steps']}"
                   + (f"  restarts {row['restarts']}" if row["restarts"] else ""), flush=True)
-    atomic_write_json(args.out, {"benchmark": "torchrun_faults", "machine": platform.node(), "nodes": NODES, "per_node": PER_NODE, "steps": STEPS,
+    atomic_write_json(args.out, {"benchmark": "torchrun_faults", "machine": host_facts(), "nodes": NODES, "per_node": PER_NODE, "steps": STEPS,
                                  "command": "python benchmarks/torchrun_faults.py " + " ".join(sys.argv[1:]), "cases": rows})
     passed = sum(r["ok"] for r in rows)
     print(f"\n{passed} of {len(rows)} cases as expected; wrote {args.out}")
