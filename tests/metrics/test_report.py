@@ -625,6 +625,22 @@ def test_a_seed_that_never_reached_the_target_makes_the_upper_bound_infinite() -
     assert row["speed-up vs allreduce"] == "n/a" and row["speed-up vs best baseline"] == "n/a"
 
 
+def test_a_cell_piloted_twice_shows_its_newest_pilot_and_says_so() -> None:
+    """A resumed bench whose pilot ran again: the records are in the order they ran, the last one's pilot
+    is the newest, the one the report shows."""
+    older = [{"lr": 0.002, "seed": 0, "time_to_target_s": 108.0, "test_accuracy": 0.448},
+             {"lr": 0.004, "seed": 0, "time_to_target_s": None, "test_accuracy": 0.43}]
+    newer = [{**older[0], "time_to_target_s": 106.0}, older[1]]
+    records = [tta_run("allreduce", "s", 12.0, seed=0, lr_pilot=older), tta_run("allreduce", "s", 11.0, seed=1,
+                                                                                lr_pilot=older),
+               tta_run("allreduce", "s", 13.0, seed=2, lr_pilot=newer), tta_run("prague", "s", 9.0, lr_pilot=older)]
+    text = bench_table(records)
+    assert ("- allreduce / s: lr 0.002 (0.002: 106.0 s; 0.004: 43.00%) (the newest of the 2 pilots this cell's "
+            "records carry)") in text
+    assert "- prague / s: lr 0.002 (0.002: 108.0 s; 0.004: 43.00%)\n" in text  # one pilot: nothing more said
+    assert "108.0 s; 0.004: 43.00%) (the newest" not in text
+
+
 # ------------------------------------------------------------------------------------------------
 # The best baseline
 

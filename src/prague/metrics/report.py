@@ -822,16 +822,29 @@ def _tables(checked: Sequence[Record], table: Sequence[dict[str, Any]], tta_only
 
 def _lr_text(records: Sequence[Record]) -> list[str]:
     """When a learning-rate pilot chose each cell's rate (``lr_pilot``): one line per cell, every value's
-    time to target (or final accuracy) and the one chosen; nothing otherwise."""
+    time to target (or final accuracy) and the one chosen; nothing otherwise.
+
+    A bench resumed after some of its pilot's runs were made again carries two pilots for a cell: its
+    records are in the order they ran, so the last one's is the newest, the one shown, and the line says
+    how many the cell's records carry."""
     piloted: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    seen: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
     for record in records:
         runs = record.get("lr_pilot")
         if runs:
-            piloted.setdefault((method_label(record), str(record.get("scenario"))), list(runs))
+            cell = (method_label(record), str(record.get("scenario")))
+            piloted[cell] = list(runs)  # the newest wins
+            pilots = seen.setdefault(cell, [])
+            if list(runs) not in pilots:
+                pilots.append(list(runs))
     if not piloted:
         return []
+    lines = pilot_lines(piloted)
+    for i, cell in enumerate(piloted):
+        if len(seen[cell]) > 1:
+            lines[i] += f" (the newest of the {len(seen[cell])} pilots this cell's records carry)"
     return ["", "Learning rate per cell, chosen by the pilot (time to target on the pilot's budget, or the final "
-                "accuracy where it was not reached):", ""] + [f"- {line}" for line in pilot_lines(piloted)] + [""]
+                "accuracy where it was not reached):", ""] + [f"- {line}" for line in lines] + [""]
 
 
 def _checked(records: Sequence[RecordLike], source: str) -> list[dict[str, Any]]:
