@@ -62,6 +62,10 @@ CASES = [
     (["run", "--backend", "nccl", "--nproc", "64"], ["'nccl'", "--backend gloo"]),  # failed in every worker
     (["run", "--slowdown", "paper:inf"], ["factor", "inf", "1..1e+06"]),  # the workers' sleep overflowed
     (["bench", "--scenarios", "straggler:1:1e300"], ["factor", "1e+300", "1..1e+06"]),
+    # named --budget once, and only after the bench had measured the nominal step
+    (["bench", "--lr", "0.1,0.2", "--pilot-budget", "seconds:0"], ["--pilot-budget 'seconds:0'", "> 0",
+                                                                    "give --pilot-budget epochs:E"]),
+    (["bench", "--lr", "0.1,0.2", "--pilot-budget", "bogus"], ["--pilot-budget 'bogus' is not a budget"]),
 ]
 
 

@@ -500,6 +500,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               "(0.025,0.05,0.1,0.2): give them or drop the flag")
     if args.pilot_seeds is not None:
         check_pilot_seeds(args.pilot_seeds)
+    if args.pilot_budget is not None:  # before anything is measured or run
+        from prague.workload.budget import parse_budget
+
+        parse_budget(args.pilot_budget, "--pilot-budget")
     if args.resume and args.out is None:
         raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")

@@ -67,21 +67,21 @@ class Budget:
         return max(1, math.ceil(self.amount / batch_size))
 
 
-def parse_budget(text: str) -> Budget:
-    """``epochs:3`` -> Budget("epochs", 3.0); ConfigError naming the form on anything else."""
+def parse_budget(text: str, flag: str = "--budget") -> Budget:
+    """``epochs:3`` -> Budget("epochs", 3.0); ConfigError naming ``flag`` and the form on anything else."""
     kind, sep, value = str(text).strip().partition(":")
-    form = "give --budget epochs:E, samples:N or seconds:T (e.g. epochs:3)"
+    form = f"give {flag} epochs:E, samples:N or seconds:T (e.g. epochs:3)"
     if not sep or kind not in BUDGET_KINDS:
-        raise ConfigError(f"--budget {text!r} is not a budget; {form}")
+        raise ConfigError(f"{flag} {text!r} is not a budget; {form}")
     try:
         amount = float(value)
     except ValueError:
-        raise ConfigError(f"--budget {text!r}: {value!r} is not a number; {form}") from None
+        raise ConfigError(f"{flag} {text!r}: {value!r} is not a number; {form}") from None
     if not 0 < amount < math.inf or (kind == "samples" and amount != int(amount)):
         what = "a whole number of samples > 0" if kind == "samples" else "a finite number > 0"
-        raise ConfigError(f"--budget {text!r}: the amount must be {what}; {form}")
+        raise ConfigError(f"{flag} {text!r}: the amount must be {what}; {form}")
     if kind == "seconds" and amount > 1e9:
-        raise ConfigError(f"--budget {text!r}: at most 1e9 seconds; {form}")
+        raise ConfigError(f"{flag} {text!r}: at most 1e9 seconds; {form}")
     return Budget(kind, amount)
 
 
