@@ -48,6 +48,22 @@ def test_eight_workers_smart_100_iterations_finish(tmp_path: Path) -> None:
     assert s["algorithm_stats"][0]["generator_stats"]["divisions"] >= 1
 
 
+def test_adapt_size_reaches_the_service_and_forms_pairs_when_averages_are_late(tmp_path: Path) -> None:
+    """``--adapt-size on`` travels to the Group Generator service the launcher starts: digits' steps take well
+    under a millisecond, far less than an average, so most steps go without one and the service comes down to
+    pairs; the summary says so."""
+    out = tmp_path / "adapt"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--adapt-size", "on", "--steps", "400",
+                  "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stats = _summary(out)["algorithm_stats"][0]
+    assert stats["local_step_share"] > 0.5
+    assert stats["generator_stats"]["group_size"] == 2 and stats["generator_stats"]["size_changes"] >= 1
+    bad = run_cli("run", "--algorithm", "prague:smart", "--adapt-size", "on", "--out", str(tmp_path / "x"),
+                  timeout_s=60)
+    assert bad.returncode == 2 and "--adapt-size on needs the ready generator" in bad.stderr, bad.stderr
+
+
 #: (accuracy above, consensus distance below) of each generator's run with the method's defaults, a few
 #: points under the worst run seen: static 0.967 (every run; distance 0), random 0.947-0.956 (distance
 #: 1.6-3.4), ready 0.894-0.964 (1.7-3.3; the 0.894 in a clean-clone suite run, where ready averaged

@@ -9,6 +9,7 @@ group must receive the same (seq, members), and the policy-specific rules must h
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -441,6 +442,54 @@ def test_ready_adaptive_window_follows_the_time_between_requests(period: float, 
     expected = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * period))
     assert ready.window_s == pytest.approx(expected, rel=0.35)
     assert ready.stats()["window_s"] == ready.window_s
+
+
+def _rounds(ready: GroupPolicy, n: int, rounds: int, gap: int, start: int = 0) -> tuple[int, list[int]]:
+    """Every worker of ``n`` asks once a round, ``gap`` steps after its previous request (an overlapped
+    worker whose average came back late took ``gap - 1`` local steps); the step reached and the sizes of
+    the groups formed."""
+    sizes, step, now = [], start, float(start)
+    for _ in range(rounds):
+        for w in range(n):
+            now += 0.001
+            sizes += [len(g.members) for v, g in ready.request(w, now, step) if v == w]
+        while (deadline := ready.next_deadline()) is not None:
+            sizes += [len(g.members) for _, g in ready.poll(deadline)]
+        step += gap
+    return step, sizes
+
+
+def test_ready_adapt_size_forms_smaller_groups_while_averages_come_back_late() -> None:
+    """With ``adapt_size``: requests that skip steps (a mean gap above SHRINK_AT) bring the size down one at a
+    time to 2, never below; requests at every step (under GROW_AT) bring it back up to ``group_size``, never
+    above; gaps too long to be a late average (a worker back from other shards) count for nothing; and
+    without ``adapt_size`` the size never moves."""
+    from prague.groups.ready import ADAPT_EVERY, MAX_GAP, ReadyGenerator
+
+    n = 12
+    config = GeneratorConfig(nproc=n, group_size=4, seed=3, window_s=0.01, avoid_repeats=False, adapt_size=True)
+    ready = make_generator("ready", config)  # no holds: every round forms whole groups as they fill
+    assert ready.group_size == 4 and ready.stats()["group_size"] == 4
+    step, sizes = _rounds(ready, n, 1 + -(-ADAPT_EVERY // n), 3)  # the first request of each counts no gap
+    assert ready.group_size == 3 and 4 in sizes  # groups of 4 until the first window was counted
+    step, sizes = _rounds(ready, n, 3 * ADAPT_EVERY // n, 3, step)
+    assert ready.group_size == 2 and sizes[-n // 2:] == [2] * (n // 2)  # the last round: pairs only
+    stats = ready.stats()
+    assert stats["group_size"] == 2 and stats["size_changes"] == 2
+    shard = ReadyGenerator(config, sharded=True)  # a shard: a longer gap may be other shards' steps
+    _, sizes = _rounds(shard, n, 4 * ADAPT_EVERY // n, MAX_GAP + 1)
+    assert shard.group_size == 4 and set(sizes) == {4} and shard.stats()["size_changes"] == 0
+    late = ReadyGenerator(config)  # alone, a long gap is a very late average
+    _rounds(late, n, 1 + -(-ADAPT_EVERY // n), 5 * MAX_GAP)
+    assert late.group_size == 3
+    step, sizes = _rounds(ready, n, 6 * ADAPT_EVERY // n, 1, step)
+    assert ready.group_size == 4 and sizes[-n // 4:] == [4] * (n // 4) and ready.stats()["size_changes"] == 4
+
+    fixed = make_generator("ready", dataclasses.replace(config, adapt_size=False))
+    _, sizes = _rounds(fixed, n, 4 * ADAPT_EVERY // n, 3)
+    assert fixed.group_size == 4 and set(sizes) == {4} and "size_changes" not in fixed.stats()
+    with pytest.raises(ConfigError, match="adapt_size must be True or False"):
+        GeneratorConfig(nproc=4, adapt_size=1)  # type: ignore[arg-type]
 
 
 def test_ready_median_of_a_large_job_lags_by_at_most_a_sixteenth_of_it() -> None:

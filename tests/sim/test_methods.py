@@ -128,6 +128,25 @@ def test_compressed_groups_charge_the_gathered_codes_not_the_ring() -> None:
         _compare_codecs(slow, overlap)
 
 
+def test_adapt_size_forms_pairs_while_the_averages_come_back_late() -> None:
+    """``prague --adapt-size on`` in the simulator: the generator's own rule (:mod:`prague.groups.ready`). On
+    links too slow for a group of 3 to average within a step, it comes down to pairs, and fewer steps go
+    without an average; on links that keep up, it stays at ``--group-size``."""
+    def run(inter_bytes_per_s: float, adapt: str) -> dict[str, Any]:
+        cluster = Cluster(compute_s=0.1, intra=Link(1e-4, 1e10), inter=Link(1e-4, inter_bytes_per_s))
+        record = _sim("prague:ready", scenario="homogeneous", nproc=8, nodes=4, steps=120, cluster=cluster,
+                      options={"compress": "int8", "adapt_size": adapt})
+        return record["algorithm_stats"][0]
+
+    fixed, adapted = run(1e8, "off"), run(1e8, "on")
+    assert "size_changes" not in fixed["generator_stats"]
+    assert adapted["generator_stats"]["group_size"] == 2 and adapted["generator_stats"]["size_changes"] >= 1
+    assert adapted["generator_stats"]["mean_group_size"] < fixed["generator_stats"]["mean_group_size"] - 0.3
+    assert adapted["local_step_share"] < fixed["local_step_share"] - 0.05
+    fast = run(1e10, "on")["generator_stats"]
+    assert fast["group_size"] == 3 and fast["size_changes"] == 0
+
+
 def _compare_codecs(slow: Cluster, overlap: str) -> None:
     from prague.comm.codecs import member_send_bytes
     from prague.simulate.run import model_size

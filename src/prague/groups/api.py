@@ -154,7 +154,9 @@ class GeneratorConfig:
     (:data:`prague.groups.ready.ADAPTIVE_SHARE` of the median time between a worker's requests). ``avoid_repeats``
     (ready only): when every pair among the S waiting workers met within the last round of groups,
     hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
-    can prefer partners that have not met recently (see :mod:`prague.groups.ready`).
+    can prefer partners that have not met recently (see :mod:`prague.groups.ready`). ``adapt_size`` (ready
+    only): the group size follows how late the averages come back, between 2 and ``group_size`` (see
+    :mod:`prague.groups.ready`).
     """
 
     nproc: int
@@ -164,6 +166,7 @@ class GeneratorConfig:
     seed: int = 0
     window_s: float = 0.05
     avoid_repeats: bool = True
+    adapt_size: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.nproc) or self.nproc < 1:
@@ -193,6 +196,8 @@ class GeneratorConfig:
             raise ConfigError(f"window_s must be a finite number of seconds >= 0 (0: adaptive), got {self.window_s!r}")
         if not isinstance(self.avoid_repeats, bool):
             raise ConfigError(f"avoid_repeats must be True or False, got {self.avoid_repeats!r}")
+        if not isinstance(self.adapt_size, bool):
+            raise ConfigError(f"adapt_size must be True or False, got {self.adapt_size!r}")
 
     @property
     def topo(self) -> Topology:

@@ -729,6 +729,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--window-s", type=float, default=defaults["window_s"],
                         help="ready: how long a request waits for partners (0: adaptive, half the median time "
                              "between a worker's requests)")
+    parser.add_argument("--adapt-size", choices=("on", "off"), default="off",
+                        help="ready: on: the group size follows how late the averages come back, between 2 and "
+                             "--group-size")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
     parser.add_argument("--restore", type=Path, default=None,
@@ -753,6 +756,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             delta_c=args.delta_c,
             seed=args.seed,
             window_s=args.window_s,
+            adapt_size=args.adapt_size == "on",
         )
         if args.shards < 1:
             raise ConfigError(f"--shards must be >= 1, got {args.shards}")

@@ -107,7 +107,7 @@ class ShardView:
         if not 0 <= shard < shards:
             raise ConfigError(f"--shard {shard} is outside 0..{shards - 1} (--shards {shards})")
         self.config, self.shard, self.count = config, shard, shards
-        self.policy = ReadyGenerator(shard_config(config, shard), observer=observer)
+        self.policy = ReadyGenerator(shard_config(config, shard), observer=observer, sharded=shards > 1)
 
     def _global(self, answers: list[Answer]) -> list[Answer]:
         if self.count == 1 or not answers:
@@ -280,6 +280,10 @@ def merged_stats(per: list[dict[str, Any]], members: list[int]) -> dict[str, flo
     out["mean_wait_s"] = waited / total if total else 0.0
     out["shards"] = len(per)
     out["max_shard_requests"] = max((int(p.get("requests", 0)) for p in per), default=0)
+    if any("size_changes" in p for p in per):  # adapt_size: the changes summed, the sizes now from smallest to largest
+        out["size_changes"] = sum(int(p.get("size_changes", 0)) for p in per)
+        out["group_size"] = min(int(p["group_size"]) for p in per)
+        out["max_group_size"] = max(int(p["group_size"]) for p in per)
     return out
 
 
@@ -287,4 +291,4 @@ def shard_config(config: GeneratorConfig, shard: int) -> GeneratorConfig:
     """Shard ``shard``'s settings: the job's, with a seed of its own (shard 0 keeps the job's)."""
     return GeneratorConfig(nproc=config.nproc, topology=config.topology, group_size=config.group_size,
                            delta_c=config.delta_c, seed=config.seed + 1_000_003 * shard, window_s=config.window_s,
-                           avoid_repeats=config.avoid_repeats)
+                           avoid_repeats=config.avoid_repeats, adapt_size=config.adapt_size)

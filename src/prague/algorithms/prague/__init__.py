@@ -70,6 +70,10 @@ class PragueOptions(Options):
     average_by: str = option("equal", "the group's mean: equal (P-Reduce's), or samples (each member weighted by the "
                              "samples it processed since its own last average, so that a fast worker is not pulled "
                              "back toward a slow one's older values)", choices=AVERAGE_BY)
+    adapt_size: str = option("off", "ready: on: the group size follows how late the averages come back, between 2 "
+                             "and --group-size (one smaller while a third of the steps or more go without an "
+                             "average because the last one is still out, one larger again once nearly none do); "
+                             "off: always --group-size", choices=("on", "off"))
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -101,6 +105,9 @@ class PragueOptions(Options):
         if self.average_by != "equal" and self.compress != "none":
             raise ConfigError(f"--average-by {self.average_by} weighs full-precision values; with --compress "
                               f"{self.compress} the members' codes are averaged equally: drop one of the two")
+        if self.adapt_size == "on" and self.base_generator != "ready":
+            raise ConfigError(f"--adapt-size on needs the ready generator (--generator ready): {self.generator} "
+                              "fixes its groups ahead of time at --group-size")
         if self.gg_epoch_steps < 1:
             raise ConfigError(f"--gg-epoch-steps must be >= 1, got {self.gg_epoch_steps}")
 

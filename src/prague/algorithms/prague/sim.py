@@ -85,7 +85,7 @@ class SimPrague(SimMethod):
         # Blind generators see one node; the cluster's costs keep world.topology.
         self.config = GeneratorConfig(
             nproc=world.n, topology=o.generator_topology(world.topology), group_size=o.group_size,
-            delta_c=o.delta_c, seed=o.gg_seed, window_s=o.window_s,
+            delta_c=o.delta_c, seed=o.gg_seed, window_s=o.window_s, adapt_size=o.adapt_size == "on",
         )
         shards = o.shard_count(self.config.topo)
         self.sharded: ShardedGenerator | None = None
