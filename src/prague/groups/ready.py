@@ -45,8 +45,10 @@ back late, and a smaller group, whose members each send and receive less, finish
 one (not below 2); a mean under :data:`GROW_AT` raises it by one again (not above ``group_size``). A gap counts as
 :data:`MAX_GAP` steps at most; at a shard of a sharded generator (``sharded``) a longer one is not counted, as it
 may be a worker that asked other shards in between.
-Measured on the transformer on 4 congested emulated hosts (docs/benchmarks.md): groups of 3 left 73% of the steps
-without an average and reached the target 0.89x as fast as ``localsgd``, pairs 44-52% and 1.31-1.37x.
+A restarted service measures again from ``group_size``. Measured on the transformer on 4 congested emulated hosts
+(docs/benchmarks.md): groups of 3 left 73% of the steps without an average and reached the target 0.89x as fast
+as ``localsgd``; with ``adapt_size`` the generator came down to pairs in every run, about half of the steps went
+without an average, and it reached the target 1.28x [1.17, 1.39] as fast (5 seeds; pairs set by hand: 1.31-1.37x).
 
 Groups still get one global ``seq``; a worker is in at most one unexecuted group at a time, so the
 order is trivially consistent and nothing can deadlock. ``finish`` never hands out groups to the
