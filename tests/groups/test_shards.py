@@ -335,3 +335,25 @@ def test_the_parts_mix_the_replicas_about_as_well_as_one_generator() -> None:
                                        model="mlp", math="mixing", seed=1, options={"gg_shards": shards})).to_dict()
         got[shards] = record["consensus_distance"]
     assert 0 < got[1] < 6 and 0 < got[4] < 1.5 * got[1], got
+
+
+def test_shards_in_one_process_share_one_list_of_finished_flags() -> None:
+    """The in-process generator keeps one list of finished flags for all its shards (not one over the whole job per
+    shard): a finish told to one shard is read by every other, an exclusion of a worker already gone changes
+    nothing, and the flags cannot be shared once a worker has finished."""
+    topology = Topology(nodes=4, workers_per_node=2)
+    config = GeneratorConfig(nproc=8, topology=topology, group_size=2, seed=1, window_s=0.01)
+    policy = ShardedGenerator(config, ShardPlan(topology, shards=4, epoch_steps=1, seed=2))
+    flags = policy.shards[0].policy.finished
+    assert all(shard.policy.finished is flags for shard in policy.shards)
+    assert policy.finish(3, 0.0) == []
+    assert flags[3] and policy.shards[0].policy.active_count == 8  # told when next asked ...
+    policy.stats()
+    assert {shard.policy.active_count for shard in policy.shards} == {7}  # ... each counting it once
+    assert policy.exclude(3, 0.1) == [] and {shard.policy.active_count for shard in policy.shards} == {7}
+    with pytest.raises(ConfigError, match="worker 3 already called finish"):
+        policy.request(3, 0.2, 5)
+    with pytest.raises(ConfigError, match="all unset"):
+        policy.shards[1].policy.share_finished([False] * 8)  # its list has a finished worker
+    with pytest.raises(ConfigError, match="8 flags"):
+        ShardView(config, 0, 2).policy.share_finished([False] * 7)

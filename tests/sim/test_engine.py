@@ -128,3 +128,35 @@ def test_a_process_yielding_something_else_fails_loudly() -> None:
     engine.process(bad())
     with pytest.raises(TypeError, match="yield a delay in seconds or a Signal"):
         engine.run()
+
+
+def test_an_event_that_raises_leaves_the_later_ones_queued_in_order() -> None:
+    """An exception out of an event stops the run there; the events after it, at its time and later, stay queued in
+    their order and run on the next call."""
+    engine = Engine()
+    seen: list[str] = []
+
+    def boom(_: Any) -> None:
+        seen.append("boom")
+        raise ValueError("stop here")
+
+    engine.at(1.0, seen.append, "a")
+    engine.at(1.0, boom)
+    engine.at(1.0, seen.append, "b")
+    engine.at(2.0, seen.append, "c")
+    with pytest.raises(ValueError, match="stop here"):
+        engine.run()
+    assert seen == ["a", "boom"] and engine.pending == 2 and engine.now == 1.0
+    engine.at(1.0, seen.append, "d")  # scheduled later for the same time: after b
+    assert engine.run() == 2.0
+    assert seen == ["a", "boom", "b", "d", "c"] and engine.pending == 0 and engine.events == 5
+
+
+def test_pending_counts_what_is_left_while_events_run() -> None:
+    engine = Engine()
+    counts: list[int] = []
+    for t in (1.0, 1.0, 2.0):
+        engine.at(t, lambda _: counts.append(engine.pending))
+    engine.at(1.0, lambda _: engine.after(0.5, lambda _: counts.append(engine.pending)))
+    engine.run()
+    assert counts == [3, 2, 1, 0]

@@ -147,11 +147,20 @@ class ReadyGenerator(PolicyBase):
         self._mark_finished(worker)
         return self._settle(None, now_s)
 
-    def finish_many(self, finishes: list[tuple[int, float]]) -> list[Answer]:
+    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False) -> list[Answer]:
         """``finish(worker, now_s)`` for each of ``finishes`` in order, the answers together. With nobody waiting
-        a finish only marks its worker (it cannot form a group), so then each costs a few list writes."""
+        a finish only marks its worker (it cannot form a group), so then each costs a few list writes. ``marked``:
+        the workers' finished flags are set already (:meth:`share_finished`: the shard told first set them), so a
+        finish only counts, and with nobody waiting the whole batch costs a few additions."""
         if self._waiting:
+            if marked:
+                return [a for worker, now_s in finishes for a in self._finished_elsewhere(worker, now_s)]
             return [a for worker, now_s in finishes for a in self.finish(worker, now_s)]
+        if marked:
+            self.active_count -= len(finishes)
+            self._active = None
+            self._batch += len(finishes)
+            return []
         for worker, _ in finishes:
             self._check_worker(worker)
             self._mark_finished(worker)
@@ -160,6 +169,30 @@ class ReadyGenerator(PolicyBase):
 
     def _withdraw(self, worker: int) -> None:
         self._waiting.pop(worker, None)
+
+    def share_finished(self, flags: list[bool]) -> None:
+        """Read and set the workers' finished flags in ``flags``, a list that the other shards of one process
+        share (:class:`~prague.groups.shards.ShardedGenerator`), rather than in a list of this shard's own over
+        every worker of the job. Each shard is told of every finish before it is asked anything, so the shared
+        flags are the ones it would hold; the first shard told of a finish sets the flag, the others are told
+        with :meth:`finish_many` ``marked`` or :meth:`exclude_marked`. Before any worker finished."""
+        if len(flags) != self.config.nproc or any(flags) or any(self.finished):
+            raise ConfigError(f"shared finished flags must be {self.config.nproc} flags, all unset, given before any "
+                              "worker finished")
+        self.finished = flags
+
+    def _finished_elsewhere(self, worker: int, now_s: float) -> list[Answer]:
+        """:meth:`finish` of a worker whose shared flag another shard set already."""
+        if worker in self._waiting:
+            raise ConfigError(f"worker {worker} is waiting for a group; call finish after receiving it")
+        self.active_count -= 1
+        self._active = None
+        return self._settle(None, now_s)
+
+    def exclude_marked(self, worker: int, now_s: float) -> list[Answer]:
+        """:meth:`exclude` of a worker whose shared flag another shard set already (:meth:`share_finished`)."""
+        self._withdraw(worker)
+        return [(w, g) for w, g in self._finished_elsewhere(worker, now_s) if w != worker]
 
     def next_deadline(self) -> float | None:
         if not self._waiting:

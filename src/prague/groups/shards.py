@@ -25,7 +25,9 @@ called, unless it would form a group there at once: the shard then decides exact
 finish then makes one shard call, not one per shard; the other shards take the finishes they missed as a
 batch, a few list writes each where nobody waits.
 The shards' decisions are the same objects in the service and in the simulator; only who calls them
-differs.
+differs. In one process the shards also share one list of the workers' finished flags (each shard is told of a
+finish before it is asked anything, so it reads the flags it would hold): the first shard told sets a flag, the
+others only count the finish.
 """
 
 from __future__ import annotations
@@ -127,12 +129,17 @@ class ShardView:
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.finish(worker, now_s))
 
-    def finish_many(self, finishes: list[tuple[int, float]]) -> list[Answer]:
-        """:meth:`finish` for each of ``finishes``, in order."""
-        return self._global(self.policy.finish_many(finishes))
+    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False) -> list[Answer]:
+        """:meth:`finish` for each of ``finishes``, in order (``marked``: their shared flags are set already,
+        :meth:`ReadyGenerator.finish_many <prague.groups.ready.ReadyGenerator.finish_many>`)."""
+        return self._global(self.policy.finish_many(finishes, marked))
 
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.exclude(worker, now_s))
+
+    def exclude_marked(self, worker: int, now_s: float) -> list[Answer]:
+        """:meth:`exclude` of a worker whose shared finished flag another shard set already."""
+        return self._global(self.policy.exclude_marked(worker, now_s))
 
     def poll(self, now_s: float) -> list[Answer]:
         return self._global(self.policy.poll(now_s))
@@ -169,6 +176,12 @@ class ShardedGenerator:
             raise ConfigError(f"the shard plan covers {plan.topology.size} workers but the job has {config.nproc}")
         self.config, self.plan = config, plan
         self.shards = [ShardView(config, s, plan.shards, observer=observer) for s in range(plan.shards)]
+        # The workers' finished flags, one list for every shard: each shard's own over every worker of the job
+        # would be shards x nproc flags (at 65,536 workers in 256 shards, 134 MB read at scattered places),
+        # and telling each shard of each finish would cost shards x nproc writes.
+        self._finished = [False] * config.nproc
+        for shard in self.shards:
+            shard.policy.share_finished(self._finished)
         self._asked = [0] * config.nproc  # requests per worker: the step of a request that names none
         self._last_shard: dict[int, int] = {}  # the shard of each worker's latest request
         # Finishes not yet told to every shard: the job's, in order, and how many each shard was told. A shard
@@ -185,7 +198,7 @@ class ShardedGenerator:
         shard, told, finishes = self.shards[s], self._told[s], self._finishes
         if told == len(finishes):
             return []
-        answers = shard.finish_many(finishes[told:])
+        answers = shard.finish_many(finishes[told:], marked=True)  # the shard told first set their flags
         self._told[s] = len(finishes)
         self._waiting -= len(answers)  # each worker answered was waiting
         return answers
@@ -234,13 +247,15 @@ class ShardedGenerator:
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
         check_worker_id(worker, self.config.nproc)
         shards = [self._shard(s) for s in range(len(self.shards))]
-        self._active -= not shards[0].policy.finished[worker]
-        answers = []
-        for shard in shards:
-            before = shard.waiting_count
-            answers += shard.exclude(worker, now_s)
-            self._waiting += shard.waiting_count - before
         self.touched = list(range(len(self.shards)))
+        if self._finished[worker]:  # finished or excluded already: nothing changes anywhere
+            return []
+        self._active -= 1
+        answers = []
+        for s, shard in enumerate(shards):  # the first sets the shared flag, the others count it
+            before = shard.waiting_count
+            answers += shard.exclude(worker, now_s) if s == 0 else shard.exclude_marked(worker, now_s)
+            self._waiting += shard.waiting_count - before
         return answers
 
     def poll(self, now_s: float) -> list[Answer]:

@@ -228,11 +228,12 @@ def build(config: SimConfig, trace: list[tuple[Any, ...]] | None = None) -> tupl
 
 @contextlib.contextmanager
 def _no_collection() -> Iterator[None]:
-    """The cycle collector off while the engine runs. A run makes millions of short-lived containers and
-    few cycles, while its live ones (a generator, a deque, a log per worker) grow with the number of
-    workers: each collection of the oldest generation walks them all, so with the collector on, an
-    iteration's cost grew with the job's size (measured: 16,384 workers spent a fifth of their time
-    there). Whatever cycles the run left are collected once it is back on."""
+    """The cycle collector off while a run is built, runs and is recorded. A run makes millions of short-lived
+    containers and few cycles, while its live ones (a generator, a deque, a log per worker) grow with the number
+    of workers: each collection of the oldest generation walks them all, so with the collector on, an
+    iteration's cost grew with the job's size (measured: 16,384 workers spent a fifth of their time there), and
+    building a 65,536-worker world, which allocates them, spent about a third of its time collecting. Whatever
+    cycles the run left are collected once it is back on."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -272,13 +273,14 @@ def simulate_charged(config: SimConfig, scenarios: list[str]) -> list[RunRecord]
         # synchronisation (measured 20x slower with 2 threads on a busy 2-core machine).
         torch.set_num_threads(1)
     try:
-        world, method = build(configs[0], trace)
-        with contextlib.closing(world), _no_collection():
-            method.start()
-            world.engine.run()
-            method.check_done()
-        run_s = time.perf_counter() - started
-        return [_record(c, world, method, run_s, trace) for c in configs]
+        with _no_collection():  # building a large job's world and reading its logs make few cycles, too
+            world, method = build(configs[0], trace)
+            with contextlib.closing(world):
+                method.start()
+                world.engine.run()
+                method.check_done()
+            run_s = time.perf_counter() - started
+            return [_record(c, world, method, run_s, trace) for c in configs]
     finally:
         torch.set_num_threads(threads)
 
