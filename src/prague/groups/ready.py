@@ -147,21 +147,29 @@ class ReadyGenerator(PolicyBase):
         self._mark_finished(worker)
         return self._settle(None, now_s)
 
-    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False) -> list[Answer]:
-        """``finish(worker, now_s)`` for each of ``finishes`` in order, the answers together. With nobody waiting
-        a finish only marks its worker (it cannot form a group), so then each costs a few list writes. ``marked``:
-        the workers' finished flags are set already (:meth:`share_finished`: the shard told first set them), so a
-        finish only counts, and with nobody waiting the whole batch costs a few additions."""
-        if self._waiting:
-            if marked:
-                return [a for worker, now_s in finishes for a in self._finished_elsewhere(worker, now_s)]
-            return [a for worker, now_s in finishes for a in self.finish(worker, now_s)]
+    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False, start: int = 0) -> list[Answer]:
+        """``finish(worker, now_s)`` for each of ``finishes[start:]`` in order, the answers together. With nobody
+        waiting a finish only marks its worker (it cannot form a group), so then each costs a few list writes.
+
+        ``marked``: the workers' finished flags are set already (:meth:`share_finished`: the shard told first set
+        them), so a finish only counts. While fewer than a group wait here and someone not waiting is still active
+        after the whole batch, no finish of it can form a group (:meth:`_settle` forms groups from fewer than a
+        group only once everyone active waits), so the batch costs a few additions, whatever its length."""
+        waiting = self._waiting
         if marked:
-            self.active_count -= len(finishes)
-            self._active = None
-            self._batch += len(finishes)
-            return []
-        for worker, _ in finishes:
+            k = len(finishes) - start
+            if len(waiting) < self._size and self.active_count - k > len(waiting):
+                for w in waiting:
+                    if self.finished[w]:
+                        raise ConfigError(f"worker {w} is waiting for a group; call finish after receiving it")
+                self.active_count -= k
+                self._active = None
+                self._batch += k  # as _settle counts one batch a finish
+                return []
+            return [a for worker, now_s in finishes[start:] for a in self._finished_elsewhere(worker, now_s)]
+        if waiting:
+            return [a for worker, now_s in finishes[start:] for a in self.finish(worker, now_s)]
+        for worker, _ in finishes[start:]:
             self._check_worker(worker)
             self._mark_finished(worker)
             self._new_batch()

@@ -129,10 +129,10 @@ class ShardView:
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.finish(worker, now_s))
 
-    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False) -> list[Answer]:
-        """:meth:`finish` for each of ``finishes``, in order (``marked``: their shared flags are set already,
+    def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False, start: int = 0) -> list[Answer]:
+        """:meth:`finish` for each of ``finishes[start:]``, in order (``marked``: their shared flags are set already,
         :meth:`ReadyGenerator.finish_many <prague.groups.ready.ReadyGenerator.finish_many>`)."""
-        return self._global(self.policy.finish_many(finishes, marked))
+        return self._global(self.policy.finish_many(finishes, marked, start))
 
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
         return self._global(self.policy.exclude(worker, now_s))
@@ -198,7 +198,7 @@ class ShardedGenerator:
         shard, told, finishes = self.shards[s], self._told[s], self._finishes
         if told == len(finishes):
             return []
-        answers = shard.finish_many(finishes[told:], marked=True)  # the shard told first set their flags
+        answers = shard.finish_many(finishes, marked=True, start=told)  # the shard told first set their flags
         self._told[s] = len(finishes)
         self._waiting -= len(answers)  # each worker answered was waiting
         return answers
