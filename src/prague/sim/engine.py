@@ -1,4 +1,4 @@
-"""A small discrete-event engine: timed callbacks in time order, plus generator processes on top.
+"""A small discrete-event engine: one heap of timed callbacks, plus generator processes on top.
 
 Why not SimPy: the simulator's inner loop is "a worker computes, asks, waits for its partners,
 communicates" for up to a million worker-iterations per run, and every SimPy event is an object with
@@ -12,7 +12,7 @@ here) leaves no room for that factor, nor for a dependency, so the engine is thi
 Contract:
 
 * :meth:`Engine.at` / :meth:`Engine.after` schedule ``fn(arg)``; events at equal times run in the
-  order they were scheduled, so a run is a deterministic function of
+  order they were scheduled (a sequence number breaks ties), so a run is a deterministic function of
   its inputs: the same seed gives the same event order, bit for bit.
 * A *process* is a generator driven by :meth:`Engine.process`. It yields either a ``float`` (sleep that
   many simulated seconds; ``0.0`` yields the turn to events already due) or a :class:`Signal` (sleep
@@ -90,43 +90,27 @@ class Signals:
 
 
 class Engine:
-    """The event loop; ``now`` is the simulated time in seconds.
+    """The event loop; ``now`` is the simulated time in seconds."""
 
-    The queue is a heap of the distinct times at which something is due, and for each such time the events due
-    then, in the order they were scheduled (``fn, arg, fn, arg, ...``): the order of ``(time, sequence
-    number)``, which events at equal times run in, with a heap of bare floats. A heap of ``(time, sequence, fn,
-    arg)`` tuples compared tuples, each compare two objects away from the heap, at every level a push or pop
-    walks; once a job's events outgrow the caches (an event or two per worker) each of those reads misses.
-    """
-
-    __slots__ = ("now", "_times", "_due", "_count", "events")
+    __slots__ = ("now", "_heap", "_seq", "events")
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._times: list[float] = []  # a heap of the times in _due
-        self._due: dict[float, list[Any]] = {}  # time -> [fn, arg, fn, arg, ...], in the order scheduled
-        self._count = 0  # events scheduled and not yet run
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
         self.events = 0  # events executed so far (for the scale report)
-
-    def _push(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
-        self._count += 1
-        due = self._due.get(t)
-        if due is None:
-            self._due[t] = [fn, arg]
-            heapq.heappush(self._times, t)
-        else:
-            due.append(fn)
-            due.append(arg)
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run ``fn(arg)`` at simulated time ``t`` (not before ``now``)."""
         if not t >= self.now:  # also rejects NaN
             raise ConfigError(f"cannot schedule an event at t={t!r}, before the current time {self.now!r}")
-        self._push(t, fn, arg)
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
 
     def after(self, delay_s: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run ``fn(arg)`` ``delay_s`` seconds from now."""
-        self._push(self.now + delay_s, fn, arg)
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now + delay_s, self._seq, fn, arg))
 
     def signal(self) -> Signal:
         return Signal(self)
@@ -143,11 +127,13 @@ class Engine:
                 return
             if what.__class__ is Signal:  # Signal._wait, inlined: one call less per wake-up
                 if what._fired:
-                    self._push(self.now, step, what._value)
+                    self._seq += 1
+                    heapq.heappush(self._heap, (self.now, self._seq, step, what._value))
                 else:
                     what._waiters.append(step)
             elif what.__class__ is float or what.__class__ is int:
-                self._push(self.now + what, step, None)
+                self._seq += 1
+                heapq.heappush(self._heap, (self.now + what, self._seq, step, None))
             elif isinstance(what, Signal):
                 what._wait(step)
             else:
@@ -157,38 +143,21 @@ class Engine:
 
     def run(self, until_s: float | None = None) -> float:
         """Execute events in time order until none is left (or the next is after ``until_s``)."""
-        times, due_at = self._times, self._due
+        heap = self._heap
         pop = heapq.heappop
-        count = 0  # events run by this call
+        count = 0
         try:
-            while times:
-                t = times[0]
-                if until_s is not None and t > until_s:
+            while heap:
+                if until_s is not None and heap[0][0] > until_s:
                     break
-                pop(times)
+                t, _, fn, arg = pop(heap)
                 self.now = t
-                due = due_at[t]
-                i = 0
-                try:
-                    while i < len(due):  # what these schedule for now joins the end of the list
-                        fn, arg = due[i], due[i + 1]
-                        i += 2
-                        count += 1
-                        self._count -= 1
-                        fn(arg)
-                except BaseException:  # the events not yet run stay queued, as they were
-                    del due[:i]
-                    if due:
-                        heapq.heappush(times, t)
-                    else:
-                        del due_at[t]
-                    raise
-                del due_at[t]
-        finally:
+                count += 1
+                fn(arg)
+        finally:  # an event that raises counts as run; the later ones stay queued
             self.events += count
         return self.now
 
     @property
     def pending(self) -> int:
-        """Events scheduled and not yet run."""
-        return self._count
+        return len(self._heap)

@@ -232,7 +232,7 @@ def _no_collection() -> Iterator[None]:
     containers and few cycles, while its live ones (a generator, a deque, a log per worker) grow with the number
     of workers: each collection of the oldest generation walks them all, so with the collector on, an
     iteration's cost grew with the job's size (measured: 16,384 workers spent a fifth of their time there), and
-    building a 65,536-worker world, which allocates them, spent about a third of its time collecting. Whatever
+    building a 65,536-worker world, which allocates them, took 3.7 s with it on and 2.0 s off (compiled). Whatever
     cycles the run left are collected once it is back on."""
     enabled = gc.isenabled()
     gc.disable()
