@@ -476,7 +476,7 @@ def test_ready_adapt_size_forms_smaller_groups_while_averages_come_back_late() -
     assert ready.group_size == 2 and sizes[-n // 2:] == [2] * (n // 2)  # the last round: pairs only
     stats = ready.stats()
     assert stats["group_size"] == 2 and stats["size_changes"] == 2
-    shard = ReadyGenerator(config, sharded=True)  # a shard: a longer gap may be other shards' steps
+    shard = ReadyGenerator(config, shards=2)  # a shard: a longer gap may be other shards' steps
     _, sizes = _rounds(shard, n, 4 * ADAPT_EVERY // n, MAX_GAP + 1)
     assert shard.group_size == 4 and set(sizes) == {4} and shard.stats()["size_changes"] == 0
     late = ReadyGenerator(config)  # alone, a long gap is a very late average

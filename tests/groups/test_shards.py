@@ -20,6 +20,7 @@ from prague_testing import wait_gone
 
 from prague.errors import ConfigError
 from prague.groups import GeneratorConfig, Topology
+from prague.groups.ready import ReadyGenerator
 from prague.groups.shards import ShardedGenerator, ShardPlan, ShardView, auto_shards, merged_stats
 from prague.simulate.run import SimConfig, simulate
 
@@ -168,7 +169,7 @@ def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, windo
     topology = Topology(nodes=8, workers_per_node=4)
     config = GeneratorConfig(nproc=32, topology=topology, group_size=size, seed=5, window_s=window)
     calls = set()
-    for seed in range(3):
+    for seed in range(6):
         plan = ShardPlan(topology, shards=shards, epoch_steps=3, seed=seed)
         lazy, eager = ShardedGenerator(config, plan), _EagerShards(config, plan)
         got = _drive_unequal(lazy, 32, seed, failed=seed + 1)
@@ -177,6 +178,22 @@ def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, windo
         calls |= {call for call, *_ in got}
     # requests, the window and a finish formed groups (the all-here rule), and a worker failed
     assert {"request", "poll", "finish", "failed"} <= calls
+
+
+def test_a_shard_remembers_meetings_for_one_round_of_its_own_part() -> None:
+    """A shard groups only its part (about nproc / shards workers), so a round of its groups is its part's, not the
+    job's: its recency matrix keeps the pairs of that many groups (``ReadyGenerator``'s horizon). With the job's round
+    as the horizon, each of the shards kept pairs over the whole job, a matrix of about nproc pairs a shard."""
+    topology = Topology(nodes=16, workers_per_node=4)
+    config = GeneratorConfig(nproc=64, topology=topology, group_size=2, seed=3, window_s=0.004)
+    policy = ShardedGenerator(config, ShardPlan(topology, shards=8, epoch_steps=4, seed=3))
+    answers = _drive(policy, 64, 40, seed=4)
+    assert len({seq for _, seq, _ in answers}) > 8 * 40  # each shard formed many rounds of groups
+    part_round = -(-(64 // 8) // 2)  # 8 workers a shard, pairs: 4 groups a round
+    remembered = [len(shard.policy._last_met) for shard in policy.shards]  # type: ignore[attr-defined]
+    assert max(remembered) <= part_round and sum(remembered) > 0
+    whole = ReadyGenerator(config)  # one generator for the job: its round is the job's
+    assert whole.last_met(0, 1) is None and whole._horizon == 32  # type: ignore[attr-defined]
 
 
 def test_a_finish_is_refused_as_one_shard_refuses_it() -> None:

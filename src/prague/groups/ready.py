@@ -12,7 +12,7 @@ member. Here no group is fixed before all its members are waiting at the GG:
   were both in. When more than S are waiting it starts from the oldest waiter and adds partners one at a
   time, drawn at random with weight ``min(s, H) ** 2``, where s is the number of groups formed since
   the candidate last met any member chosen so far (never met: no limit) and ``H = ceil(nproc / S)`` is
-  about one round of groups. A partner met in the previous group has weight 1 against ``H ** 2`` for
+  about one round of groups (at one of several shards, a round of its part's: ``ceil(ceil(nproc / shards) / S)``). A partner met in the previous group has weight 1 against ``H ** 2`` for
   a stranger or anyone not met for a round. A meeting older than H groups therefore weighs as none, and the
   matrix drops it: it holds the pairs of the last H groups at most, however long the job.
 * Why a hold is needed: requests arrive one at a time and a group forms as soon as S wait, so without
@@ -89,16 +89,22 @@ MAX_GAP = 8
 class ReadyGenerator(PolicyBase):
     """Groups formed only from workers already waiting, preferring partners that have not met recently."""
 
-    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None, sharded: bool = False) -> None:
-        """``sharded``: this generator is one shard of several (:mod:`prague.groups.shards`)."""
+    def __init__(self, config: GeneratorConfig, *, observer: Observer | None = None, shards: int = 1) -> None:
+        """``shards``: this generator is one of that many shards of the job (:mod:`prague.groups.shards`), each
+        serving about ``nproc / shards`` workers at a time."""
         super().__init__(config, observer=observer)
-        self._sharded = sharded
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ConfigError(f"shards must be an integer >= 1, got {shards!r}")
+        self._sharded = shards > 1
         self._waiting: dict[int, float] = {}  # worker -> time of its request, in arrival order
         self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
         # The pairs set, oldest first: an entry older than the horizon weighs as one never set, so it is
         # dropped, and the matrix holds at most the pairs of the last horizon groups whatever the job's length.
         self._met_order: deque[tuple[int, tuple[int, int]]] = deque()
-        self._horizon = -(-config.nproc // config.group_size)  # ceil: about one round of groups
+        # About one round of groups among the workers this generator serves: at a shard, its part's round (a
+        # shard forms a group from its own part only, and its part is drawn again every few rounds).
+        part = -(-config.nproc // shards)
+        self._horizon = -(-part // config.group_size)
         self._last_request: list[float | None] = [None] * config.nproc
         # The moving averages of the workers that have asked twice, each in its slot of one list (the order
         # they were first measured in; a list's item is read and written faster than a numpy array's), whose
@@ -297,7 +303,7 @@ class ReadyGenerator(PolicyBase):
 
     def last_met(self, a: int, b: int) -> int | None:
         """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met, or not within the
-        last ``ceil(nproc / group_size)`` groups: the horizon beyond which meetings no longer count)."""
+        last round of groups, the horizon H of the module docstring, beyond which meetings no longer count)."""
         return self._last_met.get((min(a, b), max(a, b)))
 
     def stats(self) -> dict[str, float | int]:

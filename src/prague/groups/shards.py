@@ -109,7 +109,7 @@ class ShardView:
         if not 0 <= shard < shards:
             raise ConfigError(f"--shard {shard} is outside 0..{shards - 1} (--shards {shards})")
         self.config, self.shard, self.count = config, shard, shards
-        self.policy = ReadyGenerator(shard_config(config, shard), observer=observer, sharded=shards > 1)
+        self.policy = ReadyGenerator(shard_config(config, shard), observer=observer, shards=shards)
 
     def _global(self, answers: list[Answer]) -> list[Answer]:
         if self.count == 1 or not answers:
