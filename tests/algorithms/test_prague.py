@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from prague.algorithms.dssync.decisions import dssync_groups
+from prague.errors import ConfigError
+from prague.groups import GeneratorConfig
 from prague.groups.client import GroupGeneratorClient
 from prague_testing import run_cli
 
@@ -62,6 +64,37 @@ def test_adapt_size_reaches_the_service_and_forms_pairs_when_averages_are_late(t
     bad = run_cli("run", "--algorithm", "prague:smart", "--adapt-size", "on", "--out", str(tmp_path / "x"),
                   timeout_s=60)
     assert bad.returncode == 2 and "--adapt-size on needs the ready generator" in bad.stderr, bad.stderr
+
+
+def test_two_levels_reach_the_service_and_form_groups_inside_nodes(tmp_path: Path) -> None:
+    """``--levels 2`` travels to the Group Generator service: on 2 nodes of 2 workers, groups form inside a node
+    (the summary counts them) and the job trains; on one node it is refused before anything starts."""
+    out = tmp_path / "levels"
+    res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--nodes", "2", "--levels", "2", "--steps", "400",
+                  "--out", str(out), "--quiet", timeout_s=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = _summary(out)
+    stats = summary["algorithm_stats"][0]["generator_stats"]
+    assert stats["node_groups"] >= 5 and stats["groups"] > stats["node_groups"]
+    assert summary["test_accuracy"] > 0.5
+    bad = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--levels", "2", "--out", str(tmp_path / "x"),
+                  timeout_s=60)
+    assert bad.returncode == 2 and "--levels 2 alternates groups inside a node and across nodes" in bad.stderr, \
+        bad.stderr
+
+
+def test_levels_option_is_checked() -> None:
+    from prague.algorithms.prague import PragueOptions
+
+    with pytest.raises(ConfigError, match="--levels must be 1 or 2, got 3"):
+        PragueOptions(levels=3)
+    with pytest.raises(ConfigError, match="--levels 2 needs the ready generator"):
+        PragueOptions(levels=2, generator="smart")
+    PragueOptions(levels=2, nodes=2).check_job(4)
+    with pytest.raises(ConfigError, match="several nodes of 2 workers or more"):
+        PragueOptions(levels=2, nodes=4).check_job(4)  # a node of one worker has nobody to average with
+    with pytest.raises(ConfigError, match="levels must be 1 or 2"):
+        GeneratorConfig(nproc=4, levels=0)
 
 
 #: (accuracy above, consensus distance below) of each generator's run with the method's defaults, a few

@@ -160,14 +160,14 @@ def _drive_unequal(policy, workers: int, seed: int, failed: int) -> list[tuple[s
     return answers
 
 
-@pytest.mark.parametrize("size,shards,window", [(3, 4, 0.05), (2, 4, 0.1), (3, 8, 0.0)])
-def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, window: float) -> None:
+@pytest.mark.parametrize("size,shards,window,levels", [(3, 4, 0.05, 1), (2, 4, 0.1, 1), (3, 8, 0.0, 1), (3, 4, 0.05, 2)])
+def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, window: float, levels: int) -> None:
     """The in-process generator tells a shard of a finish only when it next asks it (or at once where the
     finish forms groups: everyone still active waits there); every answer and counter is the same as with
     every shard told at once, including the end, where the last workers are grouped by who is left, and a
     worker failing while it waits."""
     topology = Topology(nodes=8, workers_per_node=4)
-    config = GeneratorConfig(nproc=32, topology=topology, group_size=size, seed=5, window_s=window)
+    config = GeneratorConfig(nproc=32, topology=topology, group_size=size, seed=5, window_s=window, levels=levels)
     calls = set()
     for seed in range(6):
         plan = ShardPlan(topology, shards=shards, epoch_steps=3, seed=seed)

@@ -147,6 +147,25 @@ def test_adapt_size_forms_pairs_while_the_averages_come_back_late() -> None:
     assert fast["group_size"] == 3 and fast["size_changes"] == 0
 
 
+def test_two_levels_average_inside_a_node_every_other_time() -> None:
+    """``prague --levels 2`` in the simulator: on 4 nodes of 2, a worker's every other request waits in its node's
+    pool, so a large share of the groups form inside a node, over its fast links; on slow links between the nodes
+    the averages that cross them are half as many, and fewer steps go without an average than with one level."""
+    def run(inter_bytes_per_s: float, levels: int) -> dict[str, Any]:
+        cluster = Cluster(compute_s=0.1, intra=Link(1e-4, 1e10), inter=Link(1e-4, inter_bytes_per_s))
+        record = _sim("prague:ready", scenario="homogeneous", nproc=8, nodes=4, steps=120, cluster=cluster,
+                      options={"compress": "int8", "levels": levels, "nodes": 4})
+        return record["algorithm_stats"][0]
+
+    one, two = run(1e8, 1), run(1e8, 2)
+    assert "node_groups" not in one["generator_stats"]
+    generator = two["generator_stats"]
+    assert generator["node_groups"] >= 0.3 * generator["groups"]
+    assert two["local_step_share"] < one["local_step_share"] - 0.05
+    fast = run(1e10, 2)["generator_stats"]
+    assert fast["node_groups"] >= 0.4 * fast["groups"]
+
+
 def _compare_codecs(slow: Cluster, overlap: str) -> None:
     from prague.comm.codecs import member_send_bytes
     from prague.simulate.run import model_size

@@ -156,7 +156,8 @@ class GeneratorConfig:
     hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
     can prefer partners that have not met recently (see :mod:`prague.groups.ready`). ``adapt_size`` (ready
     only): the group size follows how late the averages come back, between 2 and ``group_size`` (see
-    :mod:`prague.groups.ready`).
+    :mod:`prague.groups.ready`). ``levels`` (ready only): 1, groups of whoever waits; 2, a worker's groups
+    alternate between its own node (fast links) and other nodes (see :mod:`prague.groups.ready`).
     """
 
     nproc: int
@@ -167,6 +168,7 @@ class GeneratorConfig:
     window_s: float = 0.05
     avoid_repeats: bool = True
     adapt_size: bool = False
+    levels: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.nproc) or self.nproc < 1:
@@ -198,6 +200,12 @@ class GeneratorConfig:
             raise ConfigError(f"avoid_repeats must be True or False, got {self.avoid_repeats!r}")
         if not isinstance(self.adapt_size, bool):
             raise ConfigError(f"adapt_size must be True or False, got {self.adapt_size!r}")
+        if self.levels not in (1, 2) or isinstance(self.levels, bool):
+            raise ConfigError(f"levels must be 1 or 2, got {self.levels!r}")
+        if self.levels == 2 and (topology.nodes < 2 or topology.workers_per_node < 2):
+            raise ConfigError(f"levels 2 alternates groups inside a node and across nodes, but the topology is "
+                              f"{topology.nodes} node(s) x {topology.workers_per_node} worker(s): give several nodes "
+                              "of several workers each (--nodes or --hosts), or levels 1")
 
     @property
     def topo(self) -> Topology:

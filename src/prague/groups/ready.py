@@ -50,6 +50,17 @@ A restarted service measures again from ``group_size``. Measured on the transfor
 as ``localsgd``; with ``adapt_size`` the generator came down to pairs in every run, about half of the steps went
 without an average, and it reached the target 1.28x [1.17, 1.39] as fast (5 seeds; pairs set by hand: 1.31-1.37x).
 
+Two levels, ``levels = 2`` (Prague/Ripples' alternation of groups inside a node and across nodes, made a rule of
+the ``ready`` generator; the hierarchy of Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020,
+without its fixed periods): a worker's requests to the generator alternate between its node and the other nodes.
+Its first, third, ... request joins the pool above, where S waiting form a group once they are of two nodes or more,
+and the group prefers partners of nodes not yet in it (drawn by the same weights among them, any worker once no
+other node waits). Its second, fourth, ... request waits in its
+node's own pool; a group forms there as soon as ``min(S, the node's workers still active)`` of them wait (the
+averages over the node's fast links), else when the window closes, or when everyone still active waits. On nodes
+of a slow network, half of a worker's averages then cross it, and the other half mix the node's replicas nearly for
+free. A worker whose node-mates have all finished takes its node-level steps alone, at once.
+
 Groups still get one global ``seq``; a worker is in at most one unexecuted group at a time, so the
 order is trivially consistent and nothing can deadlock. ``finish`` never hands out groups to the
 finishing worker (it is not waiting), but may complete a group for the others.
@@ -58,6 +69,7 @@ finishing worker (it is not waiting), but may complete a group for the others.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from itertools import combinations
 
 import numpy as np
@@ -124,6 +136,13 @@ class ReadyGenerator(PolicyBase):
         )
         if config.adapt_size:
             self.counters.extra.update(group_size=self._size, size_changes=0)
+        # levels = 2: the workers waiting in their node's pool (their time of request, in arrival order); the
+        # others of _waiting wait in the pool across nodes.
+        self._levels = config.levels == 2
+        self._wpn = config.topo.workers_per_node
+        self._at_node: dict[int, float] = {}
+        if self._levels:
+            self.counters.extra.update(node_groups=0)
 
     # -- protocol -----------------------------------------------------------------------------------
     def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
@@ -142,6 +161,8 @@ class ReadyGenerator(PolicyBase):
         else:
             self._last_arrival = now_s
         self._waiting[worker] = now_s
+        if self._levels and asked % 2:
+            self._at_node[worker] = now_s
         if self.config.window_s == 0:
             self._measure(worker, now_s)
         return self._settle(worker, now_s)
@@ -183,6 +204,7 @@ class ReadyGenerator(PolicyBase):
 
     def _withdraw(self, worker: int) -> None:
         self._waiting.pop(worker, None)
+        self._at_node.pop(worker, None)
 
     def share_finished(self, flags: list[bool]) -> None:
         """Read and set the workers' finished flags in ``flags``, a list that the other shards of one process
@@ -227,6 +249,13 @@ class ReadyGenerator(PolicyBase):
         self._new_batch()
         self.counters.extra["window_expiries"] += 1
         answers: list[Answer] = []
+        if self._levels:  # the pools whose oldest request's window closed, each grouped as it is
+            for pool in self._pools().values():
+                if min(self._waiting[w] for w in pool) + self._window_s <= now_s:
+                    while pool:
+                        answers += self._take(min(self._size, len(pool)), None, "window", now_s, pool)
+                        pool = [w for w in pool if w in self._waiting]
+            return answers
         while self._waiting:
             answers += self._take(min(self._size, len(self._waiting)), None, "window", now_s)
         return answers
@@ -318,8 +347,10 @@ class ReadyGenerator(PolicyBase):
         idle = self.active_count - len(self._waiting)
         self._new_batch()
         answers: list[Answer] = []
-        while len(self._waiting) >= size:
-            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat():
+        if self._levels:
+            answers += self._settle_levels(requester, now_s, idle)
+        while not self._levels and len(self._waiting) >= size:
+            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(self._waiting):
                 self.counters.extra["holds"] += 1
                 break
             answers += self._take(size, requester, "ready", now_s)
@@ -328,12 +359,43 @@ class ReadyGenerator(PolicyBase):
                 answers += self._take(min(size, len(self._waiting)), requester, "all_here", now_s)
         return answers
 
-    def _is_repeat(self) -> bool:
-        """True when every pair of the waiting workers met within the last round of groups."""
-        if len(self._waiting) < 2:
+    def _settle_levels(self, requester: int | None, now_s: float, idle: int) -> list[Answer]:
+        """``levels = 2``: the requester's node pool, if it asked there, then the pool across nodes. A node's
+        pool forms a group only on a request (a finish forms groups only once everyone active waits, as with one
+        level, so a shard told of it late decides the same: :mod:`prague.groups.shards`)."""
+        size, wpn, answers = self._size, self._wpn, []
+        if requester is not None and requester in self._at_node:
+            node = requester // wpn
+            pool = [w for w in self._at_node if w // wpn == node]
+            active = sum(not self.finished[w] for w in range(node * wpn, (node + 1) * wpn))
+            if len(pool) >= min(size, active):
+                answers += self._take(min(size, len(pool)), requester, "node", now_s, pool)
+        at_node = self._at_node
+        across = [w for w in self._waiting if w not in at_node]
+        while len(across) >= size and (size < 2 or len({w // wpn for w in across}) > 1):
+            if len(across) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(across):
+                self.counters.extra["holds"] += 1
+                break
+            answers += self._take(size, requester, "ready", now_s, across)
+            across = [w for w in across if w in self._waiting]
+        return answers
+
+    def _pools(self) -> dict[int, list[int]]:
+        """``levels = 2``: the waiting workers by pool, in arrival order: each node's (its index) and the one
+        across nodes (-1)."""
+        pools: dict[int, list[int]] = {}
+        at_node, wpn = self._at_node, self._wpn
+        for w in self._waiting:
+            pools.setdefault(w // wpn if w in at_node else -1, []).append(w)
+        return pools
+
+    def _is_repeat(self, pool: Iterable[int]) -> bool:
+        """True when every pair of the workers of ``pool`` met within the last round of groups."""
+        waiting = sorted(pool)
+        if len(waiting) < 2:
             return False
         floor = self._next_seq - self._horizon
-        last_met, waiting = self._last_met, sorted(self._waiting)
+        last_met = self._last_met
         for i, a in enumerate(waiting):
             for b in waiting[i + 1:]:
                 if last_met.get((a, b), floor - 1) < floor:
@@ -348,22 +410,39 @@ class ReadyGenerator(PolicyBase):
         )
         return min(staleness, horizon) ** 2
 
-    def _take(self, k: int, requester: int | None, kind: str, now_s: float) -> list[Answer]:
-        """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers."""
-        anchor = self._oldest()
+    def _take(self, k: int, requester: int | None, kind: str, now_s: float, pool: list[int] | None = None
+              ) -> list[Answer]:
+        """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers; with
+        ``pool`` (``levels = 2``: some of the waiting, in arrival order) from it, and across nodes (the pool of
+        a ``ready`` group) preferring partners of nodes not yet in the group."""
+        waiting = self._waiting
+        if pool is None:
+            anchor = self._oldest()
+            candidates = [w for w in waiting if w != anchor]
+        else:
+            anchor = pool[0] if self._in_order else min(pool, key=waiting.__getitem__)
+            candidates = [w for w in pool if w != anchor]
         chosen = [anchor]
-        candidates = [w for w in self._waiting if w != anchor]
         if k - 1 >= len(candidates):
             chosen += candidates
-        else:
+        elif pool is None or kind != "ready":
             for _ in range(k - 1):
                 weights = [self._weight(c, chosen) for c in candidates]
                 chosen.append(candidates.pop(self.rng.choices(range(len(candidates)), weights)[0]))
+        else:
+            wpn = self._wpn
+            for _ in range(k - 1):
+                nodes = {c // wpn for c in chosen}
+                other = [i for i, c in enumerate(candidates) if c // wpn not in nodes] or list(range(len(candidates)))
+                weights = [self._weight(candidates[i], chosen) for i in other]
+                chosen.append(candidates.pop(other[self.rng.choices(range(len(other)), weights)[0]]))
         group = self._form(chosen, requester, kind)
         extra = self.counters.extra
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
-            extra["total_wait_s"] += now_s - self._waiting.pop(m)
+            extra["total_wait_s"] += now_s - waiting.pop(m)
+            if self._levels:
+                self._at_node.pop(m, None)
         last_met, order, seq = self._last_met, self._met_order, group.seq
         for pair in combinations(group.members, 2):
             last_met[pair] = seq

@@ -732,6 +732,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--adapt-size", choices=("on", "off"), default="off",
                         help="ready: on: the group size follows how late the averages come back, between 2 and "
                              "--group-size")
+    parser.add_argument("--levels", type=int, choices=(1, 2), default=defaults["levels"],
+                        help="ready: 2: a worker's groups alternate between other nodes and its own")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
     parser.add_argument("--restore", type=Path, default=None,
@@ -757,6 +759,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             seed=args.seed,
             window_s=args.window_s,
             adapt_size=args.adapt_size == "on",
+            levels=args.levels,
         )
         if args.shards < 1:
             raise ConfigError(f"--shards must be >= 1, got {args.shards}")

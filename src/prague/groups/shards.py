@@ -295,6 +295,8 @@ def merged_stats(per: list[dict[str, Any]], members: list[int]) -> dict[str, flo
     out["mean_wait_s"] = waited / total if total else 0.0
     out["shards"] = len(per)
     out["max_shard_requests"] = max((int(p.get("requests", 0)) for p in per), default=0)
+    if any("node_groups" in p for p in per):  # levels 2
+        out["node_groups"] = sum(int(p.get("node_groups", 0)) for p in per)
     if any("size_changes" in p for p in per):  # adapt_size: the changes summed, the sizes now from smallest to largest
         out["size_changes"] = sum(int(p.get("size_changes", 0)) for p in per)
         out["group_size"] = min(int(p["group_size"]) for p in per)
@@ -306,4 +308,5 @@ def shard_config(config: GeneratorConfig, shard: int) -> GeneratorConfig:
     """Shard ``shard``'s settings: the job's, with a seed of its own (shard 0 keeps the job's)."""
     return GeneratorConfig(nproc=config.nproc, topology=config.topology, group_size=config.group_size,
                            delta_c=config.delta_c, seed=config.seed + 1_000_003 * shard, window_s=config.window_s,
-                           avoid_repeats=config.avoid_repeats, adapt_size=config.adapt_size)
+                           avoid_repeats=config.avoid_repeats, adapt_size=config.adapt_size,
+                           levels=config.levels)

@@ -74,6 +74,10 @@ class PragueOptions(Options):
                              "and --group-size (one smaller while a third of the steps or more go without an "
                              "average because the last one is still out, one larger again once nearly none do); "
                              "off: always --group-size", choices=("on", "off"))
+    levels: int = option(1, "ready: 1: groups of whoever waits; 2: a worker's requests alternate between a group "
+                         "across nodes (partners of other nodes preferred) and a group inside its own node (its fast "
+                         "links), so that half its averages cross a slow network (needs --nodes or --hosts of "
+                         "several workers each)")
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -108,11 +112,20 @@ class PragueOptions(Options):
         if self.adapt_size == "on" and self.base_generator != "ready":
             raise ConfigError(f"--adapt-size on needs the ready generator (--generator ready): {self.generator} "
                               "fixes its groups ahead of time at --group-size")
+        if self.levels not in (1, 2):
+            raise ConfigError(f"--levels must be 1 or 2, got {self.levels}")
+        if self.levels == 2 and self.base_generator != "ready":
+            raise ConfigError(f"--levels 2 needs the ready generator (--generator ready): {self.generator} has "
+                              "its own schedule")
         if self.gg_epoch_steps < 1:
             raise ConfigError(f"--gg-epoch-steps must be >= 1, got {self.gg_epoch_steps}")
 
     def check_job(self, nproc: int) -> None:
-        self.topology(nproc)
+        topology = self.topology(nproc)
+        if self.levels == 2 and (topology.nodes < 2 or topology.workers_per_node < 2):
+            raise ConfigError(f"--levels 2 alternates groups inside a node and across nodes, but {nproc} workers on "
+                              f"{topology.nodes} node(s) leave {topology.workers_per_node} a node: give --hosts or "
+                              "--nodes with several nodes of 2 workers or more, or --levels 1")
         check_group_size(self, nproc)
 
     def shard_count(self, topology: Topology) -> int:

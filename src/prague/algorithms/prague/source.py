@@ -59,6 +59,7 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, hos
         "--group-size", str(options.group_size), "--delta-c", str(options.delta_c),
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
         *(["--adapt-size", "on"] if options.adapt_size == "on" else []),
+        *(["--levels", "2"] if options.levels == 2 else []),
         *(["--shard", str(shard[0]), "--shards", str(shard[1])] if shard[1] > 1 else []),
     ]
 
