@@ -268,8 +268,8 @@ def test_ready_consistent_deadlock_free_and_window(case: Case) -> None:
 @given(scenarios())
 def test_ready_two_levels_consistent_deadlock_free_and_alternating(case: Case) -> None:
     """``levels = 2`` on every topology of several nodes of several workers: consistent, deadlock-free, no wait
-    beyond the window; a group formed in a node's pool holds only that node's workers, and a worker's groups of
-    its node's pool are those of its second, fourth... request (its others were made in the pool across nodes)."""
+    beyond the window; a node's group holds only that node's workers and is formed by a worker's second, fourth...
+    request; a full group across nodes spans two nodes or more."""
     config, compute, iterations = case
     topology = config.topo
     if topology.nodes < 2 or topology.workers_per_node < 2:
@@ -285,40 +285,42 @@ def test_ready_two_levels_consistent_deadlock_free_and_alternating(case: Case) -
         assert f.group.size <= config.group_size
         if f.kind == "node":
             assert len({m // wpn for m in f.group.members}) == 1, f
-    kinds = {f.group.seq: f.kind for f in result.formations}
-    for w, groups in result.received.items():
-        for k, group in enumerate(groups):  # the answers to its requests, in order (a finish hands ready none)
-            if group.seq in node_groups:
-                assert k % 2 == 1, (w, k, group)
-            if k % 2 == 1 and kinds[group.seq] != "all_here":  # its node's pool: its node's workers only
-                assert {m // wpn for m in group.members} == {w // wpn}, (w, k, group, kinds[group.seq])
+    for f in result.formations:
+        if f.kind == "node":  # formed by a worker's second, fourth... request (its requests so far: its progress)
+            assert f.requester is not None and f.counts[f.requester] % 2 == 0, f
+        if f.kind == "ready" and len(f.group.members) > 1:  # across: two nodes or more
+            assert len({m // wpn for m in f.group.members}) > 1, f
     assert result.stats["node_groups"] == len(node_groups)
 
 
 def test_ready_two_levels_prefers_other_nodes_and_forms_a_node_group_at_once() -> None:
     """Across nodes, S waiting form a group once they are of two nodes, the oldest taking a partner of another node
-    over its node-mate; in a node's pool a group forms as soon as the node's active workers all wait, alone at once
-    when the others finished; a finish forms no node group (only everyone waiting groups whoever waits)."""
+    over its node-mate; a worker's second, fourth... request forms a group of its node at once when its active
+    node-mates wait (whatever they asked for), alone at once when the others finished; a finish forms no node
+    group (only everyone waiting groups whoever waits)."""
     topology = Topology(nodes=3, workers_per_node=2)  # ranks 0-1 node 0, 2-3 node 1, 4-5 node 2
     config = GeneratorConfig(nproc=6, topology=topology, group_size=2, seed=1, window_s=1.0, avoid_repeats=False,
                              levels=2)
     for seed in range(20):  # whatever the draws
         ready = make_generator("ready", dataclasses.replace(config, seed=seed))
-        assert ready.request(0, 0.0, 0) == [] and ready.request(1, 0.1, 0) == []  # across, both of node 0: no group
+        assert ready.request(0, 0.0, 0) == [] and ready.request(1, 0.1, 0) == []  # both of node 0: no group
         got = ready.request(2, 0.2, 0)
         assert [(w, g.members) for w, g in got] == [(0, (0, 2)), (2, (0, 2))]
-    assert [g.members for _, g in ready.request(3, 0.3, 0)] == [(1, 3), (1, 3)]  # 3's first request: across
-    assert ready.request(0, 0.4, 1) == [] and ready.request(2, 0.5, 1) == []  # second requests: their nodes' pools
-    got = ready.request(1, 0.6, 1)  # both of node 0 wait in its pool
+    got = ready.request(0, 0.3, 1)  # 0's second request, and 1 waits: a group of node 0
     assert [(w, g.members) for w, g in got] == [(0, (0, 1)), (1, (0, 1))] and ready.stats()["node_groups"] == 1
-    assert ready.finish(3, 0.7) == [] and ready.waiting() == [2]  # 2's mate finished while 2 waits: it waits on
-    assert ready.request(4, 0.8, 0) == [] and ready.request(5, 0.9, 0) == []  # across, both of node 2
-    assert [g.members for _, g in ready.request(0, 1.0, 2)] == [(0, 4), (0, 4)]  # the oldest, 4, takes 0 over 5
-    assert ready.finish(1, 1.1) == []
-    assert [(w, g.members) for w, g in ready.request(0, 1.2, 3)] == [(0, (0,))]  # node 0's pool: 0 alone, at once
-    assert ready.request(4, 1.3, 1) == []  # node 2's pool: 5 is active, not there
-    got = ready.finish(0, 1.4)  # 2, 4 and 5 are all that is left, and all wait: grouped, whatever their pools
-    assert sorted(w for w, _ in got) == [2, 4, 5] and ready.waiting() == []
+    assert ready.request(3, 0.4, 0) == []
+    assert [g.members for _, g in ready.request(2, 0.5, 1)] == [(2, 3), (2, 3)]  # 2's second: node 1
+    assert ready.request(4, 0.6, 0) == [] and ready.request(5, 0.7, 0) == []  # both of node 2
+    assert [g.members for _, g in ready.request(0, 0.8, 2)] == [(0, 4), (0, 4)]  # the oldest, 4, takes 0 over 5
+    assert ready.finish(3, 0.9) == []
+    assert [g.members for _, g in ready.request(2, 1.0, 2)] == [(2, 5), (2, 5)]  # 2's third: across
+    assert [(w, g.members) for w, g in ready.request(2, 1.1, 3)] == [(2, (2,))]  # its fourth, its mate gone: alone
+    assert ready.request(1, 1.2, 1) == []  # 1's second: 0 is not waiting
+    assert ready.finish(0, 1.3) == [] and ready.waiting() == [1]  # 1's mate finished: no group on a finish
+    assert [g.members for _, g in ready.request(4, 1.4, 1)] == [(1, 4), (1, 4)]  # across, with 1
+    assert ready.request(5, 1.5, 1) == [] and ready.finish(1, 1.6) == [] and ready.finish(4, 1.7) == []
+    assert [(w, g.members) for w, g in ready.finish(2, 1.8)] == [(5, (5,))]  # only 5 is left, and it waits
+    assert ready.stats()["node_groups"] == 3
     one_level = make_generator("ready", dataclasses.replace(config, levels=1))
     assert one_level.request(0, 0.0, 0) == [] and one_level.request(1, 0.1, 0) != []  # one level: node-mates pair
     assert "node_groups" not in one_level.stats()

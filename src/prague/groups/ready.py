@@ -52,14 +52,13 @@ without an average, and it reached the target 1.28x [1.17, 1.39] as fast (5 seed
 
 Two levels, ``levels = 2`` (Prague/Ripples' alternation of groups inside a node and across nodes, made a rule of
 the ``ready`` generator; the hierarchy of Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020,
-without its fixed periods): a worker's requests to the generator alternate between its node and the other nodes.
-Its first, third, ... request joins the pool above, where S waiting form a group once they are of two nodes or more,
-and the group prefers partners of nodes not yet in it (drawn by the same weights among them, any worker once no
-other node waits). Its second, fourth, ... request waits in its
-node's own pool; a group forms there as soon as ``min(S, the node's workers still active)`` of them wait (the
-averages over the node's fast links), else when the window closes, or when everyone still active waits. On nodes
-of a slow network, half of a worker's averages then cross it, and the other half mix the node's replicas nearly for
-free. A worker whose node-mates have all finished takes its node-level steps alone, at once.
+without its fixed periods). Across nodes: S waiting form a group only once they are of two nodes or more, and the
+group prefers partners of nodes not yet in it (drawn by the same weights among them, any worker once no other node
+waits). Inside a node: a worker's second, fourth, ... request to the generator forms a group of its node at once
+when ``min(S, the node's workers still active)`` of them wait, itself included (its node-mates' requests of either
+kind); else it waits like any other, for a group across nodes, the window or a node-mate's next such request. On
+nodes of a slow network, the averages inside a node mix its replicas nearly for free, and fewer cross it. A worker
+whose node-mates have all finished takes such a step alone, at once.
 
 Groups still get one global ``seq``; a worker is in at most one unexecuted group at a time, so the
 order is trivially consistent and nothing can deadlock. ``finish`` never hands out groups to the
@@ -136,11 +135,8 @@ class ReadyGenerator(PolicyBase):
         )
         if config.adapt_size:
             self.counters.extra.update(group_size=self._size, size_changes=0)
-        # levels = 2: the workers waiting in their node's pool (their time of request, in arrival order); the
-        # others of _waiting wait in the pool across nodes.
         self._levels = config.levels == 2
         self._wpn = config.topo.workers_per_node
-        self._at_node: dict[int, float] = {}
         if self._levels:
             self.counters.extra.update(node_groups=0)
 
@@ -161,8 +157,6 @@ class ReadyGenerator(PolicyBase):
         else:
             self._last_arrival = now_s
         self._waiting[worker] = now_s
-        if self._levels and asked % 2:
-            self._at_node[worker] = now_s
         if self.config.window_s == 0:
             self._measure(worker, now_s)
         return self._settle(worker, now_s)
@@ -204,7 +198,6 @@ class ReadyGenerator(PolicyBase):
 
     def _withdraw(self, worker: int) -> None:
         self._waiting.pop(worker, None)
-        self._at_node.pop(worker, None)
 
     def share_finished(self, flags: list[bool]) -> None:
         """Read and set the workers' finished flags in ``flags``, a list that the other shards of one process
@@ -249,13 +242,6 @@ class ReadyGenerator(PolicyBase):
         self._new_batch()
         self.counters.extra["window_expiries"] += 1
         answers: list[Answer] = []
-        if self._levels:  # the pools whose oldest request's window closed, each grouped as it is
-            for pool in self._pools().values():
-                if min(self._waiting[w] for w in pool) + self._window_s <= now_s:
-                    while pool:
-                        answers += self._take(min(self._size, len(pool)), None, "window", now_s, pool)
-                        pool = [w for w in pool if w in self._waiting]
-            return answers
         while self._waiting:
             answers += self._take(min(self._size, len(self._waiting)), None, "window", now_s)
         return answers
@@ -360,18 +346,18 @@ class ReadyGenerator(PolicyBase):
         return answers
 
     def _settle_levels(self, requester: int | None, now_s: float, idle: int) -> list[Answer]:
-        """``levels = 2``: the requester's node pool, if it asked there, then the pool across nodes. A node's
-        pool forms a group only on a request (a finish forms groups only once everyone active waits, as with one
-        level, so a shard told of it late decides the same: :mod:`prague.groups.shards`)."""
+        """``levels = 2``: a group of the requester's node if this is its second, fourth... request and enough of
+        the node wait, then groups across nodes. A node's group forms only on a request (a finish forms groups only
+        once everyone active waits, as with one level, so a shard told of it late decides the same:
+        :mod:`prague.groups.shards`)."""
         size, wpn, answers = self._size, self._wpn, []
-        if requester is not None and requester in self._at_node:
+        if requester is not None and self.counts[requester] % 2 == 0:  # counted already: its 2nd, 4th... request
             node = requester // wpn
-            pool = [w for w in self._at_node if w // wpn == node]
+            mates = [w for w in self._waiting if w // wpn == node]
             active = sum(not self.finished[w] for w in range(node * wpn, (node + 1) * wpn))
-            if len(pool) >= min(size, active):
-                answers += self._take(min(size, len(pool)), requester, "node", now_s, pool)
-        at_node = self._at_node
-        across = [w for w in self._waiting if w not in at_node]
+            if len(mates) >= min(size, active):
+                answers += self._take(min(size, len(mates)), requester, "node", now_s, mates)
+        across = list(self._waiting)
         while len(across) >= size and (size < 2 or len({w // wpn for w in across}) > 1):
             if len(across) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(across):
                 self.counters.extra["holds"] += 1
@@ -379,15 +365,6 @@ class ReadyGenerator(PolicyBase):
             answers += self._take(size, requester, "ready", now_s, across)
             across = [w for w in across if w in self._waiting]
         return answers
-
-    def _pools(self) -> dict[int, list[int]]:
-        """``levels = 2``: the waiting workers by pool, in arrival order: each node's (its index) and the one
-        across nodes (-1)."""
-        pools: dict[int, list[int]] = {}
-        at_node, wpn = self._at_node, self._wpn
-        for w in self._waiting:
-            pools.setdefault(w // wpn if w in at_node else -1, []).append(w)
-        return pools
 
     def _is_repeat(self, pool: Iterable[int]) -> bool:
         """True when every pair of the workers of ``pool`` met within the last round of groups."""
@@ -413,8 +390,8 @@ class ReadyGenerator(PolicyBase):
     def _take(self, k: int, requester: int | None, kind: str, now_s: float, pool: list[int] | None = None
               ) -> list[Answer]:
         """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers; with
-        ``pool`` (``levels = 2``: some of the waiting, in arrival order) from it, and across nodes (the pool of
-        a ``ready`` group) preferring partners of nodes not yet in the group."""
+        ``pool`` (``levels = 2``: some of the waiting, in arrival order) from it, and for a group across nodes
+        (``ready``) preferring partners of nodes not yet in the group."""
         waiting = self._waiting
         if pool is None:
             anchor = self._oldest()
@@ -441,8 +418,6 @@ class ReadyGenerator(PolicyBase):
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
             extra["total_wait_s"] += now_s - waiting.pop(m)
-            if self._levels:
-                self._at_node.pop(m, None)
         last_met, order, seq = self._last_met, self._met_order, group.seq
         for pair in combinations(group.members, 2):
             last_met[pair] = seq
