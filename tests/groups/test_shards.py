@@ -160,7 +160,8 @@ def _drive_unequal(policy, workers: int, seed: int, failed: int) -> list[tuple[s
     return answers
 
 
-@pytest.mark.parametrize("size,shards,window,levels", [(3, 4, 0.05, 1), (2, 4, 0.1, 1), (3, 8, 0.0, 1), (3, 4, 0.05, 2)])
+@pytest.mark.parametrize("size,shards,window,levels",
+                         [(3, 4, 0.05, 1), (2, 4, 0.1, 1), (3, 8, 0.0, 1), (3, 4, 0.05, 2)])
 def test_finishes_told_late_decide_as_told_at_once(size: int, shards: int, window: float, levels: int) -> None:
     """The in-process generator tells a shard of a finish only when it next asks it (or at once where the
     finish forms groups: everyone still active waits there); every answer and counter is the same as with

@@ -156,8 +156,8 @@ class GeneratorConfig:
     hold them (at most until the window closes) for one more arrival, so that the choice among S + 1
     can prefer partners that have not met recently (see :mod:`prague.groups.ready`). ``adapt_size`` (ready
     only): the group size follows how late the averages come back, between 2 and ``group_size`` (see
-    :mod:`prague.groups.ready`). ``levels`` (ready only): 1, groups of whoever waits; 2, a worker's groups
-    alternate between its own node (fast links) and other nodes (see :mod:`prague.groups.ready`).
+    :mod:`prague.groups.ready`). ``levels`` (ready only): 1, groups of whoever waits; 2, groups across nodes
+    of two nodes or more, and groups inside a node on a worker's every other request (see :mod:`prague.groups.ready`).
     """
 
     nproc: int

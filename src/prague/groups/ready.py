@@ -12,9 +12,10 @@ member. Here no group is fixed before all its members are waiting at the GG:
   were both in. When more than S are waiting it starts from the oldest waiter and adds partners one at a
   time, drawn at random with weight ``min(s, H) ** 2``, where s is the number of groups formed since
   the candidate last met any member chosen so far (never met: no limit) and ``H = ceil(nproc / S)`` is
-  about one round of groups (at one of several shards, a round of its part's: ``ceil(ceil(nproc / shards) / S)``). A partner met in the previous group has weight 1 against ``H ** 2`` for
-  a stranger or anyone not met for a round. A meeting older than H groups therefore weighs as none, and the
-  matrix drops it: it holds the pairs of the last H groups at most, however long the job.
+  about one round of groups (at one of several shards, a round of its part's: ``ceil(ceil(nproc / shards) / S)``).
+  A partner met in the previous group has weight 1 against ``H ** 2`` for a stranger or anyone not met for a
+  round. A meeting older than H groups therefore weighs as none, and the matrix drops it: it holds the pairs of
+  the last H groups at most, however long the job.
 * Why a hold is needed: requests arrive one at a time and a group forms as soon as S wait, so without
   more there are never more than S waiting and the preference never gets a choice. With
   ``avoid_repeats`` (default on), when every pair among the S waiting workers met within the last H
@@ -336,7 +337,8 @@ class ReadyGenerator(PolicyBase):
         if self._levels:
             answers += self._settle_levels(requester, now_s, idle)
         while not self._levels and len(self._waiting) >= size:
-            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(self._waiting):
+            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and \
+                    self._is_repeat(self._waiting):
                 self.counters.extra["holds"] += 1
                 break
             answers += self._take(size, requester, "ready", now_s)

@@ -733,7 +733,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
                         help="ready: on: the group size follows how late the averages come back, between 2 and "
                              "--group-size")
     parser.add_argument("--levels", type=int, choices=(1, 2), default=defaults["levels"],
-                        help="ready: 2: a worker's groups alternate between other nodes and its own")
+                        help="ready: 2: groups across nodes of two nodes or more, and inside a node on a "
+                             "worker's every other request")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
     parser.add_argument("--restore", type=Path, default=None,

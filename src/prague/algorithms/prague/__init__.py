@@ -74,10 +74,11 @@ class PragueOptions(Options):
                              "and --group-size (one smaller while a third of the steps or more go without an "
                              "average because the last one is still out, one larger again once nearly none do); "
                              "off: always --group-size", choices=("on", "off"))
-    levels: int = option(1, "ready: 1: groups of whoever waits; 2: a worker's requests alternate between a group "
-                         "across nodes (partners of other nodes preferred) and a group inside its own node (its fast "
-                         "links), so that half its averages cross a slow network (needs --nodes or --hosts of "
-                         "several workers each)")
+    levels: int = option(1, "ready: 1: groups of whoever waits; 2: two levels: a group across nodes forms once "
+                         "its members are of two nodes or more (partners of other nodes first), and a worker's "
+                         "second, fourth... request forms a group of its node at once (its fast links) when its "
+                         "node-mates wait too (needs --nodes or --hosts of several workers each; default 1, "
+                         "measured: no gain on the congested transformer)")
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
