@@ -500,10 +500,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               "(0.025,0.05,0.1,0.2): give them or drop the flag")
     if args.pilot_seeds is not None:
         check_pilot_seeds(args.pilot_seeds)
-    if args.pilot_budget is not None:  # before anything is measured or run
+    if lr_values is not None and len(lr_values) > 1:  # checked before anything is measured or run; read by _lr_pilot
+        from prague.metrics.pilot import DEFAULT_PILOT_BUDGET
         from prague.workload.budget import parse_budget
 
-        parse_budget(args.pilot_budget, "--pilot-budget")
+        args.pilot_budget = parse_budget(args.pilot_budget or DEFAULT_PILOT_BUDGET, "--pilot-budget").text
     if args.resume and args.out is None:
         raise ConfigError("--resume goes on with the bench in --out; pass the --out of the unfinished bench")
     out = args.out or _default_out("bench")
@@ -584,10 +585,9 @@ def _lr_list_flag(parser: argparse.ArgumentParser) -> None:
 def _lr_pilot(args: argparse.Namespace, out: Path, cells: list[Any], values: tuple[float, ...],
               nominal: float | None) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Run the learning-rate pilot of every cell (:mod:`prague.metrics.pilot`); each cell's results."""
-    from prague.metrics.pilot import DEFAULT_PILOT_BUDGET, pilot_lines, run_pilot
-    from prague.workload.budget import parse_budget
+    from prague.metrics.pilot import pilot_lines, run_pilot
 
-    budget = parse_budget(args.pilot_budget or DEFAULT_PILOT_BUDGET).text
+    budget: str = args.pilot_budget  # checked, and its default set, by cmd_bench
     by_cell = {(c.algorithm, c.scenario): c for c in cells}
 
     def run(algorithm: str, scenario: str, lr: float, seed: int, folder: Path) -> dict[str, Any]:
@@ -864,6 +864,7 @@ HANDLERS = {"run": cmd_run, "worker": cmd_worker, "launch": cmd_launch, "bench":
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command = argv is None  # the `prague` command itself, not a call from inside a program
     if argv is None:
         argv = sys.argv[1:]
     if argv[:2] == ["gg", "serve"]:  # the service parses its own flags
@@ -873,6 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(only="worker" if argv[:1] == ["worker"] else None)
     args = parser.parse_args(argv)
     try:
+        if as_command and args.command == "simulate":  # a large job starts again on huge pages (its allocator)
+            from prague.simulate.memory import restart
+
+            restart(args.huge_pages, args.nproc)
         return HANDLERS[args.command](args)
     except ConfigError as exc:
         print(f"prague {args.command}: error: {exc}", file=sys.stderr)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prague.errors import ConfigError
 from prague.sim.engine import Engine, Process, Signal
@@ -160,3 +163,53 @@ def test_pending_counts_what_is_left_while_events_run() -> None:
     engine.at(1.0, lambda _: engine.after(0.5, lambda _: counts.append(engine.pending)))
     engine.run()
     assert counts == [3, 2, 1, 0]
+
+
+def test_an_event_scheduled_before_a_bucket_begun_by_a_stopped_run_goes_first() -> None:
+    """``run(until_s)`` may stop with a later bucket of the calendar begun; an event scheduled then for a time
+    before it still runs first, and the begun bucket's events keep their order."""
+    engine = Engine()
+    seen: list[str] = []
+    engine.at(10.0, seen.append, "late-1")
+    engine.at(10.0, seen.append, "late-2")
+    assert engine.run(until_s=1.0) == 0.0 and not seen
+    engine.at(2.0, seen.append, "early")
+    engine.at(10.0, seen.append, "late-3")
+    assert engine.pending == 4
+    assert engine.run() == 10.0
+    assert seen == ["early", "late-1", "late-2", "late-3"]
+
+
+_DELAYS = [0.0, 1e-6, 2.0**-13, 3e-4, 0.05]  # now, inside a bucket, at its edge, a few buckets on, far
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.01), st.lists(st.sampled_from(_DELAYS), max_size=3)), min_size=1,
+                max_size=60))
+def test_the_calendar_runs_events_in_the_order_of_one_heap(plan: list[tuple[float, list[float]]]) -> None:
+    """Against a reference queue (one heap of (time, order scheduled)): the same events in the same order, with
+    events scheduled from inside events at delays inside the bucket being run, at its edge and beyond."""
+    engine = Engine()
+    got: list[tuple[float, int]] = []
+
+    def event(name: int) -> None:
+        got.append((engine.now, name))
+        for j, delay in enumerate(plan[name][1] if name < len(plan) else []):
+            engine.after(delay, event, 1000 * (name + 1) + j)
+
+    for i, (t, _) in enumerate(plan):
+        engine.at(t, event, i)
+    engine.run()
+
+    heap: list[tuple[float, int, int]] = []
+    want: list[tuple[float, int]] = []
+    for i, (t, _) in enumerate(plan):
+        heapq.heappush(heap, (t, i, i))
+    order = len(plan)
+    while heap:
+        now, _, name = heapq.heappop(heap)
+        want.append((now, name))
+        for j, delay in enumerate(plan[name][1] if name < len(plan) else []):
+            order += 1
+            heapq.heappush(heap, (now + delay, order, 1000 * (name + 1) + j))
+    assert got == want and engine.pending == 0 and engine.events == len(want)

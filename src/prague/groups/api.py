@@ -140,6 +140,15 @@ class Topology:
         return range(node * self.workers_per_node, (node + 1) * self.workers_per_node)
 
 
+def check_levels(levels: int, topology: Topology, flag: str = "levels") -> None:
+    """Two levels (``levels`` 2) need groups of a node and groups across nodes: several nodes of 2 workers or more.
+    ConfigError, naming ``flag`` and the fix, where ``topology`` has not."""
+    if levels == 2 and (topology.nodes < 2 or topology.workers_per_node < 2):
+        raise ConfigError(f"{flag} 2 alternates groups inside a node and across nodes, but the topology is "
+                          f"{topology.nodes} node(s) x {topology.workers_per_node} worker(s): give several nodes of "
+                          f"2 workers or more (--nodes or --hosts), or {flag} 1")
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     """Settings shared by all Group Generator policies, validated when built.
@@ -202,10 +211,7 @@ class GeneratorConfig:
             raise ConfigError(f"adapt_size must be True or False, got {self.adapt_size!r}")
         if self.levels not in (1, 2) or isinstance(self.levels, bool):
             raise ConfigError(f"levels must be 1 or 2, got {self.levels!r}")
-        if self.levels == 2 and (topology.nodes < 2 or topology.workers_per_node < 2):
-            raise ConfigError(f"levels 2 alternates groups inside a node and across nodes, but the topology is "
-                              f"{topology.nodes} node(s) x {topology.workers_per_node} worker(s): give several nodes "
-                              "of several workers each (--nodes or --hosts), or levels 1")
+        check_levels(self.levels, topology)
 
     @property
     def topo(self) -> Topology:

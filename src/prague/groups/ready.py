@@ -68,6 +68,7 @@ finishing worker (it is not waiting), but may complete a group for the others.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterable
 from itertools import combinations
@@ -118,11 +119,11 @@ class ReadyGenerator(PolicyBase):
         part = -(-config.nproc // shards)
         self._horizon = -(-part // config.group_size)
         self._last_request: list[float | None] = [None] * config.nproc
-        # The moving averages of the workers that have asked twice, each in its slot of one list (the order
-        # they were first measured in; a list's item is read and written faster than a numpy array's), whose
-        # median numpy selects in linear time.
+        # The moving averages of the workers that have asked twice, each in its slot of one array of doubles
+        # (the order they were first measured in; an ``array``'s item is read and written faster than a numpy
+        # array's), whose median numpy selects in linear time over the same memory, with no float to convert.
         self._slot: dict[int, int] = {}
-        self._intervals: list[float] = []
+        self._intervals = array("d")
         self._since_median = 0  # intervals measured since the median was last taken
         self._last_arrival = float("-inf")
         self._in_order = True  # requests so far came in time order: the oldest waiting is the first
@@ -274,7 +275,7 @@ class ReadyGenerator(PolicyBase):
         self._since_median = 0
         # As statistics.median: the middle value, or the mean of the two middle ones (the same float).
         low, high = (measured - 1) // 2, measured // 2
-        known = np.partition(np.array(self._intervals), (low, high))
+        known = np.partition(np.frombuffer(self._intervals), (low, high))
         middle = float(known[high]) if low == high else (float(known[low]) + float(known[high])) / 2
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 from prague.errors import ConfigError
 from prague.sim.cluster import PRESETS, Cluster, Link, load_cluster
+from prague.simulate.memory import AUTO_FROM_WORKERS, MODES, unsupported, wanted
 from prague.train.config import (
     RunConfig, add_run_arguments, check_options_apply, check_out_folder, config_from_args, hosts_nodes, option_values,
     run_folder,
@@ -91,6 +92,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output directory (default runs/simulate-<time>)")
     add_run_arguments(p, defaults={"model": "resnet18"})
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--huge-pages", choices=MODES, default="auto",
+                   help="run on glibc's malloc with transparent huge pages, which large simulations need to keep "
+                        f"their memory's addresses cached: auto (default) from {AUTO_FROM_WORKERS:,} workers where "
+                        "the machine allows it (Linux, glibc 2.35+, huge pages not off), on, or off; the command "
+                        "starts itself again once to change allocator (docs/simulator.md)")
     return p
 
 
@@ -214,6 +220,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.check is not None and args.calibrate is None:
         raise ConfigError(f"--check {str(args.check)!r} checks a calibration: add --calibrate FIT/bench.json, the "
                           "benchmark to fit on")
+    wanted(args.huge_pages, args.nproc, unsupported())  # `on` where the machine cannot: the reason and the fix
     out = Path(args.out) if args.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     check_out_folder(out)
     command = "prague " + " ".join(shlex.quote(a) for a in sys.argv[1:])

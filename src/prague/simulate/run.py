@@ -35,6 +35,7 @@ from prague.sim.cluster import PAPER, Cluster, Link
 from prague.sim.math import MATH_MODES, MathConfig, make_math
 from prague.sim.restarts import charge as restarts_charge
 from prague.sim.world import World
+from prague.simulate.memory import allocator
 from prague.train.config import RunConfig
 from prague.workload.budget import EqualShares, parse_budget
 from prague.workload.catalog import dataset_info, epoch_steps, steps_per_epoch
@@ -313,6 +314,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
         "events": world.engine.events,
         "run_s": run_s,
         "build": BUILD,  # what ran the simulation (``run_s`` depends on it, the records do not)
+        "allocator": allocator(),  # likewise (prague.simulate.memory)
         "groups": world.groups_run,  # ring all-reduces and P-Reduces run (all members at once)
         "max_link_sharing": world.fabric.max_share_denominator,
         "link_rate": config.link_rate,

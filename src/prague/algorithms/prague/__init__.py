@@ -18,6 +18,7 @@ from prague.comm.codecs import CODECS
 from prague.comm.transports import TRANSPORTS
 from prague.errors import ConfigError
 from prague.groups import GENERATORS, Topology
+from prague.groups.api import check_levels
 
 
 OVERLAP_MODES = ("on", "off")
@@ -122,11 +123,7 @@ class PragueOptions(Options):
             raise ConfigError(f"--gg-epoch-steps must be >= 1, got {self.gg_epoch_steps}")
 
     def check_job(self, nproc: int) -> None:
-        topology = self.topology(nproc)
-        if self.levels == 2 and (topology.nodes < 2 or topology.workers_per_node < 2):
-            raise ConfigError(f"--levels 2 alternates groups inside a node and across nodes, but {nproc} workers on "
-                              f"{topology.nodes} node(s) leave {topology.workers_per_node} a node: give --hosts or "
-                              "--nodes with several nodes of 2 workers or more, or --levels 1")
+        check_levels(self.levels, self.topology(nproc), "--levels")
         check_group_size(self, nproc)
 
     def shard_count(self, topology: Topology) -> int:
