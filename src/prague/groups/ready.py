@@ -165,9 +165,17 @@ class ReadyGenerator(PolicyBase):
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
         self._check_worker(worker)
+        return self._finished(worker, now_s, marked=False)
+
+    def _finished(self, worker: int, now_s: float, marked: bool) -> list[Answer]:
+        """A finish of a worker not waiting; ``marked``: its shared flag is set already (:meth:`share_finished`)."""
         if worker in self._waiting:
             raise ConfigError(f"worker {worker} is waiting for a group; call finish after receiving it")
-        self._mark_finished(worker)
+        if marked:
+            self.active_count -= 1
+            self._active = None
+        else:
+            self._mark_finished(worker)
         return self._settle(None, now_s)
 
     def finish_many(self, finishes: list[tuple[int, float]], marked: bool = False, start: int = 0) -> list[Answer]:
@@ -189,7 +197,7 @@ class ReadyGenerator(PolicyBase):
                 self._active = None
                 self._batch += k  # as _settle counts one batch a finish
                 return []
-            return [a for worker, now_s in finishes[start:] for a in self._finished_elsewhere(worker, now_s)]
+            return [a for worker, now_s in finishes[start:] for a in self._finished(worker, now_s, marked=True)]
         if waiting:
             return [a for worker, now_s in finishes[start:] for a in self.finish(worker, now_s)]
         for worker, _ in finishes[start:]:
@@ -212,18 +220,10 @@ class ReadyGenerator(PolicyBase):
                               "worker finished")
         self.finished = flags
 
-    def _finished_elsewhere(self, worker: int, now_s: float) -> list[Answer]:
-        """:meth:`finish` of a worker whose shared flag another shard set already."""
-        if worker in self._waiting:
-            raise ConfigError(f"worker {worker} is waiting for a group; call finish after receiving it")
-        self.active_count -= 1
-        self._active = None
-        return self._settle(None, now_s)
-
     def exclude_marked(self, worker: int, now_s: float) -> list[Answer]:
         """:meth:`exclude` of a worker whose shared flag another shard set already (:meth:`share_finished`)."""
         self._withdraw(worker)
-        return [(w, g) for w, g in self._finished_elsewhere(worker, now_s) if w != worker]
+        return [(w, g) for w, g in self._finished(worker, now_s, marked=True) if w != worker]
 
     def next_deadline(self) -> float | None:
         if not self._waiting:
@@ -331,43 +331,38 @@ class ReadyGenerator(PolicyBase):
 
     # -- forming groups -----------------------------------------------------------------------------
     def _settle(self, requester: int | None, now_s: float) -> list[Answer]:
-        size = self._size
-        idle = self.active_count - len(self._waiting)
+        """Form what the waiting allow: with ``levels = 2`` first a group of the requester's node
+        (:meth:`_node_group`); then full groups while enough wait (with two levels, of two nodes or more), unless
+        the last full group would repeat a meeting of the last round while someone is still to come; once every
+        active worker waits, groups of whoever is left."""
+        size, waiting = self._size, self._waiting
+        idle = self.active_count - len(waiting)
         self._new_batch()
-        answers: list[Answer] = []
-        if self._levels:
-            answers += self._settle_levels(requester, now_s, idle)
-        while not self._levels and len(self._waiting) >= size:
-            if len(self._waiting) == size and idle > 0 and self.config.avoid_repeats and \
-                    self._is_repeat(self._waiting):
+        answers = self._node_group(requester, now_s) if self._levels else []
+        wpn = self._wpn
+        while len(waiting) >= size and (not self._levels or size < 2 or len({w // wpn for w in waiting}) > 1):
+            if len(waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(waiting):
                 self.counters.extra["holds"] += 1
                 break
             answers += self._take(size, requester, "ready", now_s)
         if idle == 0:
-            while self._waiting:
-                answers += self._take(min(size, len(self._waiting)), requester, "all_here", now_s)
+            while waiting:
+                answers += self._take(min(size, len(waiting)), requester, "all_here", now_s)
         return answers
 
-    def _settle_levels(self, requester: int | None, now_s: float, idle: int) -> list[Answer]:
+    def _node_group(self, requester: int | None, now_s: float) -> list[Answer]:
         """``levels = 2``: a group of the requester's node if this is its second, fourth... request and enough of
-        the node wait, then groups across nodes. A node's group forms only on a request (a finish forms groups only
-        once everyone active waits, as with one level, so a shard told of it late decides the same:
-        :mod:`prague.groups.shards`)."""
-        size, wpn, answers = self._size, self._wpn, []
-        if requester is not None and self.counts[requester] % 2 == 0:  # counted already: its 2nd, 4th... request
-            node = requester // wpn
-            mates = [w for w in self._waiting if w // wpn == node]
-            active = sum(not self.finished[w] for w in range(node * wpn, (node + 1) * wpn))
-            if len(mates) >= min(size, active):
-                answers += self._take(min(size, len(mates)), requester, "node", now_s, mates)
-        across = list(self._waiting)
-        while len(across) >= size and (size < 2 or len({w // wpn for w in across}) > 1):
-            if len(across) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(across):
-                self.counters.extra["holds"] += 1
-                break
-            answers += self._take(size, requester, "ready", now_s, across)
-            across = [w for w in across if w in self._waiting]
-        return answers
+        the node wait. It forms only on a request (a finish forms groups only once everyone active waits, as with
+        one level, so a shard told of it late decides the same: :mod:`prague.groups.shards`)."""
+        if requester is None or self.counts[requester] % 2:  # counted already: only its 2nd, 4th... request
+            return []
+        wpn = self._wpn
+        node = requester // wpn
+        mates = [w for w in self._waiting if w // wpn == node]
+        active = sum(not self.finished[w] for w in self.config.topo.ranks_of(node))
+        if len(mates) < min(self._size, active):
+            return []
+        return self._take(min(self._size, len(mates)), requester, "node", now_s, mates)
 
     def _is_repeat(self, pool: Iterable[int]) -> bool:
         """True when every pair of the workers of ``pool`` met within the last round of groups."""
@@ -393,8 +388,8 @@ class ReadyGenerator(PolicyBase):
     def _take(self, k: int, requester: int | None, kind: str, now_s: float, pool: list[int] | None = None
               ) -> list[Answer]:
         """Form one group of ``k`` waiting workers: the oldest plus k - 1 partners, preferring strangers; with
-        ``pool`` (``levels = 2``: some of the waiting, in arrival order) from it, and for a group across nodes
-        (``ready``) preferring partners of nodes not yet in the group."""
+        ``pool`` (a node's waiting, in arrival order) from it; with ``levels = 2`` a full group (``ready``) prefers
+        partners of nodes not yet in it."""
         waiting = self._waiting
         if pool is None:
             anchor = self._oldest()
@@ -405,7 +400,7 @@ class ReadyGenerator(PolicyBase):
         chosen = [anchor]
         if k - 1 >= len(candidates):
             chosen += candidates
-        elif pool is None or kind != "ready":
+        elif not self._levels or kind != "ready":
             for _ in range(k - 1):
                 weights = [self._weight(c, chosen) for c in candidates]
                 chosen.append(candidates.pop(self.rng.choices(range(len(candidates)), weights)[0]))
