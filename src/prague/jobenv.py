@@ -152,6 +152,12 @@ def current() -> JobEnv:
     return JobEnv.read(os.environ)
 
 
+def variables() -> Mapping[str, str]:
+    """This process's whole environment, to read: for the variables that are not the job's (the allocator's, which
+    :mod:`prague.simulate.memory` reads and sets for the process it starts)."""
+    return os.environ
+
+
 def child(updates: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a process this one starts: its own, with ``updates``."""
     return {**os.environ, **(updates or {})}

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from prague.errors import ConfigError
+from prague.jobenv import variables
 
 #: ``--huge-pages auto`` turns them on from this many simulated workers. Measured (docs/simulator.md, compiled, in
 #: the engine): 19% sooner at 65,536 workers, 2% at 16,384 (within the machine's spread), none at 1,024 and 4,096,
@@ -56,13 +57,13 @@ def unsupported(thp_mode: Path = THP_MODE) -> str | None:
 
 def active(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs on glibc's malloc with huge pages (as :func:`restart` starts it)."""
-    env = os.environ if env is None else env
+    env = variables() if env is None else env
     return env.get("PYTHONMALLOC") == "malloc" and TUNABLE in env.get("GLIBC_TUNABLES", "").split(":")
 
 
 def allocator(env: Mapping[str, str] | None = None) -> str:
     """What allocates this process's objects, for the records."""
-    env = os.environ if env is None else env
+    env = variables() if env is None else env
     if active(env):
         return "glibc malloc on transparent huge pages"
     return env.get("PYTHONMALLOC") or "pymalloc"
@@ -95,4 +96,4 @@ def restart(mode: str, nproc: int) -> None:
     argv = list(getattr(sys, "orig_argv", [])) or [sys.executable, *sys.argv]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, environment(os.environ))
+    os.execve(sys.executable, argv, environment(variables()))
