@@ -33,7 +33,7 @@ from prague.errors import ConfigError
 #: The width of the engine's buckets in simulated seconds (a power of two: see :class:`Engine`). A 100 ms step
 #: of 16,384 workers puts some 60 events in one; a small job leaves most empty, which costs nothing.
 BUCKET_S = 2.0**-13
-_PER_S = 2.0**13
+_PER_S = 1.0 / BUCKET_S  # exact: the inverse of a power of two
 
 Process = Generator["float | Signal", Any, None]
 
