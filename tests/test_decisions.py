@@ -263,7 +263,7 @@ def test_real_workers_log_what_simulated_workers_log(algorithm: str, tmp_path: P
 
 
 REPLAYED_GROUPS = {
-    "prague:smart": ["--group-size", "2"],
+    "prague:smart": ["--group-size", "2", "--threshold", "time"],  # its decisions read the times the trace records
     "prague:random": ["--group-size", "2"],
     "prague:ready": ["--group-size", "2", "--window-ms", "20"],
 }

@@ -82,6 +82,16 @@ def test_smart_blind_service_is_started_with_one_node(tmp_path: Path) -> None:
     assert (_argv_value(aware, "--generator"), _argv_value(aware, "--nodes")) == ("smart", "4")
 
 
+def test_the_threshold_rule_travels_to_the_service_and_is_checked(tmp_path: Path) -> None:
+    assert "--threshold" not in gg_argv(_options("smart"), 8, 0, tmp_path / "address")
+    timed = gg_argv(_options("smart", threshold="time"), 8, 0, tmp_path / "address")
+    assert _argv_value(timed, "--threshold") == "time"
+    with pytest.raises(ConfigError, match="--threshold time needs the smart generator"):
+        _options("ready", threshold="time")
+    with pytest.raises(ConfigError, match="threshold"):
+        _options("smart", threshold="seconds")
+
+
 def test_simulated_smart_blind_keeps_the_cluster_and_blinds_the_generator() -> None:
     config = SimConfig.of(algorithm="prague:smart-blind", scenario="paper:5", nproc=8, nodes=4, steps=20, model="mlp",
                        seed=3, trace=True, options={"when_busy": "wait"})

@@ -457,6 +457,52 @@ def test_smart_threshold_counts_iterations_not_requests() -> None:
     assert plain.eligible(0) == [0]  # type: ignore[attr-defined]
 
 
+def test_smart_threshold_in_time_weighs_the_lag_by_each_workers_step_time() -> None:
+    """``threshold="time"``: a worker 4x slower, two steps behind, needs eight of a fast requester's steps to reach
+    its group: out of a division with ``delta_c=3``, where the step rule lets it in; a fast worker two steps
+    behind is in (2 x 1 < 3); a worker whose time is not measured yet is judged by the step rule; a slow requester
+    lets a fast worker far behind in (it catches up at its own pace), where the step rule keeps it out."""
+    config = GeneratorConfig(nproc=4, group_size=4, delta_c=3, seed=1, threshold="time")
+    smart = make_generator("smart", config)
+    calls = [(2, 0.0, 0), (0, 1.0, 0), (1, 1.0, 0), (3, 1.0, 1), (0, 2.0, 1), (1, 2.0, 1), (0, 3.0, 2), (0, 4.0, 3),
+             (2, 4.0, 1)]
+    for worker, t, step in calls:
+        smart.request(worker, t, iteration=step)
+    assert [smart.step_time(w) for w in range(4)] == [1.0, 1.0, 4.0, None]  # type: ignore[attr-defined]
+    assert smart.progress == [4, 2, 2, 2]  # type: ignore[attr-defined]
+    steps = make_generator("smart", dataclasses.replace(config, threshold="steps"))
+    for worker, t, step in calls:
+        steps.request(worker, t, iteration=step)
+    assert smart.eligible(0) == [0, 1, 3]  # type: ignore[attr-defined]
+    assert steps.eligible(0) == [0, 1, 2, 3]  # type: ignore[attr-defined]
+    for policy in (smart, steps):
+        policy.progress[1], policy.progress[2] = 4, 10  # type: ignore[attr-defined]
+    # Workers 0 and 1: 6 behind at 1 s a step, under 3 x 4 s; worker 3, unmeasured: 2 > 10 - 3 fails.
+    assert smart.eligible(2) == [0, 1, 2]  # type: ignore[attr-defined]
+    assert steps.eligible(2) == [2]  # type: ignore[attr-defined]  # 4 > 10 - 3 fails for everyone
+
+
+def test_smart_threshold_in_time_is_the_step_rule_for_equal_workers() -> None:
+    """Workers of one speed: the same groups under both rules, call for call, over a run where the threshold
+    excludes someone (one worker starts three steps late and stays three behind)."""
+    answers = {}
+    for rule in ("steps", "time"):
+        config = GeneratorConfig(nproc=6, topology=Topology(2, 3), group_size=2, delta_c=2, seed=4, threshold=rule)
+        smart = make_generator("smart", config)
+        got = []
+        for step in range(12):
+            for w in range(6):
+                if w == 5 and step < 3:
+                    continue
+                got.append(smart.request(w, 0.5 * step + 0.0625 * w, iteration=step if w != 5 else step - 3))
+        answers[rule] = got
+        excluded = smart.counters.extra["excluded_by_threshold"]
+        assert excluded > 0
+    assert answers["steps"] == answers["time"]
+    with pytest.raises(ConfigError, match="unknown threshold 'seconds'; valid choices: steps, time"):
+        GeneratorConfig(nproc=4, threshold="seconds")
+
+
 def test_ready_forms_at_once_and_window() -> None:
     config = GeneratorConfig(nproc=4, group_size=2, window_s=1.0)
     ready = make_generator("ready", config)

@@ -166,6 +166,26 @@ def test_two_levels_average_inside_a_node_every_other_time() -> None:
     assert fast["node_groups"] >= 0.4 * fast["groups"]
 
 
+def test_smart_threshold_in_time_keeps_a_persistent_straggler_out_of_the_fast_workers_groups() -> None:
+    """``prague:smart --threshold time`` in the simulator, blocking (``--overlap off``), one worker 4x slower: the
+    step rule puts it into the fast workers' divisions while it is fewer than ``delta_c`` steps behind, and they
+    wait for it; weighed by its measured step time it joins only its own divisions and those it is level with, so
+    the fast workers spend far less time averaging and train faster. Without a straggler the two rules give the same run."""
+    def run(scenario: str, threshold: str) -> dict[str, Any]:
+        return _sim("prague:smart", scenario=scenario, nproc=8, nodes=4, steps=120,
+                    options={"overlap": "off", "threshold": threshold, "nodes": 4})
+
+    steps, timed = run("straggler:3:4", "steps"), run("straggler:3:4", "time")
+    assert timed["algorithm_stats"][0]["averaging_s"] < 0.5 * steps["algorithm_stats"][0]["averaging_s"]
+    assert timed["throughput_samples_per_s"] > 1.5 * steps["throughput_samples_per_s"]
+    excluded = [r["algorithm_stats"][0]["generator_stats"]["excluded_by_threshold"] for r in (steps, timed)]
+    assert excluded[1] > excluded[0]
+    same = [run("homogeneous", rule) for rule in ("steps", "time")]
+    assert same[0]["sim"]["groups"] == same[1]["sim"]["groups"] and same[0]["job_s"] == same[1]["job_s"]
+    with pytest.raises(ConfigError, match="--threshold time needs the smart generator"):
+        _sim("prague:ready", options={"threshold": "time"})
+
+
 def _compare_codecs(slow: Cluster, overlap: str) -> None:
     from prague.comm.codecs import member_send_bytes
     from prague.simulate.run import model_size

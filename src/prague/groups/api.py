@@ -34,7 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from prague.errors import ConfigError
+from prague.errors import ConfigError, unknown_choice
+
+#: The smart generator's threshold rules (``GeneratorConfig.threshold``; :mod:`prague.groups.smart`).
+THRESHOLDS = ("steps", "time")
 
 Answer = tuple[int, "Group"]
 """``(worker, group)``: the group ``worker`` must run next."""
@@ -158,7 +161,8 @@ class GeneratorConfig:
     ``nproc`` is capped at ``nproc`` (a group cannot hold more workers than the job). ``delta_c`` is the
     smart policy's threshold: worker w may join a division triggered by i only if
     ``c_w > c_i - delta_c`` (c = steps done, as each request reports: after step k, k + 1; a request that
-    reports none counts one step). ``window_s`` is how long the ready policy lets
+    reports none counts one step); ``threshold`` (smart only) ``"steps"`` is that rule, ``"time"`` weighs the
+    lag by each worker's measured time per step (see :mod:`prague.groups.smart`). ``window_s`` is how long the ready policy lets
     its oldest waiting request wait for partners before it forms a smaller group; 0 makes it adaptive
     (:data:`prague.groups.ready.ADAPTIVE_SHARE` of the median time between a worker's requests). ``avoid_repeats``
     (ready only): when every pair among the S waiting workers met within the last round of groups,
@@ -178,6 +182,7 @@ class GeneratorConfig:
     avoid_repeats: bool = True
     adapt_size: bool = False
     levels: int = 1
+    threshold: str = "steps"
 
     def __post_init__(self) -> None:
         if not _is_int(self.nproc) or self.nproc < 1:
@@ -209,6 +214,8 @@ class GeneratorConfig:
             raise ConfigError(f"avoid_repeats must be True or False, got {self.avoid_repeats!r}")
         if not isinstance(self.adapt_size, bool):
             raise ConfigError(f"adapt_size must be True or False, got {self.adapt_size!r}")
+        if self.threshold not in THRESHOLDS:
+            raise unknown_choice("threshold", self.threshold, THRESHOLDS)
         if self.levels not in (1, 2) or isinstance(self.levels, bool):
             raise ConfigError(f"levels must be 1 or 2, got {self.levels!r}")
         check_levels(self.levels, topology)

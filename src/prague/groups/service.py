@@ -59,7 +59,7 @@ from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
 from prague.groups.aio import shared_loop
 from prague.groups import gg_pb2_grpc as pb_grpc
-from prague.groups.api import Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
+from prague.groups.api import THRESHOLDS, Answer, GeneratorConfig, Group, GroupPolicy, Topology, check_worker_id
 from prague.groups.shards import ShardView
 from prague.groups.trace import PolicyCall, call_policy
 from prague.runtime.background import FunctionWork
@@ -735,6 +735,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
     parser.add_argument("--levels", type=int, choices=(1, 2), default=defaults["levels"],
                         help="ready: 2: groups across nodes of two nodes or more, and inside a node on a "
                              "worker's every other request")
+    parser.add_argument("--threshold", choices=THRESHOLDS, default=defaults["threshold"],
+                        help="smart: steps (join only if c_w > c_i - delta_c) or time (the lag weighed by each "
+                             "worker's measured time per step)")
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument("--ready-file", type=Path, default=None)
     parser.add_argument("--restore", type=Path, default=None,
@@ -761,6 +764,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
             window_s=args.window_s,
             adapt_size=args.adapt_size == "on",
             levels=args.levels,
+            threshold=args.threshold,
         )
         if args.shards < 1:
             raise ConfigError(f"--shards must be >= 1, got {args.shards}")

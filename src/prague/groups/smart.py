@@ -14,6 +14,14 @@ Eligible for the division triggered by i: i itself, and every worker w that has 
 group, because that group would wait for the straggler and a slow worker's FIFO would grow without
 bound).
 
+The threshold in time (``threshold = "time"``, ours). Counting steps treats a step of every worker as the
+same time; under persistent heterogeneity it is not: a worker 4x slower, d steps behind, needs 4d of the
+requester's steps to reach the group, and the group waits for it. The GG keeps, for every worker, a moving
+average of its time per step (the time between two of its requests over the steps they advanced), and makes
+w eligible when it catches up within ``delta_c`` of the requester's steps at its own pace:
+``(c_i - c_w) * t_w < delta_c * t_i``. With equal step times that is the step rule; a worker whose time is not
+measured yet (it asked once) is judged by the step rule.
+
 Remainders: the eligible workers are cut into groups of S in a random order; a last group of one joins
 the group before it (size S + 1), a larger remainder stays a smaller group. In an intra-node division a
 node with a single eligible worker gives it to a pool that is cut the same way, so nobody steps alone
@@ -26,10 +34,12 @@ import random
 from collections.abc import Sequence
 
 from prague.errors import unknown_choice
-from prague.groups.api import GeneratorConfig, Observer, Topology
+from prague.groups.api import Answer, GeneratorConfig, Observer, Topology
 from prague.groups.base import BufferedPolicy
 
 DIVISION_KINDS = ("intra", "inter")
+#: ``threshold = "time"``: weight of the newest measurement in a worker's moving average of its time per step.
+STEP_EWMA = 0.3
 
 
 def chunk(workers: Sequence[int], size: int) -> list[list[int]]:
@@ -91,11 +101,44 @@ class SmartGenerator(BufferedPolicy):
         super().__init__(config, observer=observer)
         self.divisions = 0
         self.counters.extra.update(divisions=0, excluded_by_threshold=0)
+        self._by_time = config.threshold == "time"
+        # threshold "time": each worker's last request (time, steps done then) and moving time per step (0: unknown)
+        self._last: list[tuple[float, int] | None] = [None] * config.nproc
+        self._step_s = [0.0] * config.nproc
+
+    def request(self, worker: int, now_s: float, iteration: int | None = None) -> list[Answer]:
+        if self._by_time:
+            self._check_worker(worker)
+            self._time_step(worker, now_s, iteration)
+        return super().request(worker, now_s, iteration)
+
+    def _time_step(self, worker: int, now_s: float, iteration: int | None) -> None:
+        """Fold the time since ``worker``'s last request, over the steps it advanced, into its time per step."""
+        before = self.progress[worker]
+        steps = before + 1 if iteration is None else max(before, iteration + 1)  # as _note_request counts
+        last, self._last[worker] = self._last[worker], (now_s, steps)
+        if last is None or steps <= last[1] or now_s <= last[0]:
+            return
+        per_step = (now_s - last[0]) / (steps - last[1])
+        known = self._step_s[worker]
+        self._step_s[worker] = per_step if known == 0.0 else (1 - STEP_EWMA) * known + STEP_EWMA * per_step
+
+    def step_time(self, worker: int) -> float | None:
+        """``worker``'s moving time per step as the GG measured it (``threshold = "time"``); None until it is."""
+        known = self._step_s[worker]
+        return known if known > 0.0 else None
 
     def eligible(self, requester: int) -> list[int]:
         """Workers a division triggered now by ``requester`` may include (the threshold rule)."""
-        floor = self.progress[requester] - self.config.delta_c
-        return [w for w in self.active() if w == requester or self.progress[w] > floor]
+        progress, delta = self.progress, self.config.delta_c
+        mine = progress[requester]
+        floor = mine - delta
+        if not self._by_time or self._step_s[requester] == 0.0:
+            return [w for w in self.active() if w == requester or progress[w] > floor]
+        budget, step_s = delta * self._step_s[requester], self._step_s
+        return [w for w in self.active()
+                if w == requester or progress[w] >= mine
+                or ((mine - progress[w]) * step_s[w] < budget if step_s[w] > 0.0 else progress[w] > floor)]
 
     def _fill(self, requester: int) -> None:
         eligible = self.eligible(requester)

@@ -86,7 +86,7 @@ class SimPrague(SimMethod):
         self.config = GeneratorConfig(
             nproc=world.n, topology=o.generator_topology(world.topology), group_size=o.group_size,
             delta_c=o.delta_c, seed=o.gg_seed, window_s=o.window_s, adapt_size=o.adapt_size == "on",
-            levels=o.levels,
+            levels=o.levels, threshold=o.threshold,
         )
         shards = o.shard_count(self.config.topo)
         self.sharded: ShardedGenerator | None = None

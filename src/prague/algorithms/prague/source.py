@@ -60,6 +60,7 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, hos
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
         *(["--adapt-size", "on"] if options.adapt_size == "on" else []),
         *(["--levels", "2"] if options.levels == 2 else []),
+        *(["--threshold", options.threshold] if options.threshold != "steps" else []),
         *(["--shard", str(shard[0]), "--shards", str(shard[1])] if shard[1] > 1 else []),
     ]
 
