@@ -66,6 +66,9 @@ CASES = [
     (["bench", "--lr", "0.1,0.2", "--pilot-budget", "seconds:0"], ["--pilot-budget 'seconds:0'", "> 0",
                                                                     "give --pilot-budget epochs:E"]),
     (["bench", "--lr", "0.1,0.2", "--pilot-budget", "bogus"], ["--pilot-budget 'bogus' is not a budget"]),
+    # a value holding a character at which a line breaks (a record separator, a newline) is written escaped
+    (["run", "--algorithm", "ps", "--optimizer", "\x1e"], ["--optimizer \\x1e", "--optimizer sgd"]),
+    (["run", "--algorithm", "ps", "--optimizer", "a\nb\u2028c"], ["--optimizer a\\nb\\u2028c", "--optimizer sgd"]),
 ]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from prague import jobenv
-from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed, usage_message
+from prague.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, PragueError, WorkerFailed, one_line, usage_message
 from prague.net.hosts import EmulatedHosts, check_privileges
 
 
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports errors on one line, without the usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}\n")
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
         # Before Python 3.12 argparse drops the value of `--lr=--` (it takes '--' for the end of the
@@ -880,13 +880,13 @@ def main(argv: list[str] | None = None) -> int:
             restart(args.huge_pages, args.nproc)
         return HANDLERS[args.command](args)
     except ConfigError as exc:
-        print(f"prague {args.command}: error: {exc}", file=sys.stderr)
+        print(f"prague {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except WorkerFailed as exc:
         where = f"worker rank {exc.rank}" if exc.rank >= 0 else "a service process"
         usage = usage_error(exc)
         if usage is not None:  # the worker found its settings cannot work: one line, as for bad flags
-            print(f"prague {args.command}: error: {where}: {usage}", file=sys.stderr)
+            print(f"prague {args.command}: error: {where}: {one_line(usage)}", file=sys.stderr)
             return EXIT_USAGE
         print(f"prague {args.command}: {where} failed (exit code {exc.exitcode}):\n{exc.detail}", file=sys.stderr)
         return 1
@@ -894,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prague {args.command}: interrupted; all worker processes stopped", file=sys.stderr)
         return 130
     except PragueError as exc:
-        print(f"prague {args.command}: error: {exc}", file=sys.stderr)
+        print(f"prague {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         if args.command in ("run", "bench", "launch"):  # return only once every process started has exited

@@ -29,6 +29,17 @@ EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 
 
+#: The characters at which ``str.splitlines`` breaks a line: a value quoted in a message must not break it.
+_LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
+_ESCAPED = {ord(c): c.encode("unicode_escape").decode("ascii") for c in _LINE_BREAKS}
+
+
+def one_line(message: object) -> str:
+    """``message`` as one line: each line-breaking character a user's value may carry (a newline, a record
+    separator) written as its escape, as ``repr`` would."""
+    return str(message).translate(_ESCAPED)
+
+
 _ERROR_LINE = re.compile(r"^(?:prague\.errors\.)?(?:ConfigError|DataError): ", re.M)
 
 

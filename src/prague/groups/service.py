@@ -53,7 +53,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from prague import jobenv
-from prague.errors import CommError, ConfigError
+from prague.errors import CommError, ConfigError, one_line
 from prague.io import JsonLines, atomic_write_text
 from prague.groups import GENERATORS, make_generator
 from prague.groups import gg_pb2 as pb
@@ -771,10 +771,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m prague.groups
         serve(config, args.host, args.port, args.token, args.ready_file, generator=args.generator, trace=args.trace,
               restore=args.restore, shard=(args.shard, args.shards))
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except CommError as error:  # cannot bind --host/--port
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 1
     return 0
 
