@@ -65,10 +65,13 @@ class PolicyBase:
         its requests lag its steps), else one step more than before."""
         self.counts[worker] += 1
         self.counters.requests += 1
-        if iteration is None:
-            self.progress[worker] += 1
-        else:
-            self.progress[worker] = max(self.progress[worker], iteration + 1)
+        self.progress[worker] = self._progress_after(worker, iteration)
+
+    def _progress_after(self, worker: int, iteration: int | None) -> int:
+        """The steps ``worker`` has done once its request after step ``iteration`` is counted (see
+        :meth:`_note_request`)."""
+        before = self.progress[worker]
+        return before + 1 if iteration is None else max(before, iteration + 1)
 
     # -- forming groups -----------------------------------------------------------------------------
     def _new_batch(self) -> int:

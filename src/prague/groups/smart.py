@@ -114,8 +114,7 @@ class SmartGenerator(BufferedPolicy):
 
     def _time_step(self, worker: int, now_s: float, iteration: int | None) -> None:
         """Fold the time since ``worker``'s last request, over the steps it advanced, into its time per step."""
-        before = self.progress[worker]
-        steps = before + 1 if iteration is None else max(before, iteration + 1)  # as _note_request counts
+        steps = self._progress_after(worker, iteration)
         last, self._last[worker] = self._last[worker], (now_s, steps)
         if last is None or steps <= last[1] or now_s <= last[0]:
             return
