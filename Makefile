@@ -28,9 +28,13 @@ demo: $(VENV)/.installed
 		--compute paced --compute-ms 40 --model mlp --data digits --budget epochs:8 --target-accuracy 0.95 \
 		--eval-every-s 0.5 --out runs/demo
 
+# The suite in two parts: two pytest workers (pytest-xdist) share everything but the tests marked `serial`, which
+# time real work against a clock and then run alone. TEST_WORKERS=1 runs the first part in one worker.
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev-installed
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # On a machine with a CUDA device, with a Python whose PyTorch is a CUDA build (PYTHON, not the CPU venv):
 # the CUDA tests, then 4 workers sharing the GPU over gloo with --compute real (benchmarks/gpu_check.py).

@@ -3,10 +3,12 @@ run code in threads whose failures reach the test."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -213,3 +215,21 @@ def bench_records(folder: Path) -> list[dict[str, Any]]:
     import json
 
     return list(json.loads((Path(folder) / "bench.json").read_text())["records"])
+
+
+#: The file whose lock :func:`netns_lock` holds (empty; one per machine, kept).
+NETNS_LOCK = Path(tempfile.gettempdir()) / "prague-tests-netns.lock"
+
+
+@pytest.fixture
+def netns_lock() -> Iterator[None]:
+    """Held by every test that builds network namespaces, from its set-up to its tear-down, so that under
+    ``make test``'s two pytest workers such tests run one at a time: each counts the namespaces and cleans up
+    the leftovers of dead owners, which another test's emulated hosts built beside it would upset. Tests of
+    any other kind run beside them. The lock is the machine's, so two test runs at once keep apart too."""
+    fd = os.open(NETNS_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file locks as well
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # bounded by the test's pytest-timeout
+        yield
+    finally:
+        os.close(fd)  # releases the lock

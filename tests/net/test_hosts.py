@@ -21,7 +21,8 @@ from prague.net.hosts import (
 )
 from prague_testing import run_cli, wait_gone
 
-pytestmark = pytest.mark.timeout(240)
+#: These tests build network namespaces: one at a time, under make test's two workers (netns_lock).
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("netns_lock")]
 REASON = missing_privileges()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated hosts unavailable: {REASON}")
 

@@ -14,7 +14,8 @@ import pytest
 
 from prague.net.hosts import EmulatedHosts, missing_privileges, parse_rate
 
-pytestmark = pytest.mark.timeout(240)
+#: These tests build network namespaces: one at a time, under make test's two workers (netns_lock).
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("netns_lock")]
 REASON = missing_privileges()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated machines unavailable: {REASON}")
 
@@ -22,8 +23,9 @@ NODES, PER_NODE = 2, 2
 RDZV_PORT = 29431
 
 
-@pytest.fixture(scope="module")
-def machines() -> Iterator[EmulatedHosts]:
+@pytest.fixture
+def machines(netns_lock: None) -> Iterator[EmulatedHosts]:
+    """Two machines for one test, built and removed under the lock that keeps namespace tests apart."""
     with EmulatedHosts(NODES, parse_rate("10gbit")) as net:
         yield net
 

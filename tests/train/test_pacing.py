@@ -25,7 +25,9 @@ from prague.sim.costs import MIB, ddp_buckets
 from prague.simulate.run import gradient_sizes
 from prague_testing import run_cli
 
-pytestmark = pytest.mark.timeout(120)
+#: `serial`: these tests time real compute against the pace: `make test` runs them after its parallel part,
+#: alone on the machine.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 
 def _shares(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
@@ -220,6 +222,7 @@ def _ring_s(size_bytes: float, rate_bits: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("netns_lock")
 @pytest.mark.skipif(NETNS is not None, reason=f"emulated hosts unavailable: {NETNS}")
 def test_allreduce_hides_its_first_bucket_behind_the_paced_backward_on_a_fast_enough_link(tmp_path: Path) -> None:
     """Two emulated hosts at 200 Mbit/s: the fc bucket's all-reduce (2.1 MB each way, about 85 ms) starts
@@ -237,6 +240,7 @@ def test_allreduce_hides_its_first_bucket_behind_the_paced_backward_on_a_fast_en
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("netns_lock")
 @pytest.mark.skipif(NETNS is not None, reason=f"emulated hosts unavailable: {NETNS}")
 def test_on_a_link_too_slow_to_hide_the_exposed_time_is_what_does_not_fit_behind_backward(tmp_path: Path) -> None:
     """At 25 Mbit/s the fc bucket's all-reduce takes about 0.67 s: what does not fit between its start
