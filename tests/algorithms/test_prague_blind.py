@@ -83,11 +83,15 @@ def test_smart_blind_service_is_started_with_one_node(tmp_path: Path) -> None:
 
 
 def test_the_threshold_rule_travels_to_the_service_and_is_checked(tmp_path: Path) -> None:
+    from prague.groups.api import GeneratorConfig
+
+    # the default rule is the same in the method and in the Group Generator's settings (the service's default)
+    assert _options("smart").threshold == GeneratorConfig(nproc=2).threshold == "time"
     assert "--threshold" not in gg_argv(_options("smart"), 8, 0, tmp_path / "address")
-    timed = gg_argv(_options("smart", threshold="time"), 8, 0, tmp_path / "address")
-    assert _argv_value(timed, "--threshold") == "time"
-    with pytest.raises(ConfigError, match="--threshold time needs the smart generator"):
-        _options("ready", threshold="time")
+    paper = gg_argv(_options("smart", threshold="steps"), 8, 0, tmp_path / "address")
+    assert _argv_value(paper, "--threshold") == "steps"
+    with pytest.raises(ConfigError, match="--threshold steps needs the smart generator"):
+        _options("ready", threshold="steps")
     with pytest.raises(ConfigError, match="threshold"):
         _options("smart", threshold="seconds")
 

@@ -182,8 +182,8 @@ def test_smart_threshold_in_time_keeps_a_persistent_straggler_out_of_the_fast_wo
     assert excluded[1] > excluded[0]
     same = [run("homogeneous", rule) for rule in ("steps", "time")]
     assert same[0]["sim"]["groups"] == same[1]["sim"]["groups"] and same[0]["job_s"] == same[1]["job_s"]
-    with pytest.raises(ConfigError, match="--threshold time needs the smart generator"):
-        _sim("prague:ready", options={"threshold": "time"})
+    with pytest.raises(ConfigError, match="--threshold steps needs the smart generator"):
+        _sim("prague:ready", options={"threshold": "steps"})  # time, the default, is refused by none
 
 
 def _compare_codecs(slow: Cluster, overlap: str) -> None:

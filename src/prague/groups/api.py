@@ -38,6 +38,10 @@ from prague.errors import ConfigError, unknown_choice
 
 #: The smart generator's threshold rules (``GeneratorConfig.threshold``; :mod:`prague.groups.smart`).
 THRESHOLDS = ("steps", "time")
+#: The default rule: ``"time"``, measured level with the paper's ``"steps"`` or ahead of it in every cell run
+#: (blocking workers, MNIST, 8 workers: a persistent 4x straggler on one machine and on 4 emulated hosts, and
+#: random slowdowns; docs/benchmarks.md, "The smart generator's threshold in time").
+DEFAULT_THRESHOLD = "time"
 
 Answer = tuple[int, "Group"]
 """``(worker, group)``: the group ``worker`` must run next."""
@@ -161,8 +165,9 @@ class GeneratorConfig:
     ``nproc`` is capped at ``nproc`` (a group cannot hold more workers than the job). ``delta_c`` is the
     smart policy's threshold: worker w may join a division triggered by i only if
     ``c_w > c_i - delta_c`` (c = steps done, as each request reports: after step k, k + 1; a request that
-    reports none counts one step); ``threshold`` (smart only) ``"steps"`` is that rule, ``"time"`` weighs the
-    lag by each worker's measured time per step (see :mod:`prague.groups.smart`). ``window_s`` is how long the ready policy lets
+    reports none counts one step); ``threshold`` (smart only) ``"steps"`` is that rule, ``"time"`` (the
+    default, :data:`DEFAULT_THRESHOLD`) weighs the lag by each worker's measured time per step (see
+    :mod:`prague.groups.smart`). ``window_s`` is how long the ready policy lets
     its oldest waiting request wait for partners before it forms a smaller group; 0 makes it adaptive
     (:data:`prague.groups.ready.ADAPTIVE_SHARE` of the median time between a worker's requests). ``avoid_repeats``
     (ready only): when every pair among the S waiting workers met within the last round of groups,
@@ -182,7 +187,7 @@ class GeneratorConfig:
     avoid_repeats: bool = True
     adapt_size: bool = False
     levels: int = 1
-    threshold: str = "steps"
+    threshold: str = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
         if not _is_int(self.nproc) or self.nproc < 1:

@@ -33,6 +33,7 @@ from prague import jobenv
 from prague.jobenv import JobEnv
 from prague.algorithms.prague import PragueOptions
 from prague.groups import Group, Topology, static_group
+from prague.groups.api import DEFAULT_THRESHOLD
 from prague.runtime.context import DistContext, on_shutdown, service_host
 from prague.errors import CommError
 from prague.io import atomic_write_json
@@ -60,7 +61,7 @@ def gg_argv(options: PragueOptions, nproc: int, seed: int, ready_file: Path, hos
         "--window-s", str(options.window_s), "--seed", str(seed), "--ready-file", str(ready_file),
         *(["--adapt-size", "on"] if options.adapt_size == "on" else []),
         *(["--levels", "2"] if options.levels == 2 else []),
-        *(["--threshold", options.threshold] if options.threshold != "steps" else []),
+        *(["--threshold", options.threshold] if options.threshold != DEFAULT_THRESHOLD else []),
         *(["--shard", str(shard[0]), "--shards", str(shard[1])] if shard[1] > 1 else []),
     ]
 
