@@ -46,8 +46,9 @@ class PragueOptions(Options):
     threshold: str = option(DEFAULT_THRESHOLD, "smart: the threshold rule: steps (the paper's: join only if c_w > "
                             "c_i - delta_c), or time (join only if w catches up within delta_c of the requester's "
                             "steps at its own measured time per step: a persistently slow worker joins a fast "
-                            "one's division only when close; default: measured level, and 2.49x sooner to the MNIST target "
-                            "under a 4x straggler with --overlap off on 4 hosts, 5 seeds)", choices=THRESHOLDS)
+                            "one's division only when close; default: measured level, and 2.49x sooner to the "
+                            "MNIST target under a 4x straggler with --overlap off on 4 hosts, 5 seeds)",
+                            choices=THRESHOLDS)
     nodes: int = option(1, "topology: nodes (nproc must be a multiple)")
     window_ms: float = option(0.0, "ready: how long a request waits for partners, ms; 0: adaptive with --overlap on "
                               "(half the median time between a worker's requests), 50 with --overlap off")
