@@ -4,7 +4,7 @@ the one sequence of effects the runtime and the simulator both perform."""
 from __future__ import annotations
 
 from prague.algorithms.prague.flow import (
-    ASK, CATCH_UP, COMMITTED, DRAIN, REDUCE, SETTLE, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging,
+    ASK, CATCH_UP, COMMITTED, DRAIN, FINAL, REDUCE, SETTLE, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging,
     finishing, overlapped_step,
 )
 
@@ -39,8 +39,9 @@ def test_with_the_limit_out_a_step_goes_local_or_waits_for_the_oldest_by_its_pol
     assert _effects([1], 1, "local", counts, ready=1) == [TAKE_READY, SUBMIT] and counts.busy_local_steps == 1
 
 
-def test_after_the_last_step_every_average_then_the_committed_groups() -> None:
-    assert list(finishing()) == [DRAIN, COMMITTED]
+def test_after_the_last_step_every_average_then_the_committed_groups_then_the_final_average() -> None:
+    assert list(finishing(False)) == [DRAIN, COMMITTED]
+    assert list(finishing(True)) == [DRAIN, COMMITTED, FINAL]
 
 
 def _request(group_size: int, averages: object = True) -> list[tuple[str, object]]:

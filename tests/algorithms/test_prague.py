@@ -45,7 +45,9 @@ def test_eight_workers_smart_100_iterations_finish(tmp_path: Path) -> None:
     assert (s["algorithm"], s["variant"], s["steps"]) == ("prague", "smart", 100)
     for worker in s["algorithm_stats"]:
         assert worker["groups_run"] >= 100  # one group per step, plus groups committed before leaving
-        assert worker["preduces"] + worker["local_steps"] == worker["groups_run"]
+        # ... and the final average over all eight, a P-Reduce that is not one of the generator's groups
+        assert worker["final_average_ranks"] == 8
+        assert worker["preduces"] + worker["local_steps"] == worker["groups_run"] + 1
     _check_rank0_snapshot(s["algorithm_stats"][0], 100, 8)
     assert s["algorithm_stats"][0]["generator_stats"]["divisions"] >= 1
 
@@ -117,8 +119,13 @@ def test_each_generator_trains_digits(tmp_path: Path, variant: str) -> None:
     assert s["variant"] == variant
     accuracy, distance = DEFAULT_RUNS[variant]
     assert s["test_accuracy"] > accuracy
-    assert s["consensus_distance"] < distance
-    assert sum(w["preduces"] for w in s["algorithm_stats"]) > 0
+    # --final-average on (the default): the replicas' spread at their last step is removed by one average
+    # over all four, so every replica ends as the average model
+    workers = s["algorithm_stats"]
+    assert all(w["final_average"] == "on" and w["final_average_ranks"] == 4 for w in workers)
+    assert sum(w["final_average_distance"] for w in workers) / 4 < distance
+    assert s["consensus_distance"] < 1e-5 and s["worst_replica_accuracy"] == s["best_replica_accuracy"]
+    assert sum(w["preduces"] for w in workers) > 0
 
 
 def test_several_averages_in_flight_train_digits(tmp_path: Path) -> None:
@@ -130,11 +137,14 @@ def test_several_averages_in_flight_train_digits(tmp_path: Path) -> None:
     (``--transport world``, NCCL's default): no communicator is built for any of them."""
     out = tmp_path / "in-flight"
     res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--steps", "120", "--model", "mlp",
-                  "--max-in-flight", "3", "--when-busy", "wait", "--transport", "world", "--out", str(out), "--quiet")
+                  "--max-in-flight", "3", "--when-busy", "wait", "--transport", "world", "--final-average", "off",
+                  "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     s = _summary(out)
     assert s["test_accuracy"] > 0.93
-    assert s["consensus_distance"] < 2.5
+    # --final-average off: each keeps its own replica
+    assert 0 < s["consensus_distance"] < 2.5
+    assert all(w["final_average"] == "off" and w["final_average_ranks"] == 0 for w in s["algorithm_stats"])
     assert all(w["communicators_created"] == 0 and w["preduces"] > 0 for w in s["algorithm_stats"])
 
 
@@ -250,7 +260,7 @@ def test_overlapped_averages_are_all_accounted_for(tmp_path: Path, when_busy: st
         submitted = steps - w["busy_local_steps"]
         # The averages submitted, plus the groups committed after the last step (run blocking).
         assert w["groups_run"] >= submitted
-        assert w["preduces"] + w["local_steps"] == w["groups_run"]
+        assert w["preduces"] + w["local_steps"] == w["groups_run"] + 1  # and the final average over all four
         if when_busy == "wait":
             assert w["busy_local_steps"] == 0
             assert w["average_waits"] <= steps - 1  # the first step finds nothing out

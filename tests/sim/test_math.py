@@ -56,6 +56,12 @@ def test_real_math_learns_digits(algorithm: str) -> None:
     assert record["worst_replica_loss"] > 0
     if algorithm == "allreduce":
         assert record["consensus_distance"] == pytest.approx(0.0, abs=1e-6)
+    elif algorithm.startswith("prague"):  # --final-average on: the replicas end as their average
+        stats = record["algorithm_stats"][0]
+        assert stats["final_average_ranks"] == 8 and stats["final_average_distance"] > 1e-3
+        assert record["consensus_distance"] == pytest.approx(0.0, abs=1e-6)
+        assert record["worst_replica_accuracy"] == record["best_replica_accuracy"]
+        assert record["worst_replica_accuracy"] == pytest.approx(record["test_accuracy"], abs=0.002)
     else:
         assert record["consensus_distance"] > 0
 

@@ -39,7 +39,9 @@ def test_prague_counts_are_summed_over_workers() -> None:
     # included), so the workers' runs add up to the generator's memberships.
     assert gg["requests"] == 8 * 30 - stats["busy_local_steps"]
     assert stats["groups_run"] == pytest.approx(gg["groups"] * gg["mean_group_size"])
-    assert stats["preduces"] + stats["local_steps"] == stats["groups_run"]
+    # ... and each worker's last average over everyone (--final-average on) is a P-Reduce of its own
+    assert stats["final_average"] == "on" and stats["final_average_ranks"] == 8
+    assert stats["preduces"] + stats["local_steps"] == stats["groups_run"] + 8
     # Eight workers cycling through many member sets with room for two: builds and evictions on every member.
     assert stats["communicators_created"] > stats["communicators_evicted"] > 0
     assert stats["communicator_create_s"] == pytest.approx(stats["communicators_created"] * 0.002)

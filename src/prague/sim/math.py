@@ -100,6 +100,10 @@ class NoMath:
 
     def average(self, members: Sequence[int], weights: Mapping[int, float] | None = None) -> None: ...
 
+    def spread(self, members: Sequence[int]) -> float | None:
+        """The mean distance of ``members``' rows from their mean (None: no arithmetic)."""
+        return None
+
     def allreduce_step(self, members: Sequence[int], step: int, scale: float = 1.0) -> None: ...
 
     def values(self, w: int) -> Any:
@@ -250,6 +254,9 @@ class RealMath(NoMath):
             for w in members:
                 self._bufs[w] = mean.clone()
 
+    def spread(self, members: Sequence[int]) -> float:
+        return rows_spread(self.X, members)
+
     def values(self, w: int) -> torch.Tensor:
         if self.share_momentum:
             return torch.cat([self.X[w], self._momentum(w)])
@@ -315,7 +322,7 @@ class RealMath(NoMath):
     def results(self) -> dict[str, Any]:
         workers = self.X[: self.n]
         mean = workers.mean(dim=0)
-        consensus = float(torch.linalg.vector_norm(workers - mean, dim=1).mean())
+        consensus = rows_spread(self.X, range(self.n))
         points = sorted(j for j in self.entries if j * self.every_s < self.end_s)
         states = [self.entries[j] for j in points] + [mean]
         times = [j * self.every_s for j in points] + [self.end_s]
@@ -334,6 +341,12 @@ class RealMath(NoMath):
             "worst_replica_accuracy": min(accuracy for accuracy, _ in replicas),
             "worst_replica_loss": worst_loss if math.isfinite(worst_loss) else None,
         }
+
+
+def rows_spread(X: torch.Tensor, members: Sequence[int]) -> float:
+    """The mean over ``members`` of ``||X[m] - mean||``, the mean of their rows: the consensus distance."""
+    rows = X[list(members)]
+    return float(torch.linalg.vector_norm(rows - rows.mean(dim=0), dim=1).mean())
 
 
 class MixingMath(NoMath):
@@ -359,6 +372,9 @@ class MixingMath(NoMath):
         rows = list(members)
         self.X[rows] = group_mean(self.X[rows], rows, weights)
 
+    def spread(self, members: Sequence[int]) -> float:
+        return rows_spread(self.X, members)
+
     def values(self, w: int) -> torch.Tensor:
         return self.X[w].clone()
 
@@ -372,8 +388,7 @@ class MixingMath(NoMath):
             self.X[w] += delta
 
     def results(self) -> dict[str, Any]:
-        mean = self.X.mean(dim=0)
-        consensus = float(torch.linalg.vector_norm(self.X - mean, dim=1).mean())
+        consensus = rows_spread(self.X, range(self.n))
         return {"test_accuracy": None, "eval_history": [], "consensus_distance": consensus}
 
 

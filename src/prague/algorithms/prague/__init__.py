@@ -86,6 +86,11 @@ class PragueOptions(Options):
                          "second, fourth... request forms a group of its node at once (its fast links) when its "
                          "node-mates wait too (needs --nodes or --hosts of several workers each; default 1, "
                          "measured: no gain on the congested transformer)")
+    final_average: str = option("on", "on: after its last groups each worker waits until every living worker is done "
+                                "and averages its full-precision values with all of them once, so that every replica "
+                                "ends as the average model (Local SGD's last round); off: each keeps its own replica "
+                                "(default: on, measured: the worst replica's final accuracy is the average model's, "
+                                "for one all-reduce of the model)", choices=("on", "off"))
     when_busy: str = option("local", "overlap: when max-in-flight averages are out, wait for the oldest, or take a "
                             "local step without averaging (static always waits: its fixed schedule needs every "
                             "worker's every request)", choices=WHEN_BUSY)
@@ -219,6 +224,15 @@ def overlap_report(options: PragueOptions, *, steps: int, local_steps: int, busy
     }
 
 
+def final_report(options: PragueOptions, ranks: int, seconds: float, distance: float | None) -> dict[str, Any]:
+    """The stats of the last average over every living worker (``--final-average``): the workers in it (0:
+    none ran), its seconds (the runtime's per worker; the simulator's summed over workers) and the replicas'
+    distance from their average just before it (the runtime's: this worker's; the simulator's: the mean
+    over workers, None without arithmetic)."""
+    return {"final_average": options.final_average, "final_average_ranks": ranks, "final_average_s": seconds,
+            "final_average_distance": distance}
+
+
 METHOD = Method(
     name="prague",
     summary=("Prague (ASPLOS 2020): a local optimizer step, then one call to the Group Generator service for this "
@@ -264,6 +278,11 @@ METHOD = Method(
         "averaging_s": "seconds the averaging spent asking the generator and in P-Reduce",
         "exposed_averaging_s": "seconds the worker waited on averaging (all of it when overlap is off)",
         "hidden_comm_share": "share of the averaging time hidden behind compute (0 when overlap is off)",
+        "final_average": "whether the replicas ended with one average over every living worker (--final-average)",
+        "final_average_ranks": "the workers of that last average (0: none ran)",
+        "final_average_s": "seconds of that last average, after the wait for the last worker to finish",
+        "final_average_distance": "||x_i - mean|| of the replicas just before that last average (this worker's; the "
+                                  "simulator's: the mean over workers): the consensus distance it removed",
         **COMM_REPORTS,
         "generator_stats": "the service's own counters (rank 0 only)",
     },

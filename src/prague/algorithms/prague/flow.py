@@ -6,7 +6,9 @@ averages are still out, either step on without averaging this time (``--when-bus
 ``busy_local_steps``) or wait for the oldest and apply it (``--when-busy wait``: :data:`TAKE_OLDEST`,
 counted in ``average_waits``); then hand a snapshot of its parameters to the background averager
 (:data:`SUBMIT`). After its last step it takes every average still out, then runs the groups it is still
-committed to (:func:`finishing`: :data:`DRAIN`, :data:`COMMITTED`).
+committed to and leaves the Group Generator (:func:`finishing`: :data:`DRAIN`, :data:`COMMITTED`); with
+``--final-average on`` it then averages its values with every living worker once, when all are done
+(:data:`FINAL`), so that the replicas end equal. Overlap off, only the finish's effects apply.
 
 On the averaging thread, each request the worker submitted goes through :func:`averaging`: ask for its
 group (:data:`ASK`); unless the group is the worker alone, add to the snapshot the earlier corrections
@@ -37,6 +39,8 @@ SUBMIT = "submit"
 DRAIN = "drain"
 #: Run the groups the worker is still committed to, and leave.
 COMMITTED = "committed"
+#: Once every living worker is done: average the values over all of them (``--final-average on``).
+FINAL = "final"
 
 #: The averaging thread: ask for the request's group; the driver sends the :class:`~prague.groups.Group` back.
 ASK = "ask"
@@ -73,10 +77,13 @@ def overlapped_step(in_flight: Callable[[], int], max_in_flight: int, busy_polic
     yield SUBMIT
 
 
-def finishing() -> Iterator[str]:
-    """The effects after the last step: every average still out, then the committed groups."""
+def finishing(final_average: bool) -> Iterator[str]:
+    """The effects after the last step: every average still out, the committed groups, then (``final_average``)
+    the last average over every living worker."""
     yield DRAIN
     yield COMMITTED
+    if final_average:
+        yield FINAL
 
 
 def averaging() -> Generator[tuple[str, Any], Any, None]:

@@ -34,9 +34,9 @@ from torch import nn
 
 from prague import jobenv
 from prague.algorithms.api import Algorithm, JobResources, StepTimes
-from prague.algorithms.prague import PragueOptions, overlap_report
+from prague.algorithms.prague import PragueOptions, final_report, overlap_report
 from prague.algorithms.prague.flow import (
-    COMMITTED, DRAIN, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
+    COMMITTED, DRAIN, FINAL, TAKE_OLDEST, TAKE_READY, OverlapCounts, finishing, overlapped_step,
 )
 from prague.algorithms.prague.overlap import Averaged, BackgroundAverager
 from prague.algorithms.prague.weights import SinceAverage
@@ -45,13 +45,14 @@ from prague.algorithms.prague.source import (
 )
 from prague.comm.codecs import member_send_bytes
 from prague.comm.compress import ErrorFeedback
-from prague.comm.flat import bind_flat, momentum_bound
+from prague.comm.flat import bind_flat, flatten, momentum_bound, state_tensors
 from prague.comm.preduce import preduce_compressed, preduce_weighted
 from prague.comm.streams import streams_for
 from prague.comm.surviving import LiveGroups
 from prague.errors import CommError, ConfigError
 from prague.groups import Group
 from prague.metrics.decisions import Decision, gg_trace_path
+from prague.runtime.liveness import mark_done, wait_settled
 
 
 def check_momentum_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
@@ -118,6 +119,9 @@ class Prague(Algorithm):
         self.counts = OverlapCounts()
         self.blocking_s = 0.0  # overlap off: asking plus P-Reduce, all of it on the worker's thread
         self.exposed_s = 0.0  # overlap on: waiting for an earlier average
+        self.final_ranks = 0  # --final-average on: the ranks of the last average, and its seconds
+        self.final_s = 0.0
+        self.final_distance: float | None = None
         self.source: GroupSource
         if self.options.is_static:
             self.source = StaticSource(topology)
@@ -236,9 +240,10 @@ class Prague(Algorithm):
         self.flat = bind_flat(self.model, self.optimizer)
 
     def finish(self) -> None:
-        """Take every average still in flight, run the groups this worker is still committed to, then
-        leave (see :class:`.source.ServiceSource`). Logged with ``step`` = the number of steps run."""
-        for effect in finishing():
+        """Take every average still in flight, run the groups this worker is still committed to, leave
+        (see :class:`.source.ServiceSource`), then with ``--final-average on`` average with every living
+        worker once (:meth:`_final_average`). Logged with ``step`` = the number of steps run."""
+        for effect in finishing(self.options.final_average == "on"):
             if effect == DRAIN and self.averager is not None:
                 t0 = time.perf_counter()
                 for done in self.averager.drain():
@@ -247,7 +252,26 @@ class Prague(Algorithm):
             elif effect == COMMITTED:
                 for group in self.source.finish(self.ctx.rank):
                     self._run(group, self.steps_done)
-        self.source.leave()
+                self.source.leave()
+            elif effect == FINAL:
+                self._final_average()
+
+    def _final_average(self) -> None:
+        """The replicas end equal: once every rank is done or declared failed (through the store, with a
+        timeout that counts inactivity only, as the run's closing: a fast worker waits for a slow one as
+        long as it makes progress), one average of the full-precision values over the living ranks, on
+        the surviving P-Reduce (a rank that fails during it is left out, as in any group)."""
+        membership = self.groups.membership
+        if membership is None:  # alone: nothing to average with
+            return
+        key = f"{self.namespace}/final/"
+        mark_done(self.ctx.store, self.ctx.rank, key)
+        done = wait_settled(self.ctx.store, membership, self.ctx.timeout_s, key)
+        t0 = time.perf_counter()
+        before = flatten(state_tensors(self.model))  # a copy: this replica's distance from the average
+        self.final_ranks = len(self.groups.reduce(done, self.flat))
+        self.final_s = time.perf_counter() - t0
+        self.final_distance = float(torch.linalg.vector_norm(before - flatten(state_tensors(self.model))))
 
     def peers(self) -> Sequence[int] | None:
         return self.groups.current
@@ -264,6 +288,7 @@ class Prague(Algorithm):
             "average_by": self.options.average_by,
             "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
+            **final_report(self.options, self.final_ranks, self.final_s, self.final_distance),
             **self.comms.stats.report(),
             "generator_stats": self.source.stats(),
         }

@@ -45,9 +45,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from prague.algorithms.prague import overlap_report
+from prague.algorithms.prague import final_report, overlap_report
 from prague.algorithms.prague.flow import (
-    ASK, CATCH_UP, COMMITTED, DRAIN, REDUCE, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging, finishing,
+    ASK, CATCH_UP, COMMITTED, DRAIN, FINAL, REDUCE, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging, finishing,
     overlapped_step,
 )
 from prague.algorithms.prague.overlap import Backlog
@@ -70,6 +70,8 @@ _TIMED_EARLY = 4096
 _TIMED_LATE_EVERY = 64
 # A call to the service: (what, worker, the step a request comes after, the shard that serves it).
 Job = tuple[str, "int | None", "int | None", int]
+#: The meeting key of the last average over every worker (``--final-average on``): group keys are ints.
+_FINAL = "final-average"
 
 
 class SimPrague(SimMethod):
@@ -134,6 +136,11 @@ class SimPrague(SimMethod):
         self._math_on = world.math.enabled
         self.counts = OverlapCounts()
         self._asked = 0
+        self._everyone: tuple[int, ...] | None = None  # the members of the last average (--final-average)
+        self._final_joined = 0.0
+        self.final_ranks = 0
+        self.final_s = 0.0
+        self.final_distance: float | None = None
         self._latencies: list[float] = []  # sampled request latencies (:meth:`_latency`)
         self.averaging_s = 0.0  # asking plus P-Reduce, summed over workers
         self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
@@ -308,7 +315,21 @@ class SimPrague(SimMethod):
                 yield sig
             self.averaging_s += engine.now - asked
             world.record(w, compute, engine.now - answered, answered - asked)
-        yield from self._finish(w)
+        yield from self._end(w)
+
+    def _end(self, w: int) -> Process:
+        """After the last step, as :mod:`.flow` says: the averages still out (overlap on), the committed
+        groups, then with ``--final-average on`` the last average over every living worker."""
+        for effect in finishing(self.options.final_average == "on"):
+            if effect == DRAIN:
+                t0 = self.world.engine.now
+                while self._in_flight[w]:
+                    yield from self._take_oldest(w)
+                self.exposed_s += self.world.engine.now - t0
+            elif effect == COMMITTED:
+                yield from self._finish(w)
+            elif effect == FINAL:
+                yield from self._final_average(w)
 
     def _finish(self, w: int) -> Process:
         """After the last step: the groups ``w`` is still committed to, blocking, as the runtime does."""
@@ -319,6 +340,25 @@ class SimPrague(SimMethod):
             sig = self._run(w, group, steps)
             if sig is not None:
                 yield sig
+
+    def _final_average(self, w: int) -> Process:
+        """``w`` joins the last average over every worker, which starts when the last living one has
+        joined (the runtime's wait until all are done), in full precision on a communicator of them all;
+        its duration from that last join is ``final_average_s`` (summed over workers)."""
+        world = self.world
+        if world.n == 1:
+            return
+        if self._everyone is None:
+            self._everyone = tuple(range(world.n))
+        self._final_joined = world.engine.now  # joins come in time order: the last one's stays
+        self.sent_bytes += member_send_bytes(self._numel, world.n - len(world.declared), "none")
+        yield world.meet(_FINAL, self._everyone, on_done=self._on_final, rank=w)
+        self.final_s += world.engine.now - self._final_joined
+
+    def _on_final(self, members: tuple[int, ...]) -> None:
+        self.final_ranks = len(members)
+        self.final_distance = self.world.math.spread(members)
+        self.world.math.average(members)
 
     # -- overlapped: the runtime's BackgroundAverager in simulated time ------------------------------
     def _overlapped(self, w: int) -> Process:
@@ -349,14 +389,7 @@ class SimPrague(SimMethod):
             waited = engine.now - t0
             self.exposed_s += waited
             world.record(w, compute, 0.0, waited)
-        for effect in finishing():
-            if effect == DRAIN:
-                t0 = engine.now
-                while self._in_flight[w]:
-                    yield from self._take_oldest(w)
-                self.exposed_s += engine.now - t0
-            elif effect == COMMITTED:
-                yield from self._finish(w)
+        yield from self._end(w)
 
     def _submit(self, w: int, snapshot: Any, step: int) -> None:
         """Hand ``snapshot`` to ``w``'s averaging thread (:meth:`_averager`): it runs after the requests
@@ -452,7 +485,9 @@ class SimPrague(SimMethod):
         wall = self.world.engine.now
         per_call_s = self._sampled_ns * 1e-9 / self._sampled if self._sampled else 0.0
         world = self.world
-        executed = world.group_members + self.local_steps  # groups run, summed over their members
+        # groups run, summed over their members: the generator's (the last average over everyone is not one of them)
+        executed = world.group_members - self.final_ranks + self.local_steps
+        groups = world.groups_run - (1 if self.final_ranks else 0) + self.local_steps
         shares = [q.busy_s / wall for q in self.queues] if wall > 0 and self.remote else []
         jobs = sum(q.jobs for q in self.queues)
         out: dict[str, Any] = {
@@ -460,11 +495,12 @@ class SimPrague(SimMethod):
             "group_size": self.config.group_size,
             "groups_run": executed,
             "local_steps": self.local_steps,
-            "mean_group_size": executed / (world.groups_run + self.local_steps) if executed else 0.0,
+            "mean_group_size": executed / groups if executed else 0.0,
             "compress": self.options.compress,
             "average_by": self.options.average_by,
             "averaging_sent_bytes": self.sent_bytes,
             **self._overlap_stats(),
+            **final_report(self.options, self.final_ranks, self.final_s, self.final_distance),
             **world.comm_stats(),
             "generator_stats": dict(self.policy.stats()),
             # The simulated GG threads (one per shard): share of time busy (the busiest shard's; each
