@@ -174,9 +174,10 @@ def test_compressed_or_weighted_averages_train_digits(tmp_path: Path, flags: lis
     if flags[0] == "--compress":
         message = payload_bytes(model_size("mlp", s["data"])[1] // 4, "int8")
         for w in s["algorithm_stats"]:
-            # p - 1 messages of the model's codes per group of p: a whole number, at least one a group
+            # p - 1 messages of the model's codes per group of p: a whole number, at least one a group (the
+            # last average over everyone, one P-Reduce more, is in full precision and not the groups' bytes)
             messages = w["averaging_sent_bytes"] / message
-            assert messages == int(messages) and messages >= w["preduces"]
+            assert messages == int(messages) and messages >= w["preduces"] - w["final_average_ranks"] // 3
 
 
 def test_dssync_trains_and_partitions_are_shared() -> None:

@@ -344,14 +344,14 @@ class SimPrague(SimMethod):
     def _final_average(self, w: int) -> Process:
         """``w`` joins the last average over every worker, which starts when the last living one has
         joined (the runtime's wait until all are done), in full precision on a communicator of them all;
-        its duration from that last join is ``final_average_s`` (summed over workers)."""
+        its duration from that last join is ``final_average_s`` (summed over workers). Its bytes are not the
+        groups' (``averaging_sent_bytes``), as in the runtime."""
         world = self.world
         if world.n == 1:
             return
         if self._everyone is None:
             self._everyone = tuple(range(world.n))
         self._final_joined = world.engine.now  # joins come in time order: the last one's stays
-        self.sent_bytes += member_send_bytes(self._numel, world.n - len(world.declared), "none")
         yield world.meet(_FINAL, self._everyone, on_done=self._on_final, rank=w)
         self.final_s += world.engine.now - self._final_joined
 
