@@ -177,7 +177,7 @@ def test_compressed_or_weighted_averages_train_digits(tmp_path: Path, flags: lis
             # p - 1 messages of the model's codes per group of p: a whole number, at least one a group (the
             # last average over everyone, one P-Reduce more, is in full precision and not the groups' bytes)
             messages = w["averaging_sent_bytes"] / message
-            assert messages == int(messages) and messages >= w["preduces"] - w["final_average_ranks"] // 3
+            assert messages == int(messages) and messages >= w["preduces"] - (1 if w["final_average_ranks"] else 0)
 
 
 def test_dssync_trains_and_partitions_are_shared() -> None:

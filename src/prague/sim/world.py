@@ -337,14 +337,9 @@ class World:
     def _try_start(self, key: Any, entry: list[Any]) -> None:
         """Start meeting ``key`` once every live member has joined."""
         sig, arrived, members, size_bytes, on_done, cost_s, setup, exchange_s, collective = entry
-        if not self.declared:
-            live = members
-        elif len(members) == self.n:  # every worker (a last average): counted, the members listed only to start
-            if len(arrived) < self.n - len(self.declared):
-                return
-            live = tuple(m for m in members if m not in self.declared)
-        else:
-            live = tuple(m for m in members if m not in self.declared)
+        if self.declared and len(members) == self.n and len(arrived) < self.n - len(self.declared):
+            return  # every worker (a last average) with some failed: counted, not listed again at each join
+        live = members if not self.declared else tuple(m for m in members if m not in self.declared)
         if len(arrived) < len(live) or not live:
             return
         del self._meetings[key]
