@@ -44,6 +44,18 @@ def test_lease_expires_once_per_stall_and_rearms_when_the_counter_moves() -> Non
         LeaseWatch(0.0)
 
 
+def test_a_worker_that_reported_its_error_gets_time_to_exit_before_its_lease_runs_out() -> None:
+    """Its exit code, not a lease, should name a crash whose interpreter takes long to unwind; one that
+    reported and then froze is still reported, after the grace."""
+    watch = LeaseWatch(lease_s=2.0, exit_grace_s=5.0)
+    assert watch.observe({0: 1, 1: 1}, 0.0) == []
+    assert watch.observe({0: 1, 1: 1}, 3.0, exiting=[1]) == [0]  # rank 1 reported: not hung yet
+    assert watch.observe({0: 1, 1: 1}, 6.9, exiting=[1]) == []
+    assert watch.observe({0: 1, 1: 1}, 7.0, exiting=[1]) == [1]  # lease + grace: frozen on its way out
+    with pytest.raises(ValueError, match="exit_grace_s"):
+        LeaseWatch(1.0, exit_grace_s=-1.0)
+
+
 def test_a_worker_that_left_has_no_lease_and_counts_on_if_it_joins_again() -> None:
     """prague.shutdown stops the heartbeat and says so: the seconds its interpreter then takes to exit are
     not a hang; a worker that joins again beats on from there."""

@@ -252,11 +252,13 @@ class Job:
 
     def _hung(self, codes: list[int | None]) -> list[int]:
         """Running workers whose lease ran out."""
+        running = [r for r, c in enumerate(codes) if c is None]
         try:
-            counters = read_counters(self.store, (r for r, c in enumerate(codes) if c is None))
+            counters = read_counters(self.store, running)
+            exiting = read_keys(self.store, ERROR_KEY, running)  # reported an error: on their way out
         except RuntimeError:
             return []
-        return [r for r in self.leases.observe(counters, time.monotonic()) if r not in self.failures]
+        return [r for r in self.leases.observe(counters, time.monotonic(), exiting) if r not in self.failures]
 
     def _survivable(self) -> bool:
         if self.spec.survivable is not None:

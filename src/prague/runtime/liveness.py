@@ -34,6 +34,8 @@ from prague.runtime.background import PeriodicWork
 HEARTBEAT_S = 0.5
 #: How often the launcher looks at its workers (exits, leases, stalls), seconds.
 LAUNCHER_TICK_S = 0.2
+#: How much longer than its lease a worker that reported an error has to exit (:class:`LeaseWatch`).
+EXIT_GRACE_S = 10.0
 HB_KEY = "prague/live/hb/"
 #: A heartbeat counter's value once its worker has left the job (:meth:`Heartbeat.leave`); a number, so a
 #: worker that joins again counts on from it.
@@ -361,23 +363,31 @@ class Heartbeat(PeriodicWork):
 class LeaseWatch:
     """The launcher's side: which workers' leases ran out. Pure bookkeeping over counter readings, so it
     is tested without processes; a worker gets a lease with its first beat (a script that never calls
-    :func:`prague.init` is never declared hung)."""
+    :func:`prague.init` is never declared hung).
 
-    def __init__(self, lease_s: float) -> None:
+    A worker that has reported an error (:data:`~prague.runtime.context.ERROR_KEY`, written before its
+    process exits) is on its way out, not hung: its beats stop while the interpreter unwinds, which on a
+    loaded machine can outlast a short lease. It gets :data:`EXIT_GRACE_S` more, so that its exit code,
+    not a lease, names its failure; one that still has not exited then is reported as any other."""
+
+    def __init__(self, lease_s: float, exit_grace_s: float = EXIT_GRACE_S) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
-        self.lease_s = lease_s
+        if not exit_grace_s >= 0:
+            raise ValueError(f"exit_grace_s must be >= 0, got {exit_grace_s!r}")
+        self.lease_s, self.exit_grace_s = lease_s, exit_grace_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
 
-    def observe(self, counters: Mapping[int, int], now_s: float) -> list[int]:
+    def observe(self, counters: Mapping[int, int], now_s: float, exiting: Iterable[int] = ()) -> list[int]:
         """Record the counters read at ``now_s``; returns the ranks whose counter has not moved for
-        ``lease_s`` (each rank once per stall: it must beat again to be reported again)."""
-        expired = []
+        ``lease_s`` (each rank once per stall: it must beat again to be reported again); ``exiting``: the
+        ranks that reported an error, whose lease is ``exit_grace_s`` longer."""
+        expired, exiting = [], set(exiting)
         for rank, value in counters.items():
             last = self._seen.get(rank)
             if last is None or value != last[0]:
                 self._seen[rank] = (value, now_s)
-            elif now_s - last[1] >= self.lease_s:
+            elif now_s - last[1] >= self.lease_s + (self.exit_grace_s if rank in exiting else 0.0):
                 expired.append(rank)
                 self._seen[rank] = (value, float("inf"))  # reported; silent until it moves again
         return sorted(expired)
