@@ -55,14 +55,18 @@ def test_eight_workers_smart_100_iterations_finish(tmp_path: Path) -> None:
 def test_adapt_size_reaches_the_service_and_forms_pairs_when_averages_are_late(tmp_path: Path) -> None:
     """``--adapt-size on`` travels to the Group Generator service the launcher starts: digits' steps take well
     under a millisecond, far less than an average, so most steps go without one and the service comes down to
-    pairs; the summary says so."""
+    pairs (at least once); the summary says so."""
     out = tmp_path / "adapt"
     res = run_cli("run", "--algorithm", "prague", "--nproc", "4", "--adapt-size", "on", "--steps", "400",
                   "--out", str(out), "--quiet", timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     stats = _summary(out)["algorithm_stats"][0]
     assert stats["local_step_share"] > 0.5
-    assert stats["generator_stats"]["group_size"] == 2 and stats["generator_stats"]["size_changes"] >= 1
+    # The size starts at --group-size 3 and never rises above it, so its first change is down to pairs. Where
+    # it ends depends on the last window's averages (under load more of them come back on time: it may have
+    # risen to 3 again), so the final size is only bounded.
+    generator = stats["generator_stats"]
+    assert generator["size_changes"] >= 1 and generator["group_size"] in (2, 3), generator
     bad = run_cli("run", "--algorithm", "prague:smart", "--adapt-size", "on", "--out", str(tmp_path / "x"),
                   timeout_s=60)
     assert bad.returncode == 2 and "--adapt-size on needs the ready generator" in bad.stderr, bad.stderr

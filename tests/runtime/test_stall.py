@@ -81,9 +81,14 @@ def test_waiting_workers_name_the_hung_rank(tmp_path: Path, algorithm: str, code
                   "--out", str(tmp_path / "run"), "--quiet", timeout_s=120)
     assert res.returncode == code, res.stderr
     warnings = [line for line in res.stderr.splitlines() if "has waited" in line]
-    assert warnings, res.stderr
-    assert all(" for rank 2 (" in line for line in warnings), warnings
+    named = [line for line in warnings if " for rank " in line]
+    assert named, res.stderr
+    assert all(" for rank 2 (" in line for line in named), named
     assert {line.split()[3].removesuffix("'s") for line in warnings} <= {"0", "1"}  # 'prague: warning: rank R ...'
+    # A loaded machine may also make a worker wait before the hang with nobody behind (its first step's
+    # rendezvous, a slow service): such a warning names no peer, never a wrong one.
+    for line in set(warnings) - set(named):
+        assert "for no peer that is behind" in line and int(line.split(" in step ")[1].split()[0]) < 15, line
 
 
 def test_a_watch_warns_of_any_work_of_the_process_that_waits_on_peers() -> None:
