@@ -48,10 +48,19 @@ def test_a_worker_that_reported_its_error_gets_time_to_exit_before_its_lease_run
     """Its exit code, not a lease, should name a crash whose interpreter takes long to unwind; one that
     reported and then froze is still reported, after the grace."""
     watch = LeaseWatch(lease_s=2.0, exit_grace_s=5.0)
-    assert watch.observe({0: 1, 1: 1}, 0.0) == []
-    assert watch.observe({0: 1, 1: 1}, 3.0, exiting=[1]) == [0]  # rank 1 reported: not hung yet
-    assert watch.observe({0: 1, 1: 1}, 6.9, exiting=[1]) == []
-    assert watch.observe({0: 1, 1: 1}, 7.0, exiting=[1]) == [1]  # lease + grace: frozen on its way out
+    asked: list[list[int]] = []
+
+    def reported(late: list[int]) -> set[int]:
+        asked.append(late)
+        return {1} & set(late)
+
+    assert watch.observe({0: 1, 1: 1, 2: 1}, 0.0, reported) == []
+    assert watch.observe({0: 1, 1: 1, 2: 2}, 1.9, reported) == [] and asked == []  # no lease ran out: nobody read
+    assert watch.observe({0: 1, 1: 1, 2: 3}, 3.0, reported) == [0]  # rank 1 reported: not hung yet
+    assert asked == [[0, 1]]  # only the stalled ranks' reports are read
+    assert watch.observe({0: 1, 1: 1, 2: 4}, 6.9, reported) == []
+    assert watch.observe({0: 1, 1: 1, 2: 5}, 7.0, reported) == [1]  # lease + grace: frozen on its way out
+    assert asked[-1] == [1]  # rank 0, reported, is silent until it moves
     with pytest.raises(ValueError, match="exit_grace_s"):
         LeaseWatch(1.0, exit_grace_s=-1.0)
 

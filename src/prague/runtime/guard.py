@@ -208,8 +208,8 @@ class Guard:
                     self._declare("crash", f"crashed (exit code {code})")
                 return code
             self._watch_services()
-            exiting = read_keys(self.store, ERROR_KEY, [self.rank])  # reported an error: on its way out
-            if leases.observe(read_counters(self.store, [self.rank]), time.monotonic(), exiting):
+            if leases.observe(read_counters(self.store, [self.rank]), time.monotonic(),  # an error reported: exiting
+                              lambda late: read_keys(self.store, ERROR_KEY, late)):
                 self._declare("hang", f"stopped making progress (no heartbeat for {self.lease_s:g} s; --lease-s)")
                 self.child.kill()  # fencing: its peers' connections to it fail now
                 self.child.wait()

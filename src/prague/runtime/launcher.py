@@ -255,10 +255,12 @@ class Job:
         running = [r for r, c in enumerate(codes) if c is None]
         try:
             counters = read_counters(self.store, running)
-            exiting = read_keys(self.store, ERROR_KEY, running)  # reported an error: on their way out
+            # of those whose lease ran out, the ones that reported an error: on their way out
+            hung = self.leases.observe(counters, time.monotonic(),
+                                       lambda late: read_keys(self.store, ERROR_KEY, late))
         except RuntimeError:
             return []
-        return [r for r in self.leases.observe(counters, time.monotonic(), exiting) if r not in self.failures]
+        return [r for r in hung if r not in self.failures]
 
     def _survivable(self) -> bool:
         if self.spec.survivable is not None:

@@ -23,7 +23,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -378,18 +378,26 @@ class LeaseWatch:
         self.lease_s, self.exit_grace_s = lease_s, exit_grace_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
 
-    def observe(self, counters: Mapping[int, int], now_s: float, exiting: Iterable[int] = ()) -> list[int]:
+    def observe(self, counters: Mapping[int, int], now_s: float,
+                exiting: Callable[[list[int]], Collection[int]] = lambda late: ()) -> list[int]:
         """Record the counters read at ``now_s``; returns the ranks whose counter has not moved for
-        ``lease_s`` (each rank once per stall: it must beat again to be reported again); ``exiting``: the
-        ranks that reported an error, whose lease is ``exit_grace_s`` longer."""
-        expired, exiting = [], set(exiting)
+        ``lease_s`` (each rank once per stall: it must beat again to be reported again). ``exiting`` is asked,
+        only when some lease has run out and only about those ranks, which of them reported an error: their
+        lease is ``exit_grace_s`` longer (so a holder reads the reports of stalled ranks alone)."""
+        late = []
         for rank, value in counters.items():
             last = self._seen.get(rank)
             if last is None or value != last[0]:
                 self._seen[rank] = (value, now_s)
-            elif now_s - last[1] >= self.lease_s + (self.exit_grace_s if rank in exiting else 0.0):
-                expired.append(rank)
-                self._seen[rank] = (value, float("inf"))  # reported; silent until it moves again
+            elif now_s - last[1] >= self.lease_s:
+                late.append(rank)
+        if not late:
+            return []
+        graced = set(exiting(late)) if self.exit_grace_s > 0 else set()
+        expired = [rank for rank in late
+                   if rank not in graced or now_s - self._seen[rank][1] >= self.lease_s + self.exit_grace_s]
+        for rank in expired:
+            self._seen[rank] = (counters[rank], float("inf"))  # reported; silent until it moves again
         return sorted(expired)
 
 
