@@ -287,3 +287,35 @@ def test_a_text_model_is_scored_on_every_next_token_not_once_per_window() -> Non
     assert correct == 3
     per_token = torch.nn.functional.cross_entropy(_Echo()(x).double(), y, reduction="none")
     assert per_token.shape == (2, 4) and math.isclose(loss, float(per_token.sum()))
+
+
+class _Peers:
+    """A closing group whose other ranks read ``others`` (-1: no file) when this rank reads its own."""
+
+    def __init__(self, others: list[float]) -> None:
+        self.others = others
+
+    def all_gather_floats(self, value: float) -> list[float]:
+        return [value, *self.others]
+
+
+@pytest.mark.parametrize(("written", "others", "agreed"), [
+    (None, [-1.0, -1.0], None),  # no rank saw a stop
+    (None, [-1.0, 140.0], 140),  # written while this rank closed, after it read: it scores the point too
+    (140, [-1.0, -1.0], 140),  # written after the others read
+    (140, [140.0, 140.0], 140),
+])
+def test_the_stop_point_is_agreed_by_every_closing_rank(tmp_path: Path, written: int | None, others: list[float],
+                                                        agreed: int | None) -> None:
+    """The evaluator can write its STOP file while the ranks close (a job that ended on its budget while the
+    evaluator, behind, reached the target): every rank scores the same points, the latest any rank read."""
+    from typing import cast
+
+    from prague.train.closing import Closing
+    from prague.train.evaluator import eval_dir
+    from prague.train.loop import agreed_stop_point
+
+    if written is not None:
+        eval_dir(tmp_path).mkdir(parents=True)
+        (eval_dir(tmp_path) / "STOP").write_text(f"point {written} accuracy 0.986000\n")
+    assert agreed_stop_point(tmp_path, cast(Closing, _Peers(others))) == agreed

@@ -304,6 +304,18 @@ def run_steps(cfg: RunConfig, ctx: DistContext, trainer: DistributedTrainer, har
     return training
 
 
+def agreed_stop_point(out: Path, closing: Closing) -> int | None:
+    """The grid index at which ``--stop-at-target``'s evaluator found the target reached, the same on every
+    closing rank (None: it did not). The evaluator may write its file while the ranks close (a job that
+    ended on its budget while the evaluator, scoring behind, was reaching the target): ranks that read it at
+    different instants would score different points and their collectives would not match, so each
+    rank's reading is gathered and the latest, the only one a file written once can differ by, is kept.
+    Collective."""
+    mine = stop_point(out)
+    seen = max(closing.all_gather_floats(-1.0 if mine is None else float(mine)))
+    return None if seen < 0 else int(seen)
+
+
 def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, data: Dataset | None,
                  training: Training) -> dict[str, Any]:
     """The record's evaluation fields (``job_s``, ``test_accuracy``, ``eval_history``, the times to the
@@ -313,9 +325,9 @@ def evaluate_run(cfg: RunConfig, closing: Closing, trainer: DistributedTrainer, 
     learnt. Collective."""
     if data is None:
         return {"job_s": max(closing.all_gather_floats(training.wall_s))}
-    # --stop-at-target: the point at which the evaluator found the target reached is scored too (every
-    # rank reads the same file: one machine), so a crossing right before the stop is never missed
-    stopped_at = stop_point(Path(cfg.out)) if cfg.stop_at_target else None
+    # --stop-at-target: the point at which the evaluator found the target reached is scored too, so a
+    # crossing right before the stop is never missed
+    stopped_at = agreed_stop_point(Path(cfg.out), closing) if cfg.stop_at_target else None
     found = accuracy_history(trainer.model, training.snapshots, training.wall_s, data, closing,
                              cfg.target_accuracy, cfg.target_loss,
                              known_points=() if stopped_at is None else (stopped_at,))
