@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ from prague.errors import ConfigError
 from prague.metrics.grid import (
     COARSE, CURVE_POINTS, coarse_positions, curve_indices, grid_points, kept, next_kept, scan, smoothed_crossing,
 )
+from prague.train.closing import Closing
 from prague.train.config import RunConfig
 from prague.train.evaluation import SnapshotLog, start_together, tally
+from prague.train.evaluator import eval_dir
+from prague.train.loop import agreed_stop_point
 from prague_testing import join_all, start_thread
 
 
@@ -309,12 +313,6 @@ def test_the_stop_point_is_agreed_by_every_closing_rank(tmp_path: Path, written:
                                                         agreed: int | None) -> None:
     """The evaluator can write its STOP file while the ranks close (a job that ended on its budget while the
     evaluator, behind, reached the target): every rank scores the same points, the latest any rank read."""
-    from typing import cast
-
-    from prague.train.closing import Closing
-    from prague.train.evaluator import eval_dir
-    from prague.train.loop import agreed_stop_point
-
     if written is not None:
         eval_dir(tmp_path).mkdir(parents=True)
         (eval_dir(tmp_path) / "STOP").write_text(f"point {written} accuracy 0.986000\n")
