@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/simulator.py --timing                 # 1,024 workers x 1,000 steps, smart
     .venv/bin/python benchmarks/simulator.py --scale-timing           # prague at 1,024 x 1,000 .. 65,536 x 100
     .venv/bin/python benchmarks/simulator.py --consensus --sizes 1024x200,16384x200   # how well it mixes
+    .venv/bin/python benchmarks/simulator.py --calls --sizes 1024x100,16384x20      # calls per worker-iteration
     .venv/bin/python benchmarks/simulator.py --all --out runs/bench_sim.json
 
 ``--paper`` runs every method on the ``paper`` cluster preset (:data:`prague.sim.cluster.PAPER`: 4 nodes x
@@ -22,7 +23,10 @@ SimPy is not a dependency, so that row is skipped without it.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
 import json
+import pstats
 import random
 import sys
 import time
@@ -245,6 +249,64 @@ def bench_scale_timing(sizes: tuple[tuple[int, int], ...] = SCALE_SIZES, math: s
     return rows
 
 
+def _scale_config(workers: int, steps: int, per_node: int = 8) -> SimConfig:
+    """The scale-timing command's configuration: ``prague``, ``paper:5``, 100 ms steps, ``per_node`` a node."""
+    return SimConfig.of(algorithm="prague", scenario="paper:5", nproc=workers, nodes=workers // per_node, steps=steps,
+                        batch_size=128, model="resnet18", data="synthetic", cluster=PAPER, compute="emulated",
+                        compute_ms=100.0)
+
+
+def _calls_and_time(workers: int, steps: int) -> tuple[dict[str, int], int, float, float]:
+    """One scale-timing run of ``workers`` x ``steps``: the Python calls of each function under
+    :mod:`cProfile`, their total, then the same run's engine seconds and events without the profiler."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    simulate(_scale_config(workers, steps))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    per_function = {f"{path.rsplit('/', 1)[-1]}:{name}": int(entry[1])  # primitive and recursive calls
+                     for (path, _, name), entry in stats.stats.items()}  # type: ignore[attr-defined]
+    gc.collect()
+    r = simulate(_scale_config(workers, steps)).to_dict()
+    return per_function, int(stats.total_calls), float(r["sim"]["run_s"]), float(r["sim"]["events"])  # type: ignore[attr-defined]
+
+
+def bench_calls(sizes: tuple[tuple[int, int], ...], growth: float = 1.1) -> list[dict[str, Any]]:
+    """Whether the simulator's work per worker-iteration depends on the number of workers: for each size
+    ``N x K``, runs of ``K`` and ``3K`` iterations, and the difference between them divided by ``2K x N``
+    (the world's build and the records cancel out): Python function calls per worker-iteration (by
+    :mod:`cProfile`: a count of the work done, which the machine's caches do not change) and, without the
+    profiler, engine microseconds per worker-iteration and per event. Calls that stay flat while the
+    microseconds grow put the growth in the machine (memory), not in the code. Each row also lists the
+    functions whose calls per worker-iteration grew by more than ``growth`` times against the first size."""
+    from prague.native import state
+
+    if state() != "pure":
+        raise SystemExit("--calls counts Python calls, which compiled modules do not report: `make clean-compiled` first")
+    rows: list[dict[str, Any]] = []
+    base: dict[str, float] | None = None
+    for workers, steps in sizes:
+        f1, c1, s1, e1 = _calls_and_time(workers, steps)
+        f3, c3, s3, e3 = _calls_and_time(workers, 3 * steps)
+        wi = workers * 2 * steps
+        per = {name: (f3.get(name, 0) - f1.get(name, 0)) / wi for name in set(f1) | set(f3)}
+        per = {name: v for name, v in per.items() if v > 1e-3}
+        grown = {} if base is None else {
+            name: [round(base.get(name, 0.0), 3), round(v, 3)] for name, v in per.items()
+            if v > 0.01 and v > growth * base.get(name, 0.0)}
+        base = per if base is None else base
+        rows.append({"workers": workers, "steps": [steps, 3 * steps], "calls_per_worker_iteration": (c3 - c1) / wi,
+                     "engine_us_per_worker_iteration": 1e6 * (s3 - s1) / wi,
+                     "events_per_worker_iteration": (e3 - e1) / wi,
+                     "engine_us_per_event": 1e6 * (s3 - s1) / (e3 - e1) if e3 > e1 else None,
+                     "grown": dict(sorted(grown.items()))})
+        row = rows[-1]
+        print(f"  {workers} x {steps}..{3 * steps}: {row['calls_per_worker_iteration']:.1f} calls, "
+              f"{row['engine_us_per_worker_iteration']:.1f} us, {row['events_per_worker_iteration']:.2f} events per "
+              f"worker-iteration; grown: {row['grown'] or 'none'}", flush=True)
+    return rows
+
+
 #: Failure rates per worker-hour: the one large clusters report (Llama 3, Dubey et al. 2024: 419 unexpected
 #: interruptions in 54 days on 16,384 GPUs, about 2e-5), and higher ones, where a job of 1,000 steps meets some.
 FAILURE_RATES = (2e-5, 1e-3, 1e-2, 1e-1)
@@ -315,15 +377,18 @@ def main() -> None:
                    help="time prague simulate at --sizes (default 1024x1000,16384x1000,65536x100)")
     p.add_argument("--consensus", action="store_true",
                    help="the consensus distance (--math mixing) at --sizes, for the sharded Group Generator")
-    p.add_argument("--sizes", default=None, help="WORKERSxITERATIONS[,...] for --scale-timing and --consensus")
+    p.add_argument("--calls", action="store_true",
+                   help="Python calls and engine time per worker-iteration at --sizes (N x K: runs of K and 3K)")
+    p.add_argument("--sizes", default=None,
+                   help="WORKERSxITERATIONS[,...] for --scale-timing, --consensus and --calls")
     p.add_argument("--all", action="store_true")
     p.add_argument("--steps", type=int, default=200, help="iterations per worker for --scale")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args()
     if not (args.engine or args.paper or args.scale or args.timing or args.failures or args.all
-            or args.scale_timing or args.consensus):
+            or args.scale_timing or args.consensus or args.calls):
         p.error("choose at least one of --engine, --paper, --scale, --timing, --scale-timing, --consensus, "
-                "--failures, --all")
+                "--calls, --failures, --all")
     sizes = parse_sizes(args.sizes) if args.sizes else SCALE_SIZES
     results: dict[str, Any] = {"benchmark": "simulator", "command": "python benchmarks/simulator.py " + " ".join(sys.argv[1:]),
                                "machine": host_facts()}
@@ -340,6 +405,8 @@ def main() -> None:
         results["scale_timing"] = bench_scale_timing(sizes)
     if args.consensus:
         results["consensus"] = bench_scale_timing(sizes, math="mixing")
+    if args.calls:
+        results["calls"] = bench_calls(sizes)
     if args.failures or args.all:
         results["failures"] = bench_failures(tuple(int(w) for w in args.workers.split(",")))
     if args.out:
