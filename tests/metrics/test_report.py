@@ -7,8 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from matplotlib.patches import Rectangle
 
 from prague.errors import ConfigError
@@ -246,6 +250,33 @@ def test_host_facts_read_the_cpu_model_and_features_that_matter() -> None:
     record = RunRecord.from_dict({"algorithm": "prague", "scenario": "s", "throughput_samples_per_s": 1.0,
                                   "host": facts})
     assert record.to_dict()["host"] == facts
+
+
+#: JSON-like values as records hold them (and a few that JSON lacks: tuples, numpy numbers, a dataclass).
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+    | st.builds(np.float64, st.floats(allow_nan=False)),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=3), inner, max_size=4)
+    | st.builds(lambda v: dataclasses.make_dataclass("Inner", [("v", object)])(v), inner),
+    max_leaves=20)
+
+
+@given(stats=st.lists(st.dictionaries(st.text(max_size=3), _VALUES, max_size=4), max_size=3),
+       samples=st.lists(st.integers(0, 10**6), max_size=50))
+def test_record_to_dict_is_asdict_and_shares_nothing_mutable(stats: list[dict[str, Any]], samples: list[int]) -> None:
+    record = RunRecord(algorithm="prague", scenario="s", throughput_samples_per_s=1.0, algorithm_stats=stats,
+                       worker_samples=samples, sim={"nested": {"lists": [samples, (1, [2])]}})
+    out = record.to_dict()
+    expected = dataclasses.asdict(record)
+    assert out == expected
+    assert repr(out) == repr(expected)  # the same types too: tuples stay tuples, numpy numbers numpy numbers
+    out["worker_samples"].append(-1)
+    out["sim"]["nested"]["lists"][0].append(-1)
+    for entry in out["algorithm_stats"]:
+        entry["added"] = True
+    assert record.worker_samples == samples and -1 not in record.sim["nested"]["lists"][0]
+    assert all("added" not in entry for entry in record.algorithm_stats)
 
 
 def test_table_shape_is_valid_markdown(records: list[dict[str, Any]]) -> None:
