@@ -275,7 +275,7 @@ def test_record_to_dict_is_asdict_and_shares_nothing_mutable(stats: list[dict[st
     out["sim"]["nested"]["lists"][0].append(-1)
     for entry in out["algorithm_stats"]:
         entry["added"] = True
-    assert record.worker_samples == samples and -1 not in record.sim["nested"]["lists"][0]
+    assert record.sim is not None and record.worker_samples == samples and -1 not in record.sim["nested"]["lists"][0]
     assert all("added" not in entry for entry in record.algorithm_stats)
 
 
