@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,9 @@ from prague.errors import ConfigError
 from prague.jobenv import JobEnv
 from prague.algorithms.registry import parse_method
 from prague.cli import worker_imports
-from prague.runtime.forkserver import TRAINING_PRELOAD, PRELOAD, _exit_code, forkable, preload_modules, start_mode
+from prague.runtime.forkserver import (
+    TRAINING_PRELOAD, PRELOAD, ForkedWorker, _exit_code, forkable, preload_modules, server_running, start_mode, stop,
+)
 from prague.train.config import RunConfig
 from prague.workload.catalog import digits_split_file
 from prague_testing import run_cli
@@ -42,6 +47,29 @@ def test_start_mode_and_what_can_be_forked() -> None:
 def test_exit_codes_as_the_interpreter_makes_them(capsys: pytest.CaptureFixture[str]) -> None:
     assert [_exit_code(c) for c in (None, 0, 3, 256, -1)] == [0, 0, 3, 0, 255]
     assert _exit_code("bye") == 1 and capsys.readouterr().err == "bye\n"
+
+
+def test_a_worker_whose_fork_server_died_says_its_exit_was_lost(tmp_path: Path) -> None:
+    """The fork server killed under a running worker: ``multiprocessing`` reports 255 for the worker (its exit
+    can no longer be reported), and the worker's account of that code says the server had exited."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    worker = ForkedWorker([sys.executable, str(script)], dict(os.environ))
+    try:
+        assert server_running() is True and worker.poll() is None and worker.lost_exit() is None
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.poll() == 255 and server_running() is False
+        assert "fork server had exited" in (worker.lost_exit() or "")
+    finally:
+        try:
+            os.kill(worker.pid, signal.SIGKILL)  # a plain script sets no parent-death signal: it outlives the server
+        except ProcessLookupError:
+            pass
+        stop()
+    assert server_running() is None  # stopped and forgotten: the next fork starts a new server
 
 
 # A launched script that shows what it ran as: its name, arguments, folder on sys.path, exit handlers and code.

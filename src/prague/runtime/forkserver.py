@@ -124,6 +124,20 @@ def stop() -> None:
                 stopping()
 
 
+def server_running() -> bool | None:
+    """Whether the fork server this process started is still running (None: it started none). Read from
+    ``/proc``, not by waiting on it: ``multiprocessing`` reaps it itself."""
+    pid = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited, its status not yet read
+
+
 class ForkedWorker:
     """A ``prague worker`` forked from the fork server; the subset of :class:`subprocess.Popen` the
     launcher uses (``pid``, ``stdout``, ``poll``, ``wait``)."""
@@ -158,6 +172,18 @@ class ForkedWorker:
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code
+
+    def lost_exit(self) -> str | None:
+        """What an exit code of 255 may mean besides the worker's own ``exit(255)``: ``multiprocessing`` reports
+        255 when the fork server's report of the exit never comes, which happens when the server is gone (its
+        workers die with it, or, if they ignore that, run on unreported). None for any other code."""
+        if self.poll() != 255:
+            return None
+        if server_running() is False:
+            return ("the fork server had exited, so this worker's exit was never reported: 255 stands for the lost "
+                    "status, not for the worker's own code")
+        return ("the fork server is still running: either the worker exited with 255 itself, or its report of the "
+                "exit was lost on the way")
 
 
 def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.connection.Connection) -> None:

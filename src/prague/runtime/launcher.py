@@ -239,6 +239,10 @@ class Job:
                 self.workers[r].finish()
             rank = min(failed, key=lambda r: self.workers[r].exit_time or float("inf"))
             detail = "".join(self.workers[rank].tail) or "(no output)"
+            popen = self.workers[rank].popen
+            lost = popen.lost_exit() if isinstance(popen, ForkedWorker) else None
+            if lost is not None:
+                detail += f"\n({lost})"
         others = sorted(r for r, w in enumerate(self.workers) if w.poll() not in (None, 0) and r != rank)
         if self.workers[rank].poll() == EXIT_USAGE:  # settings that cannot work fail every rank alike
             others = [r for r in others if self.workers[r].poll() != EXIT_USAGE]
