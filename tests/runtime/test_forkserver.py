@@ -49,9 +49,19 @@ def test_exit_codes_as_the_interpreter_makes_them(capsys: pytest.CaptureFixture[
     assert _exit_code("bye") == 1 and capsys.readouterr().err == "bye\n"
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no longer listed, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def test_a_worker_whose_fork_server_died_says_its_exit_was_lost(tmp_path: Path) -> None:
-    """The fork server killed under a running worker: ``multiprocessing`` reports 255 for the worker (its exit
-    can no longer be reported), and the worker's account of that code says the server had exited."""
+    """The fork server killed under a running worker, a plain script that never joins prague's context: the
+    script dies with the server (parent-death signal), ``multiprocessing`` reports 255 for it (its exit can no
+    longer be reported), and the worker's account of that code says the server had exited."""
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")
     worker = ForkedWorker([sys.executable, str(script)], dict(os.environ))
@@ -63,9 +73,12 @@ def test_a_worker_whose_fork_server_died_says_its_exit_was_lost(tmp_path: Path) 
             time.sleep(0.05)
         assert worker.poll() == 255 and server_running() is False
         assert "fork server had exited" in (worker.lost_exit() or "")
+        while not _gone(worker.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker.pid)  # it would have slept 60 s
     finally:
         try:
-            os.kill(worker.pid, signal.SIGKILL)  # a plain script sets no parent-death signal: it outlives the server
+            os.kill(worker.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         stop()

@@ -46,6 +46,7 @@ import setproctitle
 
 from prague import jobenv
 from prague.errors import ConfigError
+from prague.runtime.parent import set_parent_death_signal
 
 START_MODES = ("fork", "exec")
 PRELOAD = "prague.preload"
@@ -124,10 +125,16 @@ def stop() -> None:
                 stopping()
 
 
+def server_pid() -> int | None:
+    """The pid of the fork server this process started, None if it started none (or stopped it)."""
+    pid = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
 def server_running() -> bool | None:
     """Whether the fork server this process started is still running (None: it started none). Read from
     ``/proc``, not by waiting on it: ``multiprocessing`` reaps it itself."""
-    pid = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = server_pid()
     if pid is None:
         return None
     try:
@@ -150,7 +157,7 @@ class ForkedWorker:
         ctx = _context()
         read_fd, write_fd = os.pipe()
         writer = multiprocessing.connection.Connection(write_fd, readable=False)
-        self._process = ctx.Process(target=_worker_main, args=(list(argv[1:]), dict(env), writer),
+        self._process = ctx.Process(target=_worker_main, args=(list(argv[1:]), dict(env), writer, server_pid()),
                                     name="prague-worker")
         try:
             self._process.start()
@@ -186,7 +193,8 @@ class ForkedWorker:
                 "exit was lost on the way")
 
 
-def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.connection.Connection) -> None:
+def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.connection.Connection,
+                 server: int | None = None) -> None:
     """In the forked worker: become what ``Popen(argv, env=env, start_new_session=True, stdout=PIPE,
     stderr=STDOUT)`` would have started, then run ``python ARGS`` in it (``-m prague worker ...``, or a
     script)."""
@@ -198,7 +206,11 @@ def _worker_main(args: list[str], env: dict[str, str], out: multiprocessing.conn
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=True)
-    jobenv.replace(env, launcher_pid=os.getppid())  # the server is this process's parent
+    # The server is this process's parent: named by the launcher, since by now it may have died and left this
+    # process to another parent. Every forked process (a launched script too, whether or not it joins prague's
+    # context) dies with it, or exits at once if it is already gone.
+    jobenv.replace(env, launcher_pid=os.getppid() if server is None else server)
+    set_parent_death_signal()
     threads = jobenv.current().threads
     if threads is not None:
         import torch
