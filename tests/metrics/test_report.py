@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
-
-import dataclasses
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing.forkserver
 import os
 import re
 import signal
@@ -19,7 +18,8 @@ from prague.jobenv import JobEnv
 from prague.algorithms.registry import parse_method
 from prague.cli import worker_imports
 from prague.runtime.forkserver import (
-    TRAINING_PRELOAD, PRELOAD, ForkedWorker, _exit_code, forkable, preload_modules, server_running, start_mode, stop,
+    TRAINING_PRELOAD, PRELOAD, ForkedWorker, _exit_code, forkable, preload_modules, running, server_pid, server_running, start_mode,
+    stop,
 )
 from prague.train.config import RunConfig
 from prague.workload.catalog import digits_split_file
@@ -49,15 +49,6 @@ def test_exit_codes_as_the_interpreter_makes_them(capsys: pytest.CaptureFixture[
     assert _exit_code("bye") == 1 and capsys.readouterr().err == "bye\n"
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (no longer listed, or a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def test_a_worker_whose_fork_server_died_says_its_exit_was_lost(tmp_path: Path) -> None:
     """The fork server killed under a running worker, a plain script that never joins prague's context: the
     script dies with the server (parent-death signal), ``multiprocessing`` reports 255 for it (its exit can no
@@ -67,15 +58,17 @@ def test_a_worker_whose_fork_server_died_says_its_exit_was_lost(tmp_path: Path) 
     worker = ForkedWorker([sys.executable, str(script)], dict(os.environ))
     try:
         assert server_running() is True and worker.poll() is None and worker.lost_exit() is None
-        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        pid = server_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while worker.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.poll() == 255 and server_running() is False
         assert "fork server had exited" in (worker.lost_exit() or "")
-        while not _gone(worker.pid) and time.monotonic() < deadline:
+        while running(worker.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(worker.pid)  # it would have slept 60 s
+        assert not running(worker.pid)  # it would have slept 60 s
     finally:
         try:
             os.kill(worker.pid, signal.SIGKILL)

@@ -131,18 +131,22 @@ def server_pid() -> int | None:
     return pid if isinstance(pid, int) else None
 
 
-def server_running() -> bool | None:
-    """Whether the fork server this process started is still running (None: it started none). Read from
-    ``/proc``, not by waiting on it: ``multiprocessing`` reaps it itself."""
-    pid = server_pid()
-    if pid is None:
-        return None
+def running(pid: int) -> bool:
+    """Whether process ``pid`` is running, read from ``/proc`` (not by waiting on it, which would reap a child
+    someone else waits for): False once it has exited, a zombie whose status is not yet read included."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             state = fh.read().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
         return False
-    return state not in ("Z", "X")  # a zombie has exited, its status not yet read
+    return state not in ("Z", "X")
+
+
+def server_running() -> bool | None:
+    """Whether the fork server this process started is still running (None: it started none);
+    ``multiprocessing`` reaps it itself, so :func:`running` reads it."""
+    pid = server_pid()
+    return None if pid is None else running(pid)
 
 
 class ForkedWorker:
