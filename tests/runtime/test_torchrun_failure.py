@@ -226,7 +226,7 @@ def test_a_scripts_own_collectives_go_on_over_the_living_ranks(tmp_path: Path, l
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
                "prague", "guard", "--lease-s", "3", "--timeline", "--report-to", "csv", "--out",
                str(tmp_path / "guard"), *args]
-    res = run_command(cmd, timeout_s=200, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
+    res = run_command(cmd, timeout_s=150, env={"OMP_NUM_THREADS": "1", "PRAGUE_TEST_CASE": case})
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert "rank 2 done" in res.stdout, res.stdout  # the one survivor (the leader at the end: shown by both)
     assert [p.name for p in sorted(tmp_path.glob("epoch*.pt"))] == [f"epoch{e}.pt" for e in range(4)]
