@@ -45,6 +45,7 @@ gpu-check:
 # sooner. An extension shadows its source, so after editing a compiled module build again or clean; a stale
 # build is refused at import with this fix.
 compiled: $(VENV)/.dev-installed
+	find src/prague -name '*.so' -delete
 	PRAGUE_COMPILE=1 $(PY) setup.py -q build_ext --inplace
 
 clean-compiled:

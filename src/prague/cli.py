@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shlex
@@ -901,6 +902,10 @@ def main(argv: list[str] | None = None) -> int:
             from prague.runtime.forkserver import stop
 
             stop()
+        if as_command and args.command == "simulate":
+            # The process ends now, its files written and closed: the collections of the interpreter's exit would
+            # only walk what the run left (0.6 s at 1,024 workers x 1,000 iterations, 0.1 s once frozen).
+            gc.freeze()
 
 
 if __name__ == "__main__":

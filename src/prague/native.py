@@ -25,6 +25,7 @@ COMPILED: tuple[str, ...] = (
     "prague/sim/costs.py",
     "prague/sim/traffic.py",
     "prague/sim/restarts.py",
+    "prague/groups/group.py",
     "prague/groups/trace.py",
     "prague/groups/base.py",
     "prague/groups/ready.py",
@@ -85,12 +86,28 @@ def extensions(src: Path = _SRC) -> list[str]:
     return found
 
 
+def strays(src: Path = _SRC) -> list[str]:
+    """Compiled extensions beside a source that :data:`COMPILED` no longer names (left by an older build): each
+    shadows its source as a stale build would."""
+    found = []
+    for suffix in EXTENSION_SUFFIXES:
+        for extension in (src / "prague").rglob(f"*{suffix}"):
+            source = extension.with_name(extension.name[: -len(suffix)] + ".py")
+            path = source.relative_to(src).as_posix()
+            if source.exists() and path not in COMPILED:
+                found.append(path)
+    return sorted(found)
+
+
 def state(src: Path = _SRC) -> str:
     """``"pure"``, or ``"compiled (N modules)"``; :class:`StaleBuildError` when a compiled module is stale."""
+    fix = "run `make compiled` to build it again, or `make clean-compiled` to run the pure Python"
+    left = strays(src)
+    if left:
+        raise StaleBuildError(f"compiled modules that the build no longer compiles: {', '.join(left)}: {fix}")
     built = extensions(src)
     if not built:
         return "pure"
-    fix = "run `make compiled` to build it again, or `make clean-compiled` to run the pure Python"
     manifest = src / "prague" / MANIFEST
     try:
         recorded = json.loads(manifest.read_text())

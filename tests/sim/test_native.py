@@ -74,6 +74,21 @@ def test_extensions_without_a_manifest_are_refused(tmp_path: Path) -> None:
         native.state(src)
 
 
+def test_an_extension_the_build_no_longer_compiles_is_refused(tmp_path: Path) -> None:
+    """A module dropped from COMPILED (or moved) leaves its extension from an older build, which would shadow the
+    source as silently as a stale one: refused, naming it, while a shared library without a source is not."""
+    src = _tree(tmp_path)
+    _compile(src, native.COMPILED[0])
+    native.write_manifest(src, src / "prague")
+    (src / "prague" / ("native_lib__mypyc" + EXTENSION_SUFFIXES[0])).write_bytes(b"\x7fELF")  # no source: kept
+    assert native.state(src) == "compiled (1 modules)"
+    dropped = "prague/groups/api.py"
+    (src / dropped).write_text("# the interface, not compiled\n")
+    _compile(src, dropped)
+    with pytest.raises(native.StaleBuildError, match="no longer compiles: prague/groups/api.py.*make clean-compiled"):
+        native.state(src)
+
+
 def _pure_copy(src: Path) -> Path:
     """This package's sources under ``src``, without any compiled module: the pure build."""
     shutil.copytree(SRC / "prague", src / "prague",

@@ -31,10 +31,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from prague.errors import ConfigError, unknown_choice
+from prague.groups.group import Answer, Group, PolicyCounters, check_worker_id, is_int
+
+__all__ = ["THRESHOLDS", "DEFAULT_THRESHOLD", "Answer", "Group", "PolicyCounters", "check_worker_id", "Topology",
+           "check_levels", "GeneratorConfig", "Formation", "Observer", "GroupPolicy"]
 
 #: The smart generator's threshold rules (``GeneratorConfig.threshold``; :mod:`prague.groups.smart`).
 THRESHOLDS = ("steps", "time")
@@ -42,65 +46,6 @@ THRESHOLDS = ("steps", "time")
 #: (blocking workers, MNIST, 8 workers: a persistent 4x straggler on one machine and on 4 emulated hosts, and
 #: random slowdowns; docs/benchmarks.md, "The smart generator's threshold in time").
 DEFAULT_THRESHOLD = "time"
-
-Answer = tuple[int, "Group"]
-"""``(worker, group)``: the group ``worker`` must run next."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_worker_id(worker: object, nproc: int) -> None:
-    """Raise ConfigError unless ``worker`` is a rank in ``0..nproc - 1``."""
-    if type(worker) is int and 0 <= worker < nproc:  # the common case, first: a policy checks every call
-        return
-    if not _is_int(worker) or not 0 <= worker < nproc:  # type: ignore[operator]
-        raise ConfigError(
-            f"unknown worker id {worker!r}; this group generator serves workers 0..{nproc - 1}"
-        )
-
-
-@dataclass(frozen=True)
-class Group:
-    """One P-Reduce group: every member receives this same object.
-
-    ``seq`` is the global sequence number (members execute their groups in increasing ``seq``);
-    ``members`` are the sorted, distinct ranks. A group of one member is a purely local step.
-    """
-
-    seq: int
-    members: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.seq) or self.seq < 0:
-            raise ConfigError(f"group seq must be an integer >= 0, got {self.seq!r}")
-        members = tuple(self.members)
-        if not members or any(not _is_int(m) or m < 0 for m in members):
-            raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {self.members!r}")
-        if list(members) != sorted(set(members)):
-            raise ConfigError(f"group members must be sorted and distinct, got {self.members!r}")
-        object.__setattr__(self, "members", members)
-
-    @classmethod
-    def formed(cls, seq: int, members: tuple[int, ...]) -> Group:
-        """A group a policy formed itself: ``members`` already a sorted tuple of distinct ranks, ``seq`` >= 0,
-        so the checks of a group that arrives from outside (a message, a file) are skipped: a policy forms
-        one per decision, and the simulator makes millions."""
-        group = object.__new__(cls)
-        object.__setattr__(group, "seq", seq)
-        object.__setattr__(group, "members", members)
-        return group
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def is_local(self) -> bool:
-        """True for a group of one: the worker takes a local step and communicates with no one."""
-        return len(self.members) == 1
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -110,9 +55,9 @@ class Topology:
     workers_per_node: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.nodes) or self.nodes < 1:
+        if not is_int(self.nodes) or self.nodes < 1:
             raise ConfigError(f"topology nodes must be an integer >= 1, got {self.nodes!r}")
-        if not _is_int(self.workers_per_node) or self.workers_per_node < 1:
+        if not is_int(self.workers_per_node) or self.workers_per_node < 1:
             raise ConfigError(
                 f"topology workers_per_node must be an integer >= 1, got {self.workers_per_node!r}"
             )
@@ -127,7 +72,7 @@ class Topology:
         return self.nodes * self.workers_per_node
 
     def check_rank(self, rank: int) -> None:
-        if not _is_int(rank) or not 0 <= rank < self.size:
+        if not is_int(rank) or not 0 <= rank < self.size:
             raise ConfigError(
                 f"rank {rank!r} is outside this topology of {self.nodes} nodes x "
                 f"{self.workers_per_node} workers (valid: 0..{self.size - 1})"
@@ -142,7 +87,7 @@ class Topology:
         return rank % self.workers_per_node
 
     def ranks_of(self, node: int) -> range:
-        if not _is_int(node) or not 0 <= node < self.nodes:
+        if not is_int(node) or not 0 <= node < self.nodes:
             raise ConfigError(f"node {node!r} is outside 0..{self.nodes - 1}")
         return range(node * self.workers_per_node, (node + 1) * self.workers_per_node)
 
@@ -190,7 +135,7 @@ class GeneratorConfig:
     threshold: str = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
-        if not _is_int(self.nproc) or self.nproc < 1:
+        if not is_int(self.nproc) or self.nproc < 1:
             raise ConfigError(f"nproc must be an integer >= 1, got {self.nproc!r}")
         topology = self.topology if self.topology is not None else Topology.flat(self.nproc)
         if not isinstance(topology, Topology):
@@ -201,12 +146,12 @@ class GeneratorConfig:
                 f"{topology.size} ranks but nproc is {self.nproc}; make nodes * workers_per_node == nproc"
             )
         object.__setattr__(self, "topology", topology)
-        if not _is_int(self.group_size) or self.group_size < 1:
+        if not is_int(self.group_size) or self.group_size < 1:
             raise ConfigError(f"group_size must be an integer >= 1, got {self.group_size!r}")
         object.__setattr__(self, "group_size", min(self.group_size, self.nproc))
-        if not _is_int(self.delta_c) or self.delta_c < 1:
+        if not is_int(self.delta_c) or self.delta_c < 1:
             raise ConfigError(f"delta_c must be an integer >= 1, got {self.delta_c!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if (
             isinstance(self.window_s, bool)
@@ -286,29 +231,3 @@ class GroupPolicy(Protocol):
     def stats(self) -> dict[str, float | int]:
         """Counters: requests, groups formed, mean group size and policy-specific ones."""
         ...
-
-
-@dataclass
-class PolicyCounters:
-    """Counters every policy keeps; :meth:`as_dict` is the common part of ``stats()``."""
-
-    requests: int = 0
-    groups: int = 0
-    members: int = 0
-    local_steps: int = 0
-    extra: dict[str, float | int] = field(default_factory=dict)
-
-    def formed(self, group: Group) -> None:
-        self.groups += 1
-        self.members += group.size
-        self.local_steps += group.is_local
-
-    def as_dict(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {
-            "requests": self.requests,
-            "groups": self.groups,
-            "mean_group_size": self.members / self.groups if self.groups else 0.0,
-            "local_steps": self.local_steps,
-        }
-        out.update(self.extra)
-        return out

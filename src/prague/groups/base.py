@@ -30,6 +30,7 @@ class PolicyBase:
         if not isinstance(config, GeneratorConfig):
             raise ConfigError(f"config must be a GeneratorConfig, got {config!r}")
         self.config = config
+        self.nproc = config.nproc  # checked at every call
         self.rng = random.Random(config.seed)
         self.counts = [0] * config.nproc  # requests per worker
         self.progress = [0] * config.nproc  # steps per worker, as its requests report them
@@ -43,7 +44,7 @@ class PolicyBase:
 
     # -- checks -------------------------------------------------------------------------------------
     def _check_worker(self, worker: int) -> None:
-        check_worker_id(worker, self.config.nproc)
+        check_worker_id(worker, self.nproc)
         if self.finished[worker]:
             raise ConfigError(f"worker {worker} already called finish; it cannot request groups any more")
 
@@ -100,7 +101,7 @@ class PolicyBase:
 
     def exclude(self, worker: int, now_s: float) -> list[Answer]:
         """``worker`` failed (see :class:`~prague.groups.api.GroupPolicy`); idempotent."""
-        check_worker_id(worker, self.config.nproc)
+        check_worker_id(worker, self.nproc)
         if self.finished[worker]:
             return []
         self._withdraw(worker)

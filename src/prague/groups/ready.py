@@ -139,6 +139,9 @@ class ReadyGenerator(PolicyBase):
             self.counters.extra.update(group_size=self._size, size_changes=0)
         self._levels = config.levels == 2
         self._wpn = config.topo.workers_per_node
+        # read at every request: kept here, where the compiled build reads them without a lookup by name
+        self._adapt_size, self._adaptive_window = config.adapt_size, config.window_s == 0
+        self._avoid_repeats = config.avoid_repeats
         if self._levels:
             self.counters.extra.update(node_groups=0)
 
@@ -152,14 +155,14 @@ class ReadyGenerator(PolicyBase):
             )
         before, asked = self.progress[worker], self.counts[worker]
         self._note_request(worker, iteration)
-        if self.config.adapt_size and iteration is not None and asked:
+        if self._adapt_size and iteration is not None and asked:
             self._adapt(self.progress[worker] - before)
         if now_s < self._last_arrival:
             self._in_order = False
         else:
             self._last_arrival = now_s
         self._waiting[worker] = now_s
-        if self.config.window_s == 0:
+        if self._adaptive_window:
             self._measure(worker, now_s)
         return self._settle(worker, now_s)
 
@@ -341,7 +344,7 @@ class ReadyGenerator(PolicyBase):
         answers = self._node_group(requester, now_s) if self._levels else []
         wpn = self._wpn
         while len(waiting) >= size and (not self._levels or size < 2 or len({w // wpn for w in waiting}) > 1):
-            if len(waiting) == size and idle > 0 and self.config.avoid_repeats and self._is_repeat(waiting):
+            if len(waiting) == size and idle > 0 and self._avoid_repeats and self._is_repeat(waiting):
                 self.counters.extra["holds"] += 1
                 break
             answers += self._take(size, requester, "ready", now_s)

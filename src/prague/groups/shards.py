@@ -67,6 +67,7 @@ class ShardPlan:
         if not isinstance(epoch_steps, int) or isinstance(epoch_steps, bool) or epoch_steps < 1:
             raise ConfigError(f"--gg-epoch-steps must be an integer >= 1, got {epoch_steps!r}")
         self.topology, self.shards, self.epoch_steps, self.seed = topology, shards, epoch_steps, seed
+        self._wpn = topology.workers_per_node  # read at every request
         self._orders: dict[int, list[int]] = {}  # epoch -> shard of each node
 
     def epoch(self, iteration: int) -> int:
@@ -92,7 +93,7 @@ class ShardPlan:
         """The shard that serves ``worker``'s request after step ``iteration``."""
         if self.shards == 1:
             return 0
-        return self._shard_of_node(self.epoch(iteration))[worker // self.topology.workers_per_node]
+        return self._shard_of_node(self.epoch(iteration))[worker // self._wpn]
 
     def members(self, shard: int, epoch: int) -> list[int]:
         """The workers shard ``shard`` serves in ``epoch``, in rank order."""

@@ -45,7 +45,7 @@ class PolicyCall:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyCall:
-        answers = tuple((int(w), Group(int(seq), tuple(members))) for w, seq, members in data["answers"])
+        answers = tuple((int(w), Group.parse(seq, members)) for w, seq, members in data["answers"])
         iteration = data.get("iteration")
         return cls(data["call"], data["worker"], float(data["now_s"]), answers,
                    None if iteration is None else int(iteration))

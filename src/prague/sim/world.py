@@ -188,6 +188,7 @@ class World:
         self._slowdown_at = [(-1, 1.0)] * self.n  # per rank: (step, its slowdown), from compute_s
         # per rank: the block of ``steps`` steps whose paper slowdowns were drawn last (its index, the slowed steps)
         self._paper_block: list[tuple[int, dict[int, float]]] = [(-1, {})] * self.n
+        self._stragglers = bool(scenario.stragglers)  # the paper terms alone need no call per step
         self._block = max(1, steps)
         self.faulty = scenario.has_faults  # some worker crashes or hangs (fault_at)
         self._fail_at_s = [scenario.failure_time_s(w) for w in range(self.n)] if scenario.rates else None
@@ -255,7 +256,8 @@ class World:
             index = step // self._block
             slowed = self.scenario.paper_slowdowns(rank, index * self._block, (index + 1) * self._block, self.n)
             self._paper_block[rank] = (index, slowed)
-        return self.scenario.straggler_slowdown(rank, step, slowed.get(step, 1.0))
+        factor = slowed.get(step, 1.0)
+        return self.scenario.straggler_slowdown(rank, step, factor) if self._stragglers else factor
 
     def backward_s(self, rank: int, step: int) -> float:
         """The backward at the end of :meth:`compute_s` (rank, step): ``cluster.backward_share`` of the nominal

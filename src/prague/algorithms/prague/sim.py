@@ -442,7 +442,8 @@ class SimPrague(SimMethod):
                 else:  # SETTLE
                     if group.is_local:
                         self.local_steps += 1
-                    self._backlogs[w].finished(index, correction if argument else None)
+                    if argument and correction is not None:  # None stands for zero: nothing to keep
+                        self._backlogs[w].finished(index, correction)
                 try:
                     effect, argument = flow.send(reply)
                 except StopIteration:
