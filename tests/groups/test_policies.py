@@ -795,6 +795,14 @@ def test_registry_and_config_validation() -> None:
         Topology(2, 0)
     with pytest.raises(ConfigError, match="sorted and distinct"):
         Group(0, (3, 1))
+    # a group read from a file or a message: a ConfigError for any bad type too, in the compiled build as well
+    assert Group.parse(2, [0, 3]) == Group(2, (0, 3)) == Group.formed(2, (0, 3))
+    for seq, members, message in [("0", [1], "seq must be an integer"), (True, [1], "seq must be an integer"),
+                                  (0, ["1"], "members must be a non-empty list"), (0, 1, "members must be a non-empty"),
+                                  (0, [], "members must be a non-empty"), (-1, [1], "seq must be an integer >= 0"),
+                                  (0, [2, 2], "sorted and distinct")]:
+        with pytest.raises(ConfigError, match=message):
+            Group.parse(seq, members)
     assert GeneratorConfig(nproc=6).topo == Topology(1, 6)
     assert GeneratorConfig(nproc=2, group_size=5).group_size == 2
     assert Topology(2, 3).node_of(4) == 1
