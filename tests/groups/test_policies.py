@@ -9,10 +9,12 @@ group must receive the same (seq, members), and the policy-specific rules must h
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import itertools
 import math
+import pickle
 import random
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -795,6 +797,10 @@ def test_registry_and_config_validation() -> None:
         Topology(2, 0)
     with pytest.raises(ConfigError, match="sorted and distinct"):
         Group(0, (3, 1))
+    # a group pickles and copies as itself, in the compiled build as well
+    group = Group(4, (1, 5))
+    for twin in (pickle.loads(pickle.dumps(group)), copy.copy(group), copy.deepcopy(group)):
+        assert twin == group and type(twin) is Group and twin.members == (1, 5)
     # a group read from a file or a message: a ConfigError for any bad type too, in the compiled build as well
     assert Group.parse(2, [0, 3]) == Group(2, (0, 3)) == Group.formed(2, (0, 3))
     for seq, members, message in [("0", [1], "seq must be an integer"), (True, [1], "seq must be an integer"),

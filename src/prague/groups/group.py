@@ -72,6 +72,11 @@ class Group:
             raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {members!r}")
         return Group(seq, tuple(members))
 
+    def __reduce__(self) -> tuple[type[Group], tuple[int, tuple[int, ...]]]:
+        # pickle and copy rebuild it through the constructor: the compiled build's frozen class refuses their
+        # default, which sets the fields one by one
+        return (Group, (self.seq, self.members))
+
     @property
     def size(self) -> int:
         return len(self.members)
