@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -75,37 +76,42 @@ def write_manifest(src: Path, target: Path) -> Path:
     return out
 
 
-def extensions(src: Path = _SRC) -> list[str]:
-    """The modules of :data:`COMPILED` that have a compiled extension beside their source."""
-    found = []
-    for path in COMPILED:
-        source = src / path
-        stem = source.name[: -len(".py")]
-        if any((source.parent / (stem + suffix)).exists() for suffix in EXTENSION_SUFFIXES):
-            found.append(path)
+def _compiled_sources(src: Path) -> set[str]:
+    """The source path (relative to ``src``) of every extension module under ``src/prague``, one walk of the tree
+    (``import prague`` makes it), whether or not that source exists."""
+    suffixes = sorted(EXTENSION_SUFFIXES, key=len, reverse=True)  # ``api.cpython-311-...so`` is ``api``'s
+    found = set()
+    for folder, dirs, names in os.walk(src / "prague"):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            suffix = next((s for s in suffixes if name.endswith(s)), None)
+            if suffix is not None:
+                found.add((Path(folder) / (name[: -len(suffix)] + ".py")).relative_to(src).as_posix())
     return found
 
 
-def strays(src: Path = _SRC) -> list[str]:
+def extensions(src: Path = _SRC, compiled: set[str] | None = None) -> list[str]:
+    """The modules of :data:`COMPILED` that have a compiled extension beside their source (``compiled``: what
+    :func:`_compiled_sources` found, read again when not given)."""
+    compiled = _compiled_sources(src) if compiled is None else compiled
+    return [path for path in COMPILED if path in compiled]
+
+
+def strays(src: Path = _SRC, compiled: set[str] | None = None) -> list[str]:
     """Compiled extensions beside a source that :data:`COMPILED` no longer names (left by an older build): each
-    shadows its source as a stale build would."""
-    found = []
-    for suffix in EXTENSION_SUFFIXES:
-        for extension in (src / "prague").rglob(f"*{suffix}"):
-            source = extension.with_name(extension.name[: -len(suffix)] + ".py")
-            path = source.relative_to(src).as_posix()
-            if source.exists() and path not in COMPILED:
-                found.append(path)
-    return sorted(found)
+    shadows its source as a stale build would. (A shared library without a source, mypyc's, is none.)"""
+    compiled = _compiled_sources(src) if compiled is None else compiled
+    return sorted(path for path in compiled if path not in COMPILED and (src / path).exists())
 
 
 def state(src: Path = _SRC) -> str:
     """``"pure"``, or ``"compiled (N modules)"``; :class:`StaleBuildError` when a compiled module is stale."""
     fix = "run `make compiled` to build it again, or `make clean-compiled` to run the pure Python"
-    left = strays(src)
+    compiled = _compiled_sources(src)
+    left = strays(src, compiled)
     if left:
         raise StaleBuildError(f"compiled modules that the build no longer compiles: {', '.join(left)}: {fix}")
-    built = extensions(src)
+    built = extensions(src, compiled)
     if not built:
         return "pure"
     manifest = src / "prague" / MANIFEST

@@ -31,6 +31,19 @@ def check_worker_id(worker: object, nproc: int) -> None:
         )
 
 
+def _checked(seq: object, members: tuple[object, ...], given: object) -> tuple[int, tuple[int, ...]]:
+    """``(seq, members)`` of a group, checked whatever their types: ConfigError naming what is wrong (``given``: the
+    members as they came, for the message)."""
+    if not is_int(seq) or seq < 0:
+        raise ConfigError(f"group seq must be an integer >= 0, got {seq!r}")
+    ranks = tuple(m for m in members if is_int(m) and m >= 0)
+    if not members or len(ranks) != len(members):
+        raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {given!r}")
+    if list(ranks) != sorted(set(ranks)):
+        raise ConfigError(f"group members must be sorted and distinct, got {given!r}")
+    return seq, ranks
+
+
 @dataclass(frozen=True)
 class Group:
     """One P-Reduce group: every member receives this same object.
@@ -43,14 +56,7 @@ class Group:
     members: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not is_int(self.seq) or self.seq < 0:
-            raise ConfigError(f"group seq must be an integer >= 0, got {self.seq!r}")
-        members = tuple(self.members)
-        if not members or any(not is_int(m) or m < 0 for m in members):
-            raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {self.members!r}")
-        if list(members) != sorted(set(members)):
-            raise ConfigError(f"group members must be sorted and distinct, got {self.members!r}")
-        object.__setattr__(self, "members", members)
+        object.__setattr__(self, "members", _checked(self.seq, tuple(self.members), self.members)[1])
 
     @staticmethod
     def formed(seq: int, members: tuple[int, ...]) -> Group:
@@ -66,11 +72,7 @@ class Group:
     def parse(seq: object, members: object) -> Group:
         """A group read from outside (a message, a file): ConfigError naming what is wrong, whatever the values'
         types (the compiled build's constructor would raise TypeError for a field of another type)."""
-        if not is_int(seq):
-            raise ConfigError(f"group seq must be an integer >= 0, got {seq!r}")
-        if not isinstance(members, (list, tuple)) or not all(is_int(m) for m in members):
-            raise ConfigError(f"group members must be a non-empty list of ranks >= 0, got {members!r}")
-        return Group(seq, tuple(members))
+        return Group.formed(*_checked(seq, tuple(members) if isinstance(members, (list, tuple)) else (), members))
 
     def __reduce__(self) -> tuple[type[Group], tuple[int, tuple[int, ...]]]:
         # pickle and copy rebuild it through the constructor: the compiled build's frozen class refuses their
