@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prague.comm.cache import CommunicatorCache, group_needs_setup
+from prague.comm.cache import HASH_ONCE_OVER, CommunicatorCache, group_needs_setup
+from prague.comm.keys import HashedMembers
 from prague.errors import ConfigError
 
 
@@ -68,3 +72,23 @@ def test_use_is_get_then_put_on_a_miss(schedule: list[tuple[int, ...]], cap: int
         expected = None if hit else len(reference.put(members, True))
         assert used.use(members, True) == expected
         assert used.keys() == reference.keys()
+
+
+def test_a_large_group_is_one_key_with_its_plain_tuple() -> None:
+    """A member set over the hash-once size is wrapped once for all its members' caches: it is the same key as
+    the plain tuple (hit, eviction, order), and it pickles and copies as one."""
+    n = HASH_ONCE_OVER + 5
+    everyone = tuple(range(n))
+    caches = [CommunicatorCache[bool](2) for _ in range(n)]
+    assert group_needs_setup(iter(caches), everyone) == (True, 0)
+    assert all(everyone in c for c in caches)
+    assert group_needs_setup(iter(caches), tuple(range(n))) == (False, 0)  # an equal tuple: the same key
+    assert group_needs_setup((caches[m] for m in (0, 1)), (0, 1)) == (True, 0)
+    assert group_needs_setup((caches[m] for m in (0, 2)), (0, 2)) == (True, 1)  # rank 0's full cache evicts `everyone`
+    assert everyone not in caches[0] and everyone in caches[1] and everyone in caches[2]
+    assert group_needs_setup(iter(caches), everyone) == (True, 1)  # rank 0 lacks it again, and evicts (0, 1)
+    assert caches[0].keys() == [(0, 2), everyone]
+    key = caches[5].keys()[-1]
+    assert isinstance(key, HashedMembers) and key == everyone and hash(key) == hash(everyone) == hash(key)
+    assert type(pickle.loads(pickle.dumps(key))) is tuple and pickle.loads(pickle.dumps(key)) == everyone
+    assert type(copy.copy(key)) is tuple and copy.deepcopy(key) == everyone

@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Generic, TypeVar, cast
 
+from prague.comm.keys import HashedMembers
 from prague.errors import ConfigError
 
 V = TypeVar("V")
 _ABSENT = object()
 Members = tuple[int, ...]
+#: Member sets longer than this are hashed once for all the caches a group is looked up in (a tuple hashes its
+#: ranks again at every lookup); shorter ones cost less than the wrapper.
+HASH_ONCE_OVER = 32
 
 
 class CommunicatorCache(Generic[V]):
@@ -84,8 +88,9 @@ def group_needs_setup(caches: Iterable[CommunicatorCache[bool]], members: Member
     and how many entries were evicted. Every member's cache then holds the set as most recently used: the
     runtime's handshake (:meth:`prague.comm.preduce.GroupCommunicators.get`) has the same outcome."""
     missing, evicted = False, 0
+    key = HashedMembers(members) if len(members) > HASH_ONCE_OVER else members
     for cache in caches:
-        dropped = cache.use(members, True)  # now its most recently used
+        dropped = cache.use(key, True)  # now its most recently used
         if dropped is not None:
             missing = True
             evicted += dropped
