@@ -66,6 +66,9 @@ from prague.sim.traffic import Bursts
 from prague.workload.budget import SharedBatches
 
 
+#: What a worker's log holds for each iteration, side by side: when it ended, its compute, its slowdown, its
+#: communication and its waiting (:meth:`World.record`).
+_FIELDS = 5
 DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
 
 
@@ -160,13 +163,12 @@ class World:
         # Bursts on the links between nodes, at the inter-node link's rate (the emulated hosts' --link-rate).
         self.bursts = None if cross_traffic is None else Bursts(cross_traffic, seed, cluster.inter)
         self.fabric = Fabric(topology, cluster, self.bursts, clock=lambda: self.engine.now)
-        # Per worker, one value a step, as raw doubles (8 bytes each; a list of floats takes 32): at 16,384 workers
-        # x 1,000 steps these logs are the run's largest objects.
-        self.end_s: list[array[float]] = [array("d") for _ in range(self.n)]
-        self.compute_log: list[array[float]] = [array("d") for _ in range(self.n)]
-        self.slowdown_log: list[array[float]] = [array("d") for _ in range(self.n)]
-        self.comm_log: list[array[float]] = [array("d") for _ in range(self.n)]
-        self.wait_log: list[array[float]] = [array("d") for _ in range(self.n)]
+        # Per worker, one log of raw doubles (8 bytes each; a list of floats takes 32), _FIELDS a step side by
+        # side: a step's record touches one array's end, where one array per field touched five, each a likely
+        # cache miss at 16,384 workers. At 16,384 workers x 1,000 steps these logs are the run's largest objects.
+        self._logs: list[array[float]] = [array("d") for _ in range(self.n)]
+        self._recorded = 0  # steps recorded, all workers: the fields read apart (_columns) are for this many
+        self._read: tuple[int, list[list[array[float]]]] | None = None
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived (a set), members]
         self.groups_run = 0
         self.group_members = 0
@@ -234,8 +236,12 @@ class World:
         if w in self.stopped:
             return True
         if self._shares is None:
-            return len(self.end_s[w]) >= self.steps
-        return self._out_of_batches[w] and len(self.end_s[w]) == len(self.batch_index[w])
+            return len(self._logs[w]) >= _FIELDS * self.steps
+        return self._out_of_batches[w] and len(self._logs[w]) == _FIELDS * len(self.batch_index[w])
+
+    def steps_run(self, w: int) -> int:
+        """The iterations ``w`` has recorded."""
+        return len(self._logs[w]) // _FIELDS
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:
@@ -269,25 +275,57 @@ class World:
 
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
-        ends, now = self.end_s[rank], self.engine.now
-        step = len(ends)
-        ends.append(now)
-        self.compute_log[rank].append(compute_s)
+        log, now = self._logs[rank], self.engine.now
+        step = len(log) // _FIELDS
         factor = 1.0
         if self._slow:
             at, factor = self._slowdown_at[rank]
             if at != step:
                 factor = self._slowdown(rank, step)
-        self.slowdown_log[rank].append(factor)
-        self.comm_log[rank].append(comm_s)
-        self.wait_log[rank].append(wait_s)
+        log.append(now)  # in the order of _FIELDS
+        log.append(compute_s)
+        log.append(factor)
+        log.append(comm_s)
+        log.append(wait_s)
+        self._recorded += 1
         if self._math_on:
             self.math.reached(rank, step, now)
 
+    def _columns(self) -> list[list[array[float]]]:
+        """Each field of :data:`_FIELDS`, per worker, one value a step: read apart once for what is recorded."""
+        if self._read is None or self._read[0] != self._recorded:
+            self._read = (self._recorded, [[log[i::_FIELDS] for log in self._logs] for i in range(_FIELDS)])
+        return self._read[1]
+
+    @property
+    def end_s(self) -> list[array[float]]:
+        """Per worker, the simulated time each iteration ended."""
+        return self._columns()[0]
+
+    @property
+    def compute_log(self) -> list[array[float]]:
+        """Per worker, each iteration's compute time."""
+        return self._columns()[1]
+
+    @property
+    def slowdown_log(self) -> list[array[float]]:
+        """Per worker, each iteration's slowdown factor (the scenario's)."""
+        return self._columns()[2]
+
+    @property
+    def comm_log(self) -> list[array[float]]:
+        """Per worker, each iteration's communication time."""
+        return self._columns()[3]
+
+    @property
+    def wait_log(self) -> list[array[float]]:
+        """Per worker, each iteration's waiting time."""
+        return self._columns()[4]
+
     def timings(self) -> list[WorkerTiming]:
-        return [WorkerTiming(end_s=self.end_s[w], compute_s=self.compute_log[w], comm_s=self.comm_log[w],
-                             slowdown=self.slowdown_log[w],
-                             wait_s=self.wait_log[w]) for w in range(self.n)]
+        ends, computes, slowdowns, comms, waits = self._columns()
+        return [WorkerTiming(end_s=ends[w], compute_s=computes[w], comm_s=comms[w], slowdown=slowdowns[w],
+                             wait_s=waits[w]) for w in range(self.n)]
 
     # -- groups -------------------------------------------------------------------------------------
     def use_comm_cache(self, capacity: int) -> None:

@@ -335,7 +335,7 @@ class SimPrague(SimMethod):
         """After the last step: the groups ``w`` is still committed to, blocking, as the runtime does."""
         remaining = yield self._ask(w, "finish")
         for group in remaining:
-            steps = len(self.world.end_s[w])
+            steps = self.world.steps_run(w)
             self._log(w, steps, group)
             sig = self._run(w, group, steps)
             if sig is not None:
@@ -522,7 +522,7 @@ class SimPrague(SimMethod):
 
     def _overlap_stats(self) -> dict[str, Any]:
         exposed = self.exposed_s if self.options.overlap == "on" else self.averaging_s
-        return overlap_report(self.options, steps=sum(len(ends) for ends in self.world.end_s),
+        return overlap_report(self.options, steps=sum(map(self.world.steps_run, range(self.world.n))),
                               local_steps=self.local_steps,
                               busy_local_steps=self.counts.busy_local_steps,
                               average_waits=self.counts.average_waits,
