@@ -60,7 +60,11 @@ class CommunicatorCache(Generic[V]):
         if known is not _ABSENT:  # back in, now the most recently used
             entries[members] = cast(V, known)
             return None
-        return len(self.put(members, value))
+        entries[members] = value  # as put: one entry more, so at most one out
+        if len(entries) > self.capacity:
+            del entries[next(iter(entries))]
+            return 1
+        return 0
 
     def pop(self, members: Members) -> V | None:
         """Forget ``members``; returns its entry, if any."""

@@ -376,12 +376,19 @@ class World:
 
     def _try_start(self, key: Any, entry: list[Any]) -> None:
         """Start meeting ``key`` once every live member has joined."""
-        sig, arrived, members, size_bytes, on_done, cost_s, setup, exchange_s, collective = entry
-        if self.declared and len(members) == self.n and len(arrived) < self.n - len(self.declared):
-            return  # every worker (a last average) with some failed: counted, not listed again at each join
-        live = members if not self.declared else tuple(m for m in members if m not in self.declared)
-        if len(arrived) < len(live) or not live:
-            return
+        members: tuple[int, ...] = entry[2]
+        if not self.declared:
+            if len(entry[1]) < len(members) or not members:
+                return
+            live = members
+        else:
+            arrived: set[Any] = entry[1]
+            if len(members) == self.n and len(arrived) < self.n - len(self.declared):
+                return  # every worker (a last average) with some failed: counted, not listed again at each join
+            live = tuple(m for m in members if m not in self.declared)
+            if len(arrived) < len(live) or not live:
+                return
+        sig, _, _, size_bytes, on_done, cost_s, setup, exchange_s, collective = entry
         del self._meetings[key]
         self._start_group(live, sig, self.state_bytes if size_bytes is None else size_bytes, on_done, cost_s,
                           setup, exchange_s, collective)

@@ -265,7 +265,7 @@ class SimPrague(SimMethod):
         """The weights of group ``seq`` by member (None: the equal mean), forgotten once read."""
         return self._group_weights.pop(seq, None) if self._since is not None else None
 
-    def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None]) -> Signal:
+    def _meet(self, w: int, group: Group, on_done: Callable[[tuple[int, ...]], None] | None) -> Signal:
         """``w`` joins ``group``'s average (blocking, or on its averaging thread): a ring all-reduce of the
         state, or with ``--compress`` a ring all-gather of every member's message of the runtime's size."""
         self.sent_bytes += member_send_bytes(self._numel, group.size, self.options.compress)
@@ -409,6 +409,7 @@ class SimPrague(SimMethod):
         meet it, settle); it waits for work when there is none (and simply never wakes once its worker is
         done)."""
         engine, stopped, jobs = self.world.engine, self.world.stopped, self._jobs[w]
+        settles = self._math_on or self._since is not None  # whether a group's end has work (_correct)
         while True:
             if not jobs:
                 idle = self._idle[w] = Signal(engine)
@@ -435,10 +436,12 @@ class SimPrague(SimMethod):
                 elif effect == REDUCE:
                     seq = group.seq
                     self._weigh(w, seq, step)
-                    yield self._meet(w, group, functools.partial(self._correct, seq))
+                    # Without values (NoMath) and with equal weights a group has nothing to settle at its end.
+                    yield self._meet(w, group, functools.partial(self._correct, seq) if settles else None)
                     if w in stopped:
                         return
-                    correction = self._corrections.pop((seq, w), None)
+                    if self._math_on:  # corrections are computed from values only
+                        correction = self._corrections.pop((seq, w), None)
                 else:  # SETTLE
                     if group.is_local:
                         self.local_steps += 1
