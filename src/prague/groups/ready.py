@@ -110,10 +110,14 @@ class ReadyGenerator(PolicyBase):
             raise ConfigError(f"shards must be an integer >= 1, got {shards!r}")
         self._sharded = shards > 1
         self._waiting: dict[int, float] = {}  # worker -> time of its request, in arrival order
-        self._last_met: dict[tuple[int, int], int] = {}  # sparse recency matrix: (a, b), a < b -> seq
-        # The pairs set, oldest first: an entry older than the horizon weighs as one never set, so it is
-        # dropped, and the matrix holds at most the pairs of the last horizon groups whatever the job's length.
-        self._met_order: deque[tuple[int, tuple[int, int]]] = deque()
+        # Sparse recency matrix: the pair a < b, as the int a * nproc + b (:meth:`_pair`: no tuple to make, hash and
+        # free, and no object for the cycle collector) -> seq.
+        self._last_met: dict[int, int] = {}
+        self._n = config.nproc
+        # The pairs set, oldest first, as two ints each, seq then pair: an entry older than the horizon weighs as
+        # one never set, so it is dropped, and the matrix holds at most the pairs of the last horizon groups
+        # whatever the job's length.
+        self._met_order: deque[int] = deque()
         # About one round of groups among the workers this generator serves: at a shard, its part's round (a
         # shard forms a group from its own part only, and its part is drawn again every few rounds).
         part = -(-config.nproc // shards)
@@ -324,7 +328,11 @@ class ReadyGenerator(PolicyBase):
     def last_met(self, a: int, b: int) -> int | None:
         """``seq`` of the last group holding both ``a`` and ``b`` (None if they never met, or not within the
         last round of groups, the horizon H of the module docstring, beyond which meetings no longer count)."""
-        return self._last_met.get((min(a, b), max(a, b)))
+        return self._last_met.get(self._pair(a, b))
+
+    def _pair(self, a: int, b: int) -> int:
+        """The recency matrix's key of the pair ``a``, ``b``."""
+        return a * self._n + b if a < b else b * self._n + a
 
     def stats(self) -> dict[str, float | int]:
         out = super().stats()
@@ -373,19 +381,16 @@ class ReadyGenerator(PolicyBase):
         if len(waiting) < 2:
             return False
         floor = self._next_seq - self._horizon
-        last_met = self._last_met
+        last_met, n = self._last_met, self._n
         for i, a in enumerate(waiting):
             for b in waiting[i + 1:]:
-                if last_met.get((a, b), floor - 1) < floor:
+                if last_met.get(a * n + b, floor - 1) < floor:  # a < b: sorted
                     return False
         return True
 
     def _weight(self, candidate: int, chosen: list[int]) -> int:
-        horizon = self._horizon
-        staleness = min(
-            self._next_seq - self._last_met.get((min(candidate, m), max(candidate, m)), -horizon)
-            for m in chosen
-        )
+        horizon, pair = self._horizon, self._pair
+        staleness = min(self._next_seq - self._last_met.get(pair(candidate, m), -horizon) for m in chosen)
         return min(staleness, horizon) ** 2
 
     def _take(self, k: int, requester: int | None, kind: str, now_s: float, pool: list[int] | None = None
@@ -419,13 +424,15 @@ class ReadyGenerator(PolicyBase):
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
             extra["total_wait_s"] += now_s - waiting.pop(m)
-        last_met, order, seq = self._last_met, self._met_order, group.seq
-        for pair in combinations(group.members, 2):
-            last_met[pair] = seq
-            order.append((seq, pair))
+        last_met, order, seq, n = self._last_met, self._met_order, group.seq, self._n
+        for a, b in combinations(group.members, 2):  # sorted members: a < b
+            last_met[a * n + b] = seq
+            order.append(seq)
+            order.append(a * n + b)
         floor = self._next_seq - self._horizon  # older meetings weigh as none (_weight, _is_repeat)
-        while order and order[0][0] < floor:
-            old, pair = order.popleft()
+        while order and order[0] < floor:
+            old = order.popleft()
+            pair = order.popleft()
             if last_met[pair] == old:
                 del last_met[pair]
         return [(m, group) for m in group.members]
