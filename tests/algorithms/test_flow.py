@@ -3,9 +3,11 @@ the one sequence of effects the runtime and the simulator both perform."""
 
 from __future__ import annotations
 
+import pytest
+
 from prague.algorithms.prague.flow import (
-    ASK, CATCH_UP, COMMITTED, DRAIN, FINAL, REDUCE, SETTLE, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging,
-    finishing, overlapped_step,
+    ASK, CATCH_UP, COMMITTED, DONE, DRAIN, FINAL, REDUCE, SETTLE, SUBMIT, TAKE_OLDEST, TAKE_READY, OverlapCounts,
+    averaging, finishing, overlapped_step,
 )
 
 
@@ -52,13 +54,14 @@ def _request(group_size: int, averages: object = True) -> list[tuple[str, object
     flow = averaging()
     seen = []
     effect = next(flow)
-    try:
-        while True:
-            seen.append(effect)
-            reply = {ASK: Group(seq=7, members=tuple(range(group_size))), REDUCE: averages}.get(effect[0])
-            effect = flow.send(reply)
-    except StopIteration:
-        return seen
+    while effect[0] != DONE:
+        seen.append(effect)
+        reply = {ASK: Group(seq=7, members=tuple(range(group_size))), REDUCE: averages}.get(effect[0])
+        effect = flow.send(reply)
+    assert effect == (DONE, None)
+    with pytest.raises(StopIteration):  # DONE is the last effect: nothing follows it
+        flow.send(None)
+    return seen
 
 
 def test_a_request_asks_catches_up_reduces_then_settles_its_correction() -> None:

@@ -14,7 +14,7 @@ On the averaging thread, each request the worker submitted goes through :func:`a
 group (:data:`ASK`); unless the group is the worker alone, add to the snapshot the earlier corrections
 it lacks (:data:`CATCH_UP`, :class:`~prague.algorithms.prague.overlap.Backlog`) and average it with the
 group (:data:`REDUCE`); then settle the request (:data:`SETTLE`): its correction, zero when nothing was
-averaged, goes to the backlog and to the worker.
+averaged, goes to the backlog and to the worker; :data:`DONE` then ends the request.
 
 Each function is a generator of effects: its driver performs each effect its own way and then asks for
 the next. The runtime (:meth:`prague.algorithms.prague.runtime.Prague.after_step`, the thread of
@@ -27,31 +27,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 #: Apply every average that has come back.
-TAKE_READY = "take_ready"
+TAKE_READY: Final = "take_ready"
 #: Wait for the oldest average still out, and apply it.
-TAKE_OLDEST = "take_oldest"
+TAKE_OLDEST: Final = "take_oldest"
 #: Hand a snapshot of the parameters to the background averager.
-SUBMIT = "submit"
+SUBMIT: Final = "submit"
 #: Apply every average still out, waiting for each.
-DRAIN = "drain"
+DRAIN: Final = "drain"
 #: Run the groups the worker is still committed to, and leave.
-COMMITTED = "committed"
+COMMITTED: Final = "committed"
 #: Once every living worker is done: average the values over all of them (``--final-average on``).
-FINAL = "final"
+FINAL: Final = "final"
 
 #: The averaging thread: ask for the request's group; the driver sends the :class:`~prague.groups.Group` back.
-ASK = "ask"
+ASK: Final = "ask"
 #: Add to the request's snapshot the corrections of earlier requests it lacks.
-CATCH_UP = "catch_up"
+CATCH_UP: Final = "catch_up"
 #: Average the snapshot with the group (the effect's argument); the driver sends back False when nothing
 #: was averaged (every other member had failed), anything else when it was.
-REDUCE = "reduce"
+REDUCE: Final = "reduce"
 #: The request is done: its correction (zero where the argument, whether it averaged, is False) goes to
 #: the backlog, then to the worker.
-SETTLE = "settle"
+SETTLE: Final = "settle"
+#: The request is over: the driver stops (the generator ends without raising StopIteration, which a driver
+#: would otherwise catch at every request).
+DONE: Final = "done"
 
 
 @dataclass
@@ -89,10 +92,11 @@ def finishing(final_average: bool) -> Iterator[str]:
 def averaging() -> Generator[tuple[str, Any], Any, None]:
     """The effects of one request on the averaging thread (see the module docstring), each as
     ``(effect, argument)``: ``(ASK, None)``, then for a group of more than one ``(CATCH_UP, group)`` and
-    ``(REDUCE, group)``, then ``(SETTLE, averaged)``."""
+    ``(REDUCE, group)``, then ``(SETTLE, averaged)``, then ``(DONE, None)``, where the driver stops."""
     group = yield ASK, None
     averaged = False
     if not group.is_local:
         yield CATCH_UP, group
         averaged = (yield REDUCE, group) is not False
     yield SETTLE, averaged
+    yield DONE, None

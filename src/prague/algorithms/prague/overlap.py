@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from prague.algorithms.prague.flow import ASK, CATCH_UP, REDUCE, averaging
+from prague.algorithms.prague.flow import ASK, CATCH_UP, DONE, REDUCE, averaging
 from prague.comm.streams import HOST, Streams
 from prague.runtime.background import COMMUNICATING, QueuedWork
 from prague.groups import Group
@@ -201,7 +201,7 @@ class BackgroundAverager(QueuedWork[_Request]):
             flow = averaging()
             effect, argument = next(flow)
             with self._streams.side():
-                while True:
+                while effect != DONE:
                     reply: Any = None
                     if effect == ASK:
                         group = reply = self._next_group(step)
@@ -220,10 +220,7 @@ class BackgroundAverager(QueuedWork[_Request]):
                         correction = work.sub_(snapshot) if argument else work.zero_()
                         self._streams.finish(self._streams.mark())  # the correction is complete on the device
                         self._backlog.finished(index, correction if argument else None)
-                    try:
-                        effect, argument = flow.send(reply)
-                    except StopIteration:
-                        break
+                    effect, argument = flow.send(reply)
             t2 = time.perf_counter()
         assert group is not None
         with self.cond:

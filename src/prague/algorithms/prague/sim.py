@@ -47,7 +47,7 @@ from typing import Any
 
 from prague.algorithms.prague import final_report, overlap_report
 from prague.algorithms.prague.flow import (
-    ASK, CATCH_UP, COMMITTED, DRAIN, FINAL, REDUCE, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging, finishing,
+    ASK, CATCH_UP, COMMITTED, DONE, DRAIN, FINAL, REDUCE, TAKE_OLDEST, TAKE_READY, OverlapCounts, averaging, finishing,
     overlapped_step,
 )
 from prague.algorithms.prague.overlap import Backlog
@@ -423,7 +423,7 @@ class SimPrague(SimMethod):
             correction = None
             flow = averaging()
             effect, argument = next(flow)
-            while True:
+            while effect != DONE:
                 reply: Any = None
                 if effect == ASK:
                     group = reply = yield self._ask(w, "request", step)
@@ -447,10 +447,7 @@ class SimPrague(SimMethod):
                         self.local_steps += 1
                     if argument and correction is not None:  # None stands for zero: nothing to keep
                         self._backlogs[w].finished(index, correction)
-                try:
-                    effect, argument = flow.send(reply)
-                except StopIteration:
-                    break
+                effect, argument = flow.send(reply)
             self.averaging_s += engine.now - t0
             self._finished[w].append((index, group, correction))
             wake, self._wake[w] = self._wake[w], None
