@@ -113,7 +113,6 @@ class ReadyGenerator(PolicyBase):
         # Sparse recency matrix: the pair a < b, as the int a * nproc + b (:meth:`_pair`: no tuple to make, hash and
         # free, and no object for the cycle collector) -> seq.
         self._last_met: dict[int, int] = {}
-        self._n = config.nproc
         # The pairs set, oldest first, as two ints each, seq then pair: an entry older than the horizon weighs as
         # one never set, so it is dropped, and the matrix holds at most the pairs of the last horizon groups
         # whatever the job's length.
@@ -332,7 +331,7 @@ class ReadyGenerator(PolicyBase):
 
     def _pair(self, a: int, b: int) -> int:
         """The recency matrix's key of the pair ``a``, ``b``."""
-        return a * self._n + b if a < b else b * self._n + a
+        return a * self.nproc + b if a < b else b * self.nproc + a
 
     def stats(self) -> dict[str, float | int]:
         out = super().stats()
@@ -381,7 +380,7 @@ class ReadyGenerator(PolicyBase):
         if len(waiting) < 2:
             return False
         floor = self._next_seq - self._horizon
-        last_met, n = self._last_met, self._n
+        last_met, n = self._last_met, self.nproc
         for i, a in enumerate(waiting):
             for b in waiting[i + 1:]:
                 if last_met.get(a * n + b, floor - 1) < floor:  # a < b: sorted
@@ -424,7 +423,7 @@ class ReadyGenerator(PolicyBase):
         extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
         for m in group.members:
             extra["total_wait_s"] += now_s - waiting.pop(m)
-        last_met, order, seq, n = self._last_met, self._met_order, group.seq, self._n
+        last_met, order, seq, n = self._last_met, self._met_order, group.seq, self.nproc
         for a, b in combinations(group.members, 2):  # sorted members: a < b
             last_met[a * n + b] = seq
             order.append(seq)

@@ -167,7 +167,7 @@ class World:
         # side: a step's record touches one array's end, where one array per field touched five, each a likely
         # cache miss at 16,384 workers. At 16,384 workers x 1,000 steps these logs are the run's largest objects.
         self._logs: list[array[float]] = [array("d") for _ in range(self.n)]
-        self._recorded = 0  # steps recorded, all workers: the fields read apart (_columns) are for this many
+        # The fields read apart (_columns), with the length of the logs they were read from (the logs only grow).
         self._read: tuple[int, list[list[array[float]]]] | None = None
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived (a set), members]
         self.groups_run = 0
@@ -287,14 +287,14 @@ class World:
         log.append(factor)
         log.append(comm_s)
         log.append(wait_s)
-        self._recorded += 1
         if self._math_on:
             self.math.reached(rank, step, now)
 
     def _columns(self) -> list[list[array[float]]]:
         """Each field of :data:`_FIELDS`, per worker, one value a step: read apart once for what is recorded."""
-        if self._read is None or self._read[0] != self._recorded:
-            self._read = (self._recorded, [[log[i::_FIELDS] for log in self._logs] for i in range(_FIELDS)])
+        logged = sum(map(len, self._logs))
+        if self._read is None or self._read[0] != logged:
+            self._read = (logged, [[log[i::_FIELDS] for log in self._logs] for i in range(_FIELDS)])
         return self._read[1]
 
     @property
