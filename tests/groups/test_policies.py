@@ -451,7 +451,7 @@ def test_smart_threshold_counts_iterations_not_requests() -> None:
     smart.request(1, 0.0, iteration=19)  # one request, 20 steps done
     smart.request(2, 0.0, iteration=2)  # truly behind: 3 steps
     smart.request(3, 0.0, iteration=18)
-    assert smart.counts == [21, 1, 1, 1] and smart.progress == [21, 20, 3, 19]  # type: ignore[attr-defined]
+    assert list(smart.counts) == [21, 1, 1, 1] and list(smart.progress) == [21, 20, 3, 19]  # type: ignore[attr-defined]
     assert smart.eligible(0) == [0, 1, 3]  # type: ignore[attr-defined]
     # Without iterations each request counts as one step, and the same workers look 20 steps behind.
     plain = make_generator("smart", config)
@@ -474,7 +474,7 @@ def test_smart_threshold_in_time_weighs_the_lag_by_each_workers_step_time() -> N
     for worker, t, step in calls:
         smart.request(worker, t, iteration=step)
     assert [smart.step_time(w) for w in range(4)] == [1.0, 1.0, 4.0, None]  # type: ignore[attr-defined]
-    assert smart.progress == [4, 2, 2, 2]  # type: ignore[attr-defined]
+    assert list(smart.progress) == [4, 2, 2, 2]  # type: ignore[attr-defined]
     steps = make_generator("smart", dataclasses.replace(config, threshold="steps"))
     for worker, t, step in calls:
         steps.request(worker, t, iteration=step)

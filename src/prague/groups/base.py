@@ -9,6 +9,7 @@ every member's FIFO is what makes any schedule built this way deadlock-free.
 from __future__ import annotations
 
 import random
+from array import array
 from collections import deque
 
 from prague.errors import ConfigError
@@ -32,8 +33,10 @@ class PolicyBase:
         self.config = config
         self.nproc = config.nproc  # checked at every call
         self.rng = random.Random(config.seed)
-        self.counts = [0] * config.nproc  # requests per worker
-        self.progress = [0] * config.nproc  # steps per worker, as its requests report them
+        # Per worker, raw integers (no int object made per request, none kept per worker: a shard holds these for
+        # every worker of the job): its requests, and its steps as its requests report them.
+        self.counts = array("q", bytes(8 * config.nproc))
+        self.progress = array("q", bytes(8 * config.nproc))
         self.finished = [False] * config.nproc
         self._active: tuple[int, ...] | None = None  # built when asked for, after a change
         self.active_count = config.nproc  # workers that have not finished
@@ -116,8 +119,8 @@ class PolicyBase:
         groups after ``seq``, the last one an earlier instance handed out, and take the workers' request
         counts (and progress) from where they were."""
         self._next_seq = max(self._next_seq, seq + 1)
-        self.counts = [max(a, b) for a, b in zip(self.counts, counts)]
-        self.progress = [max(a, b) for a, b in zip(self.progress, counts)]
+        self.counts = array("q", [max(a, b) for a, b in zip(self.counts, counts)])
+        self.progress = array("q", [max(a, b) for a, b in zip(self.progress, counts)])
 
     # -- defaults for policies without timers ------------------------------------------------------
     def poll(self, now_s: float) -> list[Answer]:

@@ -32,7 +32,9 @@ it) and sets the window to :data:`ADAPTIVE_SHARE` of the median of those, within
 [:data:`MIN_WINDOW_S`, :data:`MAX_WINDOW_S`] (:data:`FIRST_WINDOW_S` until some worker has asked twice),
 taken again each time ``1 / MEDIAN_EVERY`` of the workers have asked (at every request up to
 :data:`MEDIAN_EVERY` workers), by a linear-time selection (``numpy.partition``): the cost of a request does not
-grow with the job.
+grow with the job. At a shard of a sharded generator a worker's requests come in runs, one per epoch it is served
+there; the time from its last request of one run to its first of the next, more than :data:`MAX_GAP` steps later,
+is not an interval of its (counted, it drew the shard's window up by half at 2,048 workers in 8 shards).
 This is meant for overlapped workers (``prague --overlap on``): their request waits on a background
 thread while the next iteration computes, so waiting up to half an iteration costs nothing and gives
 slower workers time to arrive; a blocking worker would pay the window itself, so ``prague`` passes a
@@ -68,6 +70,7 @@ finishing worker (it is not waiting), but may complete a group for the others.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import deque
 from collections.abc import Iterable
@@ -97,6 +100,8 @@ ADAPT_EVERY = 32
 SHRINK_AT = 1.5
 GROW_AT = 1.15
 MAX_GAP = 8
+#: The counter of each kind of group :meth:`ReadyGenerator._take` forms.
+_COUNTED_AS = {"ready": "full_groups", "window": "window_groups", "all_here": "all_here_groups", "node": "node_groups"}
 
 
 class ReadyGenerator(PolicyBase):
@@ -121,11 +126,16 @@ class ReadyGenerator(PolicyBase):
         # shard forms a group from its own part only, and its part is drawn again every few rounds).
         part = -(-config.nproc // shards)
         self._horizon = -(-part // config.group_size)
-        self._last_request: list[float | None] = [None] * config.nproc
+        # Per worker of the job (a shard's requests come from any of them over a run), in flat arrays of raw
+        # numbers: when its last request came (NaN: none yet), and the slot of its moving average (-1: none yet).
+        # One element a worker, read in place: at 16,384 workers in 64 shards, per-worker floats and dict entries
+        # made anew as workers moved between shards grew a run's memory, and the cost of every request with it.
+        self._last_request = array("d", [math.nan]) * config.nproc
+        self._slot = array("q", [-1]) * config.nproc
+        self._measured = 0  # the slots given
         # The moving averages of the workers that have asked twice, each in its slot of one array of doubles
         # (the order they were first measured in; an ``array``'s item is read and written faster than a numpy
         # array's), whose median numpy selects in linear time over the same memory, with no float to convert.
-        self._slot: dict[int, int] = {}
         self._intervals = array("d")
         self._since_median = 0  # intervals measured since the median was last taken
         self._last_arrival = float("-inf")
@@ -158,15 +168,16 @@ class ReadyGenerator(PolicyBase):
             )
         before, asked = self.progress[worker], self.counts[worker]
         self._note_request(worker, iteration)
+        advanced = self.progress[worker] - before
         if self._adapt_size and iteration is not None and asked:
-            self._adapt(self.progress[worker] - before)
+            self._adapt(advanced)
         if now_s < self._last_arrival:
             self._in_order = False
         else:
             self._last_arrival = now_s
         self._waiting[worker] = now_s
         if self._adaptive_window:
-            self._measure(worker, now_s)
+            self._measure(worker, now_s, advanced)
         return self._settle(worker, now_s)
 
     def finish(self, worker: int, now_s: float) -> list[Answer]:
@@ -259,14 +270,19 @@ class ReadyGenerator(PolicyBase):
         """The window now: ``config.window_s``, or the adaptive one (see the module docstring)."""
         return self._window_s
 
-    def _measure(self, worker: int, now_s: float) -> None:
-        last, self._last_request[worker] = self._last_request[worker], now_s
-        if last is None:
+    def _measure(self, worker: int, now_s: float, steps: int) -> None:
+        """Count the time since ``worker``'s previous request here in its moving average; ``steps``: the steps it
+        advanced in between. At a shard a gap of more than :data:`MAX_GAP` steps is not an interval: the worker
+        was served by other shards in between (it only starts the next one)."""
+        last = self._last_request[worker]
+        self._last_request[worker] = now_s
+        if last != last or (steps > MAX_GAP and self._sharded):  # NaN: its first request here
             return
         gap = max(0.0, now_s - last)
-        slot = self._slot.get(worker)
-        if slot is None:
-            self._slot[worker] = len(self._slot)
+        slot = self._slot[worker]
+        if slot < 0:
+            self._slot[worker] = self._measured
+            self._measured += 1
             self._intervals.append(gap)
         else:
             self._intervals[slot] = (1 - _EWMA) * self._intervals[slot] + _EWMA * gap
@@ -275,7 +291,7 @@ class ReadyGenerator(PolicyBase):
         # requests barely move, one selection every n / MEDIAN_EVERY requests (about MEDIAN_EVERY linear
         # passes over n values spread over n requests: a constant cost a request).
         self._since_median += 1
-        measured = len(self._slot)
+        measured = self._measured
         if self._since_median * MEDIAN_EVERY < measured:
             return
         self._since_median = 0
@@ -420,9 +436,11 @@ class ReadyGenerator(PolicyBase):
                 chosen.append(candidates.pop(other[self.rng.choices(range(len(other)), weights)[0]]))
         group = self._form(chosen, requester, kind)
         extra = self.counters.extra
-        extra[f"{kind}_groups" if kind != "ready" else "full_groups"] += 1
+        extra[_COUNTED_AS[kind]] += 1
+        waited = extra["total_wait_s"]
         for m in group.members:
-            extra["total_wait_s"] += now_s - waiting.pop(m)
+            waited += now_s - waiting.pop(m)
+        extra["total_wait_s"] = waited
         last_met, order, seq, n = self._last_met, self._met_order, group.seq, self.nproc
         for a, b in combinations(group.members, 2):  # sorted members: a < b
             last_met[a * n + b] = seq

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 from typing import Any
 
 from prague.errors import ConfigError
@@ -183,8 +184,8 @@ class ShardedGenerator:
         self._finished = [False] * config.nproc
         for shard in self.shards:
             shard.policy.share_finished(self._finished)
-        self._asked = [0] * config.nproc  # requests per worker: the step of a request that names none
-        self._last_shard: dict[int, int] = {}  # the shard of each worker's latest request
+        self._asked = array("q", bytes(8 * config.nproc))  # requests per worker: the step of a request that names none
+        self._last_shard = array("q", [-1]) * config.nproc  # the shard of each worker's latest request (-1: none)
         # Finishes not yet told to every shard: the job's, in order, and how many each shard was told. A shard
         # is told (:meth:`_tell`) before anything else is asked of it, so it sees its calls in their order.
         self._finishes: list[tuple[int, float]] = []
@@ -232,7 +233,9 @@ class ShardedGenerator:
         active is now waiting (the only case where a finish forms groups: :class:`ReadyGenerator` groups
         whoever waits once nobody else can come); the others are told when next asked (:meth:`_shard`)."""
         check_worker_id(worker, self.config.nproc)
-        home = self._last_shard.get(worker, self.route(worker))
+        home = self._last_shard[worker]
+        if home < 0:
+            home = self.route(worker)
         got = {home: self._shard(home).finish(worker, now_s)}
         self._waiting -= len(got[home])
         self._finishes.append((worker, now_s))

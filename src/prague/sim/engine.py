@@ -48,11 +48,15 @@ class Signal:
     before anyone waits is fine: a waiter resumes at once (as a new event) when it yields the signal.
     """
 
-    __slots__ = ("_engine", "_waiters", "_fired", "_value")
+    __slots__ = ("_engine", "_first", "_more", "_fired", "_value")
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._waiters: list[Callable[[Any], None]] = []
+        # The waiters in the order they came: the first in a field of its own, any others in a list made for them.
+        # Most signals have one waiter (an answer, a wake-up) and a group's a few: a list for every signal was two
+        # allocations per wake-up (the list and the one swapped in at ``fire``).
+        self._first: Callable[[Any], None] | None = None
+        self._more: list[Callable[[Any], None]] | None = None
         self._fired = False
         self._value: Any = None
 
@@ -65,9 +69,13 @@ class Signal:
             raise RuntimeError("a Signal fires once; make a new one for the next wake-up")
         self._fired = True
         self._value = value
-        waiters, self._waiters = self._waiters, []
-        for resume in waiters:
-            resume(value)
+        first, more = self._first, self._more
+        self._first = self._more = None
+        if first is not None:
+            first(value)
+            if more is not None:
+                for resume in more:
+                    resume(value)
 
     def fire_after(self, delay_s: float, value: Any = None) -> None:
         """``fire(value)`` ``delay_s`` seconds from now (one event)."""
@@ -76,8 +84,12 @@ class Signal:
     def _wait(self, resume: Callable[[Any], None]) -> None:
         if self._fired:
             self._engine.after(0.0, resume, self._value)
+        elif self._first is None:
+            self._first = resume
+        elif self._more is None:
+            self._more = [resume]
         else:
-            self._waiters.append(resume)
+            self._more.append(resume)
 
 
 class Signals:
@@ -187,8 +199,10 @@ class Engine:
             if what.__class__ is Signal:  # Signal._wait, inlined: one call less per wake-up
                 if what._fired:
                     self._push(self.now, step, what._value)
+                elif what._first is None:
+                    what._first = step
                 else:
-                    what._waiters.append(step)
+                    what._wait(step)
             elif what.__class__ is float or what.__class__ is int:
                 self._push(self.now + what, step, None)
             elif isinstance(what, Signal):

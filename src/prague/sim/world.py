@@ -108,6 +108,32 @@ def jitter_for(dist: str, cv: float, seed: int, rank: int, steps: int) -> Jitter
     return Jitter(dist, cv, seed, rank, steps)
 
 
+_NO_SLOWDOWNS: dict[int, float] = {}  # every rank's paper slowdowns before its first block is drawn (never written)
+
+
+class _Rank:
+    """One worker's compute and log state, side by side in one object: a step reads a few fields of it, where a
+    list per field cost a likely cache miss per field at 16,384 workers.
+
+    ``base_s``: its nominal compute time; ``jitter``: its multipliers (None: none); ``slow_step``, ``slow_factor``:
+    the step whose slowdown :meth:`World.compute_s` drew last, and that slowdown (:meth:`World.record` logs it);
+    ``paper_block``, ``paper``: the block of steps whose paper slowdowns were drawn last, and its slowed steps;
+    ``log``: its log of raw doubles (8 bytes each; a list of floats takes 32), :data:`_FIELDS` a step side by
+    side, made ``steps`` steps long at once and written in place, ``written`` of them so far (it grows by as much
+    again only under a claimed budget: a log grown one step at a time was copied as it grew). At 16,384 workers x
+    1,000 steps the logs are the run's largest objects."""
+
+    def __init__(self, base_s: float, jitter: Jitter | None, log: array[float]) -> None:
+        self.base_s = base_s
+        self.jitter = jitter
+        self.slow_step = -1
+        self.slow_factor = 1.0
+        self.paper_block = -1
+        self.paper = _NO_SLOWDOWNS
+        self.log = log
+        self.written = 0
+
+
 class MemoryStore:
     """The part of the job's store that :class:`~prague.workload.budget.SharedBatches` uses, in memory: the
     simulated workers claim their batches from the runtime's own counter logic."""
@@ -163,10 +189,7 @@ class World:
         # Bursts on the links between nodes, at the inter-node link's rate (the emulated hosts' --link-rate).
         self.bursts = None if cross_traffic is None else Bursts(cross_traffic, seed, cluster.inter)
         self.fabric = Fabric(topology, cluster, self.bursts, clock=lambda: self.engine.now)
-        # Per worker, one log of raw doubles (8 bytes each; a list of floats takes 32), _FIELDS a step side by
-        # side: a step's record touches one array's end, where one array per field touched five, each a likely
-        # cache miss at 16,384 workers. At 16,384 workers x 1,000 steps these logs are the run's largest objects.
-        self._logs: list[array[float]] = [array("d") for _ in range(self.n)]
+        self._block = max(1, steps)
         # The fields read apart (_columns), with the length of the logs they were read from (the logs only grow).
         self._read: tuple[int, list[list[array[float]]]] | None = None
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived (a set), members]
@@ -177,21 +200,19 @@ class World:
         self._comm_cache = [CommunicatorCache[bool](DEFAULT_COMM_CACHE) for _ in range(self.n)]
         self.communicators_created = 0
         self.communicators_evicted = 0
-        self._base_s = [cluster.compute_s * cluster.speed(w) for w in range(self.n)]
         self._backward_share = cluster.backward_share
         self._overhead_s = cluster.compute_overhead_s
-        self._jitter = [jitter_for(cluster.compute_dist, cluster.compute_cv, seed, w, steps) for w in range(self.n)]
+        # Each worker's compute and log state, side by side in one object (:class:`_Rank`).
+        self._ranks = [_Rank(cluster.compute_s * cluster.speed(w),
+                             jitter_for(cluster.compute_dist, cluster.compute_cv, seed, w, steps), self._blank_log())
+                       for w in range(self.n)]
         self.claimed = claimed
         store = MemoryStore()
         self._shares = None if claimed is None else [SharedBatches(store, claimed, self.n) for _ in range(self.n)]
         self.batch_index: list[list[int]] = [[] for _ in range(self.n)]  # claimed: each step's job-wide batch
         self._out_of_batches = [False] * self.n
         self._slow = not scenario.is_homogeneous
-        self._slowdown_at = [(-1, 1.0)] * self.n  # per rank: (step, its slowdown), from compute_s
-        # per rank: the block of ``steps`` steps whose paper slowdowns were drawn last (its index, the slowed steps)
-        self._paper_block: list[tuple[int, dict[int, float]]] = [(-1, {})] * self.n
         self._stragglers = bool(scenario.stragglers)  # the paper terms alone need no call per step
-        self._block = max(1, steps)
         self.faulty = scenario.has_faults  # some worker crashes or hangs (fault_at)
         self._fail_at_s = [scenario.failure_time_s(w) for w in range(self.n)] if scenario.rates else None
         self._math_on = self.math.enabled
@@ -236,65 +257,72 @@ class World:
         if w in self.stopped:
             return True
         if self._shares is None:
-            return len(self._logs[w]) >= _FIELDS * self.steps
-        return self._out_of_batches[w] and len(self._logs[w]) == _FIELDS * len(self.batch_index[w])
+            return self._ranks[w].written >= _FIELDS * self.steps
+        return self._out_of_batches[w] and self._ranks[w].written == _FIELDS * len(self.batch_index[w])
 
     def steps_run(self, w: int) -> int:
         """The iterations ``w`` has recorded."""
-        return len(self._logs[w]) // _FIELDS
+        return self._ranks[w].written // _FIELDS
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:
         """This worker's compute time at ``step`` (0 <= step < steps), slowdowns included."""
-        t = self._base_s[rank]
+        r = self._ranks[rank]
+        t = r.base_s
         if self._slow:
-            factor = self._slowdown(rank, step)
-            self._slowdown_at[rank] = (step, factor)  # :meth:`record` logs it
+            factor = self._slowdown(r, rank, step)
+            r.slow_step = step  # :meth:`record` logs it
+            r.slow_factor = factor
             t *= factor
         t += self._overhead_s
-        jitter = self._jitter[rank]
-        return t if jitter is None else t * jitter[step]
+        return t if r.jitter is None else t * r.jitter[step]
 
-    def _slowdown(self, rank: int, step: int) -> float:
-        """``scenario.slowdown(rank, step, n)``, its paper draws made a block of steps at a time."""
-        index, slowed = self._paper_block[rank]
-        if step // self._block != index:
-            index = step // self._block
-            slowed = self.scenario.paper_slowdowns(rank, index * self._block, (index + 1) * self._block, self.n)
-            self._paper_block[rank] = (index, slowed)
-        factor = slowed.get(step, 1.0)
+    def _slowdown(self, r: _Rank, rank: int, step: int) -> float:
+        """``scenario.slowdown(rank, step, n)``, its paper draws made a block of steps at a time (``r``: the rank's
+        state)."""
+        block = step // self._block
+        if block != r.paper_block:
+            r.paper_block = block
+            r.paper = self.scenario.paper_slowdowns(rank, block * self._block, (block + 1) * self._block, self.n)
+        factor = r.paper.get(step, 1.0)
         return self.scenario.straggler_slowdown(rank, step, factor) if self._stragglers else factor
 
     def backward_s(self, rank: int, step: int) -> float:
         """The backward at the end of :meth:`compute_s` (rank, step): ``cluster.backward_share`` of the nominal
         compute, with its speed and jitter. The scenario's extra time and the overhead are not in it: the
         runtime sleeps a slowdown's extra time before forward."""
-        t = self._backward_share * self._base_s[rank]
-        jitter = self._jitter[rank]
-        return t if jitter is None else t * jitter[step]
+        r = self._ranks[rank]
+        t = self._backward_share * r.base_s
+        return t if r.jitter is None else t * r.jitter[step]
 
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
-        log, now = self._logs[rank], self.engine.now
-        step = len(log) // _FIELDS
+        r, now = self._ranks[rank], self.engine.now
+        log, at = r.log, r.written
+        step = at // _FIELDS
         factor = 1.0
         if self._slow:
-            at, factor = self._slowdown_at[rank]
-            if at != step:
-                factor = self._slowdown(rank, step)
-        log.append(now)  # in the order of _FIELDS
-        log.append(compute_s)
-        log.append(factor)
-        log.append(comm_s)
-        log.append(wait_s)
+            factor = r.slow_factor if r.slow_step == step else self._slowdown(r, rank, step)
+        if at == len(log):  # a claimed budget's worker ran past the steps made room for
+            log.extend(self._blank_log())
+        log[at] = now  # in the order of _FIELDS
+        log[at + 1] = compute_s
+        log[at + 2] = factor
+        log[at + 3] = comm_s
+        log[at + 4] = wait_s
+        r.written = at + _FIELDS
         if self._math_on:
             self.math.reached(rank, step, now)
 
+    def _blank_log(self) -> array[float]:
+        """Room for ``steps`` steps of one worker's log (zeros, written in place by :meth:`record`)."""
+        return array("d", bytes(8 * _FIELDS * self._block))
+
     def _columns(self) -> list[list[array[float]]]:
         """Each field of :data:`_FIELDS`, per worker, one value a step: read apart once for what is recorded."""
-        logged = sum(map(len, self._logs))
+        logged = sum(r.written for r in self._ranks)
         if self._read is None or self._read[0] != logged:
-            self._read = (logged, [[log[i::_FIELDS] for log in self._logs] for i in range(_FIELDS)])
+            self._read = (logged, [[r.log[i:r.written:_FIELDS] for r in self._ranks] for i in range(_FIELDS)])
         return self._read[1]
 
     @property

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import functools
 import math
+from array import array
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prague.algorithms.prague import final_report, overlap_report
@@ -114,7 +114,6 @@ class SimPrague(SimMethod):
         self.queues = [Queue() for _ in range(shards)]
         self._half_rtt = world.cluster.gg_rtt_s / 2.0
         self._service = world.cluster.gg_service_s
-        self._answer: list[Signal | None] = [None] * world.n
         self._armed: list[float | None] = [None] * shards
         # Real CPU time inside the policy object (what the GG's thread would spend), sampled: a CPU clock
         # read costs about as much as a small decision, and wall clocks count other processes' time.
@@ -122,18 +121,10 @@ class SimPrague(SimMethod):
         self._sampled = 0
         self.policy_calls = 0
         self.local_steps = 0
-        # Overlapped averaging, per worker: requests submitted, not yet applied, finished and waiting to
-        # be applied, the last one's completion (the next runs after it), a wake-up for a waiting worker.
-        self._submitted = [0] * world.n
-        self._in_flight = [0] * world.n
-        self._finished: list[deque[tuple[int, Group, Any]]] = [deque() for _ in range(world.n)]
-        self._jobs: list[deque[tuple[int, int, Any, int]]] = [deque() for _ in range(world.n)]
-        self._idle: list[Signal | None] = [None] * world.n  # an averaging thread waiting for work
-        self._wake: list[Signal | None] = [None] * world.n
+        self._math_on = world.math.enabled
+        self._lanes = [_Lane() for _ in range(world.n)]
         self._snapshots: dict[int, dict[int, Any]] = {}
         self._corrections: dict[tuple[int, int], Any] = {}
-        self._backlogs = [Backlog() for _ in range(world.n)]
-        self._math_on = world.math.enabled
         self.counts = OverlapCounts()
         self._asked = 0
         self._everyone: tuple[int, ...] | None = None  # the members of the last average (--final-average)
@@ -141,7 +132,7 @@ class SimPrague(SimMethod):
         self.final_ranks = 0
         self.final_s = 0.0
         self.final_distance: float | None = None
-        self._latencies: list[float] = []  # sampled request latencies (:meth:`_latency`)
+        self._latencies = array("d")  # sampled request latencies (:meth:`_latency`), raw doubles: kept to the end
         self.averaging_s = 0.0  # asking plus P-Reduce, summed over workers
         self.exposed_s = 0.0  # overlap: waiting for an earlier average (off: all of averaging_s)
         self._gg_trace = (world.open_file(gg_trace_path(world.decision_dir))
@@ -179,17 +170,20 @@ class SimPrague(SimMethod):
         answers = self._call(what, shard if what == "poll" and self.sharded is not None else worker, start, iteration)
         delay = start - self.world.engine.now + self._service + self._half_rtt
         replies: list[tuple[Signal, Any]] = []
+        lanes = self._lanes
         for w, group in answers:
             if what == "finish" and w == worker:
                 continue
-            sig = self._answer[w]
-            self._answer[w] = None
+            lane = lanes[w]
+            sig = lane.answer
+            lane.answer = None
             assert sig is not None, f"the policy answered worker {w}, which is not waiting"
             replies.append((sig, group))
         if what == "finish":
             assert worker is not None
-            sig = self._answer[worker]
-            self._answer[worker] = None
+            lane = lanes[worker]
+            sig = lane.answer
+            lane.answer = None
             assert sig is not None
             replies.append((sig, [g for w, g in answers if w == worker]))
         if replies:  # one call's answers all arrive together: one event delivers them, in order
@@ -240,7 +234,7 @@ class SimPrague(SimMethod):
             answers = self._call(what, worker, self.world.engine.now, iteration)
             sig.fire([g for w, g in answers if w == worker] if what == "finish" else answers[0][1])
             return sig
-        self._answer[worker] = sig
+        self._lanes[worker].answer = sig
         shard = 0 if self.sharded is None else self.sharded.route(worker, iteration)
         self._send((what, worker, iteration, shard), self._half_rtt)
         return sig
@@ -323,8 +317,9 @@ class SimPrague(SimMethod):
         for effect in finishing(self.options.final_average == "on"):
             if effect == DRAIN:
                 t0 = self.world.engine.now
-                while self._in_flight[w]:
-                    yield from self._take_oldest(w)
+                lane = self._lanes[w]
+                while lane.in_flight:
+                    yield from self._take_oldest(w, lane)
                 self.exposed_s += self.world.engine.now - t0
             elif effect == COMMITTED:
                 yield from self._finish(w)
@@ -367,7 +362,8 @@ class SimPrague(SimMethod):
         :meth:`prague.algorithms.prague.runtime.Prague.after_step` performs it on real threads."""
         world, o = self.world, self.options
         engine, math = world.engine, world.math
-        in_flight, most, busy, counts = (lambda: self._in_flight[w]), o.max_in_flight, o.busy_policy, self.counts
+        lane = self._lanes[w]  # this worker's state, read once
+        in_flight, most, busy, counts = (lambda: lane.in_flight), o.max_in_flight, o.busy_policy, self.counts
         math_on = self._math_on  # NoMath's hooks do nothing: not called
         for k in world.steps_of(w):
             fault = world.fault_at(w, k) if world.faulty else None
@@ -381,25 +377,25 @@ class SimPrague(SimMethod):
             t0 = engine.now
             for effect in overlapped_step(in_flight, most, busy, counts):
                 if effect == TAKE_READY:
-                    self._take_ready(w)
+                    self._take_ready(w, lane)
                 elif effect == TAKE_OLDEST:
-                    yield from self._take_oldest(w)
+                    yield from self._take_oldest(w, lane)
                 else:  # SUBMIT
-                    self._submit(w, math.values(w) if math_on else None, k)
+                    self._submit(lane, math.values(w) if math_on else None, k)
             waited = engine.now - t0
             self.exposed_s += waited
             world.record(w, compute, 0.0, waited)
         yield from self._end(w)
 
-    def _submit(self, w: int, snapshot: Any, step: int) -> None:
-        """Hand ``snapshot`` to ``w``'s averaging thread (:meth:`_averager`): it runs after the requests
-        before it."""
-        index = self._submitted[w]
-        taken = index - self._in_flight[w]  # corrections applied, oldest first: the snapshot holds these
-        self._submitted[w] += 1
-        self._in_flight[w] += 1
-        self._jobs[w].append((index, taken, snapshot, step))
-        idle, self._idle[w] = self._idle[w], None
+    def _submit(self, lane: _Lane, snapshot: Any, step: int) -> None:
+        """Hand ``snapshot`` to the worker's averaging thread (:meth:`_averager`, ``lane`` its state): it runs
+        after the requests before it."""
+        index = lane.submitted
+        taken = index - lane.in_flight  # corrections applied, oldest first: the snapshot holds these
+        lane.submitted = index + 1
+        lane.in_flight += 1
+        lane.jobs.append((index, taken, snapshot, step))
+        idle, lane.idle = lane.idle, None
         if idle is not None:  # the thread waits for work: it starts on this one now
             idle.fire()
 
@@ -408,14 +404,15 @@ class SimPrague(SimMethod):
         snapshots one after another, each through :func:`.flow.averaging` (ask for its group, catch up,
         meet it, settle); it waits for work when there is none (and simply never wakes once its worker is
         done)."""
-        engine, stopped, jobs = self.world.engine, self.world.stopped, self._jobs[w]
+        engine, stopped, lane = self.world.engine, self.world.stopped, self._lanes[w]
+        jobs = lane.jobs
         settles = self._math_on or self._since is not None  # whether a group's end has work (_correct)
         while True:
             if not jobs:
-                idle = self._idle[w] = Signal(engine)
+                idle = lane.idle = Signal(engine)
                 yield idle
                 continue
-            index, taken, snapshot, step = jobs.popleft()
+            index, taken, snapshot, step = jobs.pop(0)
             if w in stopped:  # its worker failed: the averages it had in flight end with it
                 return
             t0 = engine.now
@@ -432,7 +429,7 @@ class SimPrague(SimMethod):
                     self._latency(engine.now - t0)
                 elif effect == CATCH_UP:
                     if self._math_on:
-                        self._snapshots.setdefault(group.seq, {})[w] = self._backlogs[w].catch_up(snapshot, taken)
+                        self._snapshots.setdefault(group.seq, {})[w] = lane.backlogged().catch_up(snapshot, taken)
                 elif effect == REDUCE:
                     seq = group.seq
                     self._weigh(w, seq, step)
@@ -446,11 +443,11 @@ class SimPrague(SimMethod):
                     if group.is_local:
                         self.local_steps += 1
                     if argument and correction is not None:  # None stands for zero: nothing to keep
-                        self._backlogs[w].finished(index, correction)
+                        lane.backlogged().finished(index, correction)
                 effect, argument = flow.send(reply)
             self.averaging_s += engine.now - t0
-            self._finished[w].append((index, group, correction))
-            wake, self._wake[w] = self._wake[w], None
+            lane.finished.append((index, group, correction))
+            wake, lane.wake = lane.wake, None
             if wake is not None:
                 wake.fire()
 
@@ -465,22 +462,22 @@ class SimPrague(SimMethod):
             for member, delta in self.world.math.corrections(snapshots, weights).items():
                 self._corrections[(seq, member)] = delta
 
-    def _apply(self, w: int) -> None:
-        index, group, correction = self._finished[w].popleft()
-        self._in_flight[w] -= 1
+    def _apply(self, w: int, lane: _Lane) -> None:
+        index, group, correction = lane.finished.pop(0)
+        lane.in_flight -= 1
         if self._math_on:
             self.world.math.add(w, correction)
         self._log(w, index, group)
 
-    def _take_ready(self, w: int) -> None:
-        while self._finished[w]:
-            self._apply(w)
+    def _take_ready(self, w: int, lane: _Lane) -> None:
+        while lane.finished:
+            self._apply(w, lane)
 
-    def _take_oldest(self, w: int) -> Process:
-        while not self._finished[w]:
-            wake = self._wake[w] = Signal(self.world.engine)
+    def _take_oldest(self, w: int, lane: _Lane) -> Process:
+        while not lane.finished:
+            wake = lane.wake = Signal(self.world.engine)
             yield wake
-        self._apply(w)
+        self._apply(w, lane)
 
     def stats(self) -> dict[str, Any]:
         wall = self.world.engine.now
@@ -529,13 +526,38 @@ class SimPrague(SimMethod):
                               averaging_s=self.averaging_s, exposed_s=exposed)
 
 
+class _Lane:
+    """One worker's state on the simulated side of the Group Generator and of its averaging thread, side by side
+    in one object (each process reads it once; at 16,384 workers a list per field cost a likely cache miss per
+    field read): the answer it waits for; with overlap on, the requests submitted and those not yet applied,
+    those queued for the averaging thread and those finished, waiting to be applied (oldest first: short lists),
+    a wake-up for the thread waiting for work and for a worker waiting for an average, and with values the
+    corrections its later snapshots may lack (:class:`~.overlap.Backlog`, made on first use)."""
+
+    def __init__(self) -> None:
+        self.answer: Signal | None = None
+        self.submitted = 0
+        self.in_flight = 0
+        self.jobs: list[tuple[int, int, Any, int]] = []
+        self.finished: list[tuple[int, Group, Any]] = []
+        self.idle: Signal | None = None  # the averaging thread waits for work
+        self.wake: Signal | None = None
+        self.backlog: Backlog | None = None
+
+    def backlogged(self) -> Backlog:
+        """The corrections' backlog (real arithmetic only)."""
+        if self.backlog is None:
+            self.backlog = Backlog()
+        return self.backlog
+
+
 def _deliver(replies: list[tuple[Signal, Any]]) -> None:
     """Fire each signal with its answer, in the order the Group Generator gave them."""
     for sig, answer in replies:
         sig.fire(answer)
 
 
-def _quantile(values: list[float], q: float) -> float:
+def _quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile of ``values`` (nearest rank; 0.0 when empty)."""
     if not values:
         return 0.0
