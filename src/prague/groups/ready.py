@@ -126,17 +126,14 @@ class ReadyGenerator(PolicyBase):
         # shard forms a group from its own part only, and its part is drawn again every few rounds).
         part = -(-config.nproc // shards)
         self._horizon = -(-part // config.group_size)
-        # Per worker of the job (a shard's requests come from any of them over a run), in flat arrays of raw
-        # numbers: when its last request came (NaN: none yet), and the slot of its moving average (-1: none yet).
-        # One element a worker, read in place: at 16,384 workers in 64 shards, per-worker floats and dict entries
-        # made anew as workers moved between shards grew a run's memory, and the cost of every request with it.
-        self._last_request = array("d", [math.nan]) * config.nproc
-        self._slot = array("q", [-1]) * config.nproc
-        self._measured = 0  # the slots given
-        # The moving averages of the workers that have asked twice, each in its slot of one array of doubles
-        # (the order they were first measured in; an ``array``'s item is read and written faster than a numpy
-        # array's), whose median numpy selects in linear time over the same memory, with no float to convert.
-        self._intervals = array("d")
+        # Per worker of the job (a shard's requests come from any of them over a run), side by side in one array of
+        # raw doubles: when its last request came (``2 w``) and the moving average of the time between its requests
+        # (``2 w + 1``), NaN for none yet. A request touches one cache line of it and makes no float object: at
+        # 16,384 workers in 64 shards, per-worker floats and dict entries made anew as workers moved between
+        # shards grew a run's memory, and the cost of every request with it. The workers measured, in the order
+        # they were first measured: numpy gathers their averages and selects the median in linear time.
+        self._timing = array("d", [math.nan]) * (2 * config.nproc)
+        self._measured = array("q")
         self._since_median = 0  # intervals measured since the median was last taken
         self._last_arrival = float("-inf")
         self._in_order = True  # requests so far came in time order: the oldest waiting is the first
@@ -274,30 +271,31 @@ class ReadyGenerator(PolicyBase):
         """Count the time since ``worker``'s previous request here in its moving average; ``steps``: the steps it
         advanced in between. At a shard a gap of more than :data:`MAX_GAP` steps is not an interval: the worker
         was served by other shards in between (it only starts the next one)."""
-        last = self._last_request[worker]
-        self._last_request[worker] = now_s
+        timing, at = self._timing, 2 * worker
+        last = timing[at]
+        timing[at] = now_s
         if last != last or (steps > MAX_GAP and self._sharded):  # NaN: its first request here
             return
         gap = max(0.0, now_s - last)
-        slot = self._slot[worker]
-        if slot < 0:
-            self._slot[worker] = self._measured
-            self._measured += 1
-            self._intervals.append(gap)
+        average = timing[at + 1]
+        if average != average:  # its first interval
+            timing[at + 1] = gap
+            self._measured.append(worker)
         else:
-            self._intervals[slot] = (1 - _EWMA) * self._intervals[slot] + _EWMA * gap
+            timing[at + 1] = (1 - _EWMA) * average + _EWMA * gap
         # The median is taken again once 1 / MEDIAN_EVERY of the workers measured have asked since: at
         # every request of a job of up to MEDIAN_EVERY workers; in a larger one, whose median a few
         # requests barely move, one selection every n / MEDIAN_EVERY requests (about MEDIAN_EVERY linear
         # passes over n values spread over n requests: a constant cost a request).
         self._since_median += 1
-        measured = self._measured
+        measured = len(self._measured)
         if self._since_median * MEDIAN_EVERY < measured:
             return
         self._since_median = 0
         # As statistics.median: the middle value, or the mean of the two middle ones (the same float).
         low, high = (measured - 1) // 2, measured // 2
-        known = np.partition(np.frombuffer(self._intervals), (low, high))
+        averages = np.frombuffer(self._timing)[1::2][np.frombuffer(self._measured, dtype=np.int64)]
+        known = np.partition(averages, (low, high))
         middle = float(known[high]) if low == high else (float(known[low]) + float(known[high])) / 2
         self._window_s = min(MAX_WINDOW_S, max(MIN_WINDOW_S, ADAPTIVE_SHARE * middle))
         self.counters.extra["window_s"] = self._window_s

@@ -42,6 +42,7 @@ closes them all. Without it :attr:`World.decisions` is None and nothing is logge
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -69,6 +70,7 @@ from prague.workload.budget import SharedBatches
 #: What a worker's log holds for each iteration, side by side: when it ended, its compute, its slowdown, its
 #: communication and its waiting (:meth:`World.record`).
 _FIELDS = 5
+_ROW = struct.Struct(f"={_FIELDS}d")  # one step's fields, written into a log in one call
 DEFAULT_COMM_CACHE = 64  # the default of the ``--comm-cache`` option of the methods that use P-Reduce
 
 
@@ -305,11 +307,7 @@ class World:
             factor = r.slow_factor if r.slow_step == step else self._slowdown(r, rank, step)
         if at == len(log):  # a claimed budget's worker ran past the steps made room for
             log.extend(self._blank_log())
-        log[at] = now  # in the order of _FIELDS
-        log[at + 1] = compute_s
-        log[at + 2] = factor
-        log[at + 3] = comm_s
-        log[at + 4] = wait_s
+        _ROW.pack_into(log, 8 * at, now, compute_s, factor, comm_s, wait_s)  # in the order of _FIELDS
         r.written = at + _FIELDS
         if self._math_on:
             self.math.reached(rank, step, now)
