@@ -15,8 +15,6 @@ from prague.comm.keys import HashedMembers
 from prague.errors import ConfigError
 
 V = TypeVar("V")
-#: A cache copies its entries after this many evictions (:meth:`CommunicatorCache.use`).
-_COMPACT_EVERY = 8
 Members = tuple[int, ...]
 #: Member sets longer than this are hashed once for all the caches a group is looked up in (a tuple hashes its
 #: ranks again at every lookup); shorter ones cost less than the wrapper.
@@ -33,7 +31,6 @@ class CommunicatorCache(Generic[V]):
         # A dict keeps its keys in insertion order: re-inserting a key makes it the most recently used, and the
         # first key is the least recently used (plain dict operations, cheaper than an OrderedDict's).
         self._entries: dict[Members, V] = {}
-        self._evicted = 0  # evictions since the entries were last copied (:meth:`use`)
 
     def get(self, members: Members) -> V | None:
         """The entry of ``members`` (now the most recently used), or None."""
@@ -65,12 +62,6 @@ class CommunicatorCache(Generic[V]):
         entries[members] = value  # as put: one entry more, so at most one out
         if len(entries) > self.capacity:
             del entries[next(iter(entries))]
-            # A dict keeps the slots of the keys taken from its front until it grows, and finding its first key
-            # steps over them: up to about a hundred at this capacity, the most of a miss's time. A copy has none.
-            self._evicted += 1
-            if self._evicted == _COMPACT_EVERY:
-                self._entries = dict(entries)
-                self._evicted = 0
             return 1
         return 0
 

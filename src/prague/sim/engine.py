@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 from prague.errors import ConfigError
 
@@ -196,14 +196,19 @@ class Engine:
                 what: Any = driven.send(value)
             except StopIteration:
                 return
+            # Each kind checked exactly, then cast: the compiled build reads a Signal's fields in place and adds a
+            # float unboxed (an attribute of an object of unknown type is looked up by name).
             if what.__class__ is Signal:  # Signal._wait, inlined: one call less per wake-up
-                if what._fired:
-                    self._push(self.now, step, what._value)
-                elif what._first is None:
-                    what._first = step
+                sig = cast(Signal, what)
+                if sig._fired:
+                    self._push(self.now, step, sig._value)
+                elif sig._first is None:
+                    sig._first = step
                 else:
-                    what._wait(step)
-            elif what.__class__ is float or what.__class__ is int:
+                    sig._wait(step)
+            elif what.__class__ is float:
+                self._push(self.now + cast(float, what), step, None)
+            elif what.__class__ is int:
                 self._push(self.now + what, step, None)
             elif isinstance(what, Signal):
                 what._wait(step)

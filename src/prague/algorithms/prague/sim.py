@@ -43,7 +43,7 @@ import math
 from array import array
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prague.algorithms.prague import final_report, overlap_report
 from prague.algorithms.prague.flow import (
@@ -416,17 +416,21 @@ class SimPrague(SimMethod):
             if w in stopped:  # its worker failed: the averages it had in flight end with it
                 return
             t0 = engine.now
-            group: Any = None
+            # Typed, so that the compiled build reads the group's fields in place (an object of unknown type's
+            # attributes are looked up by name); the flow asks for it first.
+            group: Group | None = None
             correction = None
             flow = averaging()
             effect, argument = next(flow)
             while effect != DONE:
                 reply: Any = None
                 if effect == ASK:
-                    group = reply = yield self._ask(w, "request", step)
+                    group = reply = cast(Group, (yield self._ask(w, "request", step)))
                     if w in stopped:
                         return
                     self._latency(engine.now - t0)
+                elif group is None:
+                    raise RuntimeError(f"the averaging flow asked for {effect!r} before its group")
                 elif effect == CATCH_UP:
                     if self._math_on:
                         self._snapshots.setdefault(group.seq, {})[w] = lane.backlogged().catch_up(snapshot, taken)
@@ -446,6 +450,7 @@ class SimPrague(SimMethod):
                         lane.backlogged().finished(index, correction)
                 effect, argument = flow.send(reply)
             self.averaging_s += engine.now - t0
+            assert group is not None  # the flow asks first
             lane.finished.append((index, group, correction))
             wake, lane.wake = lane.wake, None
             if wake is not None:
