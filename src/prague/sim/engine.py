@@ -12,7 +12,7 @@ here) leaves no room for that factor, nor for a dependency, so the engine is thi
 Contract:
 
 * :meth:`Engine.at` / :meth:`Engine.after` schedule ``fn(arg)``; events at equal times run in the
-  order they were scheduled (a sequence number breaks ties), so a run is a deterministic function of
+  order they were scheduled (a stable sort by time keeps it), so a run is a deterministic function of
   its inputs: the same seed gives the same event order, bit for bit.
 * A *process* is a generator driven by :meth:`Engine.process`. It yields either a ``float`` (sleep that
   many simulated seconds; ``0.0`` yields the turn to events already due) or a :class:`Signal` (sleep
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
+from operator import itemgetter
 from collections.abc import Callable, Generator
 from typing import Any, cast
 
@@ -36,6 +37,10 @@ BUCKET_S = 2.0**-13
 _PER_S = 1.0 / BUCKET_S  # exact: the inverse of a power of two
 
 Process = Generator["float | Signal", Any, None]
+#: A scheduled call: ``(time, fn, arg)``. A bucket holds its events in the order scheduled and is sorted by time
+#: alone, stably, so that equal times keep that order (no sequence number to make, box and compare per event).
+Event = tuple[float, Callable[[Any], None], Any]
+_time = itemgetter(0)
 
 
 class Signal:
@@ -113,42 +118,41 @@ class Engine:
     The queue is a calendar (Brown, "Calendar queues: a fast O(1) priority queue implementation for the
     simulation event set problem", CACM 1988), in its simplest form: events fall into buckets of
     :data:`BUCKET_S` simulated seconds, a heap holds the keys of the buckets not yet reached (a few
-    hundred ints at any job size: the events of the next step or two), and a bucket is sorted by
-    ``(time, order scheduled)`` once, when the run reaches it; an event scheduled into the bucket being
-    run goes to its place in what is left of it. A heap of every event had grown to a few per worker,
+    hundred ints at any job size: the events of the next step or two), and a bucket, which holds its events
+    in the order scheduled, is sorted by time once, stably, when the run reaches it (a list of float keys, which
+    the sort compares directly); an event scheduled into the bucket being run goes after those of its time
+    in what is left of it. A heap of every event had grown to a few per worker,
     and each pop walked it: at 16,384 workers a tenth of a run's time, its entries spread over memory.
     The order is exactly the heap's (time, then the order scheduled), so a run is the same event for
     event.
     """
 
-    __slots__ = ("now", "_seq", "events", "_cur", "_cur_i", "_cur_key", "_buckets", "_keys", "_count")
+    __slots__ = ("now", "events", "_cur", "_cur_i", "_cur_key", "_buckets", "_keys", "_count")
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._seq = 0
         self.events = 0  # events executed so far (for the scale report)
-        self._cur: list[tuple[float, int, Callable[[Any], None], Any]] = []  # the bucket being run, sorted
+        self._cur: list[Event] = []  # the bucket being run, sorted
         self._cur_i = 0  # its next event
         self._cur_key = -1  # its key (-1: none)
-        self._buckets: dict[int, list[tuple[float, int, Callable[[Any], None], Any]]] = {}  # the others, unsorted
+        self._buckets: dict[int, list[Event]] = {}  # the others, in the order scheduled
         self._keys: list[int] = []  # a heap of ``_buckets``' keys
         self._count = 0  # events queued
 
     def _push(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
-        self._seq += 1
         self._count += 1
         key = int(t * _PER_S)  # exact scaling (a power of two), so monotone in t
-        if key == self._cur_key:
-            insort(self._cur, (t, self._seq, fn, arg), self._cur_i)
+        if key == self._cur_key:  # after the events of its time already there: scheduled before it
+            insort(self._cur, (t, fn, arg), self._cur_i, key=_time)
             return
         if key < self._cur_key:  # only after ``run(until_s)`` stopped with a later bucket begun: put it back
             self._shelve()
         bucket = self._buckets.get(key)
         if bucket is None:
-            self._buckets[key] = [(t, self._seq, fn, arg)]
+            self._buckets[key] = [(t, fn, arg)]
             heapq.heappush(self._keys, key)
         else:
-            bucket.append((t, self._seq, fn, arg))
+            bucket.append((t, fn, arg))
 
     def _shelve(self) -> None:
         rest = self._cur[self._cur_i:]
@@ -167,7 +171,7 @@ class Engine:
             return False
         key = heapq.heappop(self._keys)
         cur = self._buckets.pop(key)
-        cur.sort()  # (time, order scheduled): the order numbers are unique, so nothing further is compared
+        cur.sort(key=_time)  # by time; stable, so in the order scheduled among equal times
         self._cur = cur
         self._cur_i = 0
         self._cur_key = key
@@ -222,7 +226,7 @@ class Engine:
         count = 0
         try:
             while self._next():
-                t, _, fn, arg = self._cur[self._cur_i]
+                t, fn, arg = self._cur[self._cur_i]
                 if until_s is not None and t > until_s:
                     break
                 self._cur_i += 1
