@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import functools
 import math
-from array import array
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
