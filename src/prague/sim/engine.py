@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
-from operator import itemgetter
 from collections.abc import Callable, Generator
+from operator import itemgetter
 from typing import Any, cast
 
 from prague.errors import ConfigError

@@ -121,7 +121,7 @@ class _Rank:
     the step whose slowdown :meth:`World.compute_s` drew last, and that slowdown (:meth:`World.record` logs it);
     ``paper_block``, ``paper``: the block of steps whose paper slowdowns were drawn last, and its slowed steps;
     ``log``: its log of raw doubles (8 bytes each; a list of floats takes 32), :data:`_FIELDS` a step side by
-    side, made ``steps`` steps long at once and written in place, ``written`` of them so far (it grows by as much
+    side, made ``steps`` steps long at once and written in place, ``logged`` steps of it so far (it grows by as much
     again only under a claimed budget: a log grown one step at a time was copied as it grew). At 16,384 workers x
     1,000 steps the logs are the run's largest objects."""
 
@@ -133,7 +133,7 @@ class _Rank:
         self.paper_block = -1
         self.paper = _NO_SLOWDOWNS
         self.log = log
-        self.written = 0
+        self.logged = 0
 
 
 class MemoryStore:
@@ -192,7 +192,7 @@ class World:
         self.bursts = None if cross_traffic is None else Bursts(cross_traffic, seed, cluster.inter)
         self.fabric = Fabric(topology, cluster, self.bursts, clock=lambda: self.engine.now)
         self._block = max(1, steps)
-        # The fields read apart (_columns), with the length of the logs they were read from (the logs only grow).
+        # The fields read apart (_columns), with the steps logged when they were (a count that only grows).
         self._read: tuple[int, list[list[array[float]]]] | None = None
         self._meetings: dict[Any, list[Any]] = {}  # key -> [signal, members arrived (a set), members]
         self.groups_run = 0
@@ -259,12 +259,12 @@ class World:
         if w in self.stopped:
             return True
         if self._shares is None:
-            return self._ranks[w].written >= _FIELDS * self.steps
-        return self._out_of_batches[w] and self._ranks[w].written == _FIELDS * len(self.batch_index[w])
+            return self._ranks[w].logged >= self.steps
+        return self._out_of_batches[w] and self._ranks[w].logged == len(self.batch_index[w])
 
     def steps_run(self, w: int) -> int:
         """The iterations ``w`` has recorded."""
-        return self._ranks[w].written // _FIELDS
+        return self._ranks[w].logged
 
     # -- compute ------------------------------------------------------------------------------------
     def compute_s(self, rank: int, step: int) -> float:
@@ -300,15 +300,15 @@ class World:
     def record(self, rank: int, compute_s: float, comm_s: float, wait_s: float) -> None:
         """Log one finished iteration of ``rank`` at the current time."""
         r, now = self._ranks[rank], self.engine.now
-        log, at = r.log, r.written
-        step = at // _FIELDS
+        log, step = r.log, r.logged
+        at = _FIELDS * step
         factor = 1.0
         if self._slow:
             factor = r.slow_factor if r.slow_step == step else self._slowdown(r, rank, step)
         if at == len(log):  # a claimed budget's worker ran past the steps made room for
             log.extend(self._blank_log())
         _ROW.pack_into(log, 8 * at, now, compute_s, factor, comm_s, wait_s)  # in the order of _FIELDS
-        r.written = at + _FIELDS
+        r.logged = step + 1
         if self._math_on:
             self.math.reached(rank, step, now)
 
@@ -318,9 +318,9 @@ class World:
 
     def _columns(self) -> list[list[array[float]]]:
         """Each field of :data:`_FIELDS`, per worker, one value a step: read apart once for what is recorded."""
-        logged = sum(r.written for r in self._ranks)
+        logged = sum(r.logged for r in self._ranks)
         if self._read is None or self._read[0] != logged:
-            self._read = (logged, [[r.log[i:r.written:_FIELDS] for r in self._ranks] for i in range(_FIELDS)])
+            self._read = (logged, [[r.log[i:_FIELDS * r.logged:_FIELDS] for r in self._ranks] for i in range(_FIELDS)])
         return self._read[1]
 
     @property
