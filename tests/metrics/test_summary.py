@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
+from array import array
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prague.metrics.report import harmonize_limits
-from prague.metrics.summary import WorkerTiming, base_compute_s, common_window, scenario_limit, throughput
+from prague.metrics.summary import (
+    WorkerTiming, base_compute_s, common_window, mean_after, mean_slowdowns, scenario_limit, throughput,
+)
 
 
 def _timing(ends: list[float], compute: float = 0.1, slowdown: list[float] | None = None) -> WorkerTiming:
@@ -81,3 +88,46 @@ def test_every_method_of_a_bench_gets_the_same_limit_per_scenario() -> None:
     assert out[1]["fraction_of_limit"] == pytest.approx(400.0 / paper)
     assert out[2]["no_wait_limit_samples_per_s"] == pytest.approx(2 * 32 / 0.125)
     assert records[0]["no_wait_limit_samples_per_s"] == 1.0  # inputs untouched
+
+
+_finite = st.floats(min_value=1e-3, max_value=10.0, allow_nan=False)
+
+
+@st.composite
+def _logs(draw: st.DrawFn) -> tuple[list[WorkerTiming], int]:
+    """Workers of unequal step counts (a claimed budget), lists or raw arrays, some without a slowdown log."""
+    timings = []
+    for _ in range(draw(st.integers(1, 4))):
+        steps = draw(st.integers(1, 12))
+        compute = draw(st.lists(_finite, min_size=steps, max_size=steps))
+        slowdown = draw(st.one_of(st.just([]), st.lists(st.floats(1.0, 5.0), min_size=steps, max_size=steps)))
+        ends = sorted(draw(st.lists(st.floats(0.0, 20.0), min_size=steps, max_size=steps)))
+        as_array = draw(st.booleans())
+        cast = (lambda v: array("d", v)) if as_array else list
+        timings.append(WorkerTiming(end_s=cast(ends), compute_s=cast(compute), comm_s=cast(compute),
+                                    wait_s=cast(compute), slowdown=cast(slowdown)))
+    return timings, draw(st.integers(0, 6))
+
+
+@given(_logs(), st.sampled_from([None, 0.1]))
+def test_the_summaries_are_exactly_the_element_by_element_definitions(logs: tuple[list[WorkerTiming], int],
+                                                                      nominal: float | None) -> None:
+    """The summaries are taken in C over millions of logged steps; each equals, float for float, the definition
+    written one element at a time: the median of the unslowed computes, the fsum mean, the count in the window."""
+    timings, warmup = logs
+    values = []
+    for t in timings:
+        factors = list(t.slowdown) or [1.0] * len(t.compute_s)
+        for c, f in list(zip(t.compute_s, factors))[warmup:]:
+            values.append(c - (f - 1.0) * nominal if nominal is not None else c / f)
+    assert base_compute_s(timings, warmup, nominal) == (statistics.median(values) if values else 0.0)
+    for t in timings:
+        window = list(t.compute_s[warmup:]) or list(t.compute_s)
+        assert mean_after(t.compute_s, warmup) == statistics.fmean(window)
+    assert mean_slowdowns(timings, warmup) == [statistics.fmean(list(t.slowdown[warmup:]) or list(t.slowdown) or [1.0])
+                                               for t in timings]
+    window = common_window(timings, warmup)
+    if window is not None:
+        start, end = window
+        steps = sum(sum(1 for e in t.end_s if start < e <= end) for t in timings)
+        assert throughput(timings, 1, warmup) == steps / (end - start)

@@ -229,11 +229,12 @@ class RunRecord:
         (every worker's log); ``fields`` gives the rest."""
         thr = throughput(timings, batch_size, warmup)
         nominal = nominal_compute_s(fields.get("compute_mode"), fields.get("compute_ms"))
-        limit = no_wait_limit(timings, batch_size, warmup, nominal)
+        base_s = base_compute_s(timings, warmup, nominal)
+        limit = no_wait_limit(timings, batch_size, warmup, nominal, base_s)
         return cls(
             throughput_samples_per_s=thr, no_wait_limit_samples_per_s=limit,
             fraction_of_limit=thr / limit if limit > 0 else None, batch_size=batch_size, warmup_steps=warmup,
-            base_compute_s=base_compute_s(timings, warmup, nominal), mean_slowdown=mean_slowdowns(timings, warmup),
+            base_compute_s=base_s, mean_slowdown=mean_slowdowns(timings, warmup),
             mean_compute_s=[mean_after(t.compute_s, warmup) for t in timings],
             mean_comm_s=[mean_after(t.comm_s, warmup) for t in timings],
             mean_wait_s=[mean_after(t.wait_s, warmup) for t in timings],

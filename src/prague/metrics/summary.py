@@ -6,9 +6,12 @@ them the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import fmean, median
+from statistics import median
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,10 @@ def throughput(timings: Sequence[WorkerTiming], batch_size: int, warmup: int) ->
     if window is None:
         return sum(worker_rate(t, batch_size, warmup) for t in timings)
     start, end = window
-    steps = sum(sum(1 for e in t.end_s if start < e <= end) for t in timings)
+    steps = 0
+    for t in timings:  # counted in C: a large simulation logs millions of steps
+        ends = np.asarray(t.end_s, dtype=np.float64)
+        steps += int(np.count_nonzero((ends > start) & (ends <= end)))
     return steps * batch_size / (end - start)
 
 
@@ -80,17 +86,24 @@ def base_compute_s(timings: Sequence[WorkerTiming], warmup: int, nominal_s: floa
     """The compute of one step without its injected slowdown, median over workers and steps after
     warm-up: ``compute - (factor - 1) * nominal_s`` with emulated compute (the slowdown is a sleep of
     that many nominal computes), ``compute / factor`` with real compute (``nominal_s`` None)."""
-    values = []
-    for t in timings:
-        factors = list(t.slowdown) or [1.0] * len(t.compute_s)
-        for c, f in list(zip(t.compute_s, factors))[warmup:]:
-            values.append(c - (f - 1.0) * nominal_s if nominal_s is not None else c / f)
-    return median(values) if values else 0.0
+    parts = []
+    for t in timings:  # the same arithmetic element by element, in C (a large simulation logs millions of steps)
+        compute = np.asarray(t.compute_s, dtype=np.float64)
+        if len(t.slowdown):
+            factors = np.asarray(t.slowdown, dtype=np.float64)
+            steps = min(len(compute), len(factors))
+            compute, factors = compute[warmup:steps], factors[warmup:steps]
+            parts.append(compute - (factors - 1.0) * nominal_s if nominal_s is not None else compute / factors)
+        else:  # no slowdown logged: a factor of 1 leaves the compute as it is
+            parts.append(compute[warmup:])
+    values = np.concatenate(parts) if parts else np.empty(0)
+    # The middle value, or the mean of the two middle ones, as statistics.median takes it (the same float).
+    return float(np.median(values)) if len(values) else 0.0
 
 
 def mean_slowdowns(timings: Sequence[WorkerTiming], warmup: int) -> list[float]:
     """Per worker: the mean injected slowdown factor over the steps after warm-up."""
-    return [mean_after(list(t.slowdown) or [1.0], warmup) for t in timings]
+    return [mean_after(t.slowdown if len(t.slowdown) else (1.0,), warmup) for t in timings]
 
 
 def scenario_limit(slowdowns: Sequence[float], base_s: float, nominal_s: float | None, batch_size: int) -> float:
@@ -106,16 +119,22 @@ def scenario_limit(slowdowns: Sequence[float], base_s: float, nominal_s: float |
 
 
 def no_wait_limit(timings: Sequence[WorkerTiming], batch_size: int, warmup: int,
-                  nominal_s: float | None = None) -> float:
-    """One run's no-wait limit (:func:`scenario_limit` with this run's own base compute). A benchmark
-    replaces it by one limit per scenario for all its methods (:func:`prague.metrics.report.harmonize_limits`)."""
-    return scenario_limit(mean_slowdowns(timings, warmup), base_compute_s(timings, warmup, nominal_s),
-                          nominal_s, batch_size)
+                  nominal_s: float | None = None, base_s: float | None = None) -> float:
+    """One run's no-wait limit (:func:`scenario_limit` with this run's own base compute, ``base_s`` when already
+    taken, else :func:`base_compute_s`). A benchmark replaces it by one limit per scenario for all its methods
+    (:func:`prague.metrics.report.harmonize_limits`)."""
+    if base_s is None:
+        base_s = base_compute_s(timings, warmup, nominal_s)
+    return scenario_limit(mean_slowdowns(timings, warmup), base_s, nominal_s, batch_size)
 
 
 def mean_after(values: Sequence[float], warmup: int) -> float:
-    window = list(values[warmup:]) or list(values)
-    return fmean(window) if window else 0.0
+    """The mean of ``values`` after the first ``warmup`` (all of them when none is left; 0.0 when empty), summed
+    exactly as :func:`statistics.fmean` sums (``math.fsum``), over the sequence as it is (no list made of it)."""
+    window = values[warmup:]
+    if not len(window):
+        window = values
+    return math.fsum(window) / len(window) if len(window) else 0.0
 
 
 #: A worker is named in the speed report when its rate is below this share of the median worker's.

@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from prague import BUILD
@@ -286,6 +287,15 @@ def simulate_charged(config: SimConfig, scenarios: list[str]) -> list[RunRecord]
         torch.set_num_threads(threads)
 
 
+def slowest_ends(ends_by_rank: list[Any], steps: int) -> list[float]:
+    """At each of ``steps`` steps, the latest end among the ranks that ran it (the slowest rank's), taken in C: a
+    large simulation logs millions of steps."""
+    table = np.full((len(ends_by_rank), steps), -np.inf)
+    for row, ends in zip(table, ends_by_rank):
+        row[:len(ends)] = ends
+    return [float(end) for end in table.max(axis=0)] if len(ends_by_rank) else []
+
+
 def _record(config: SimConfig, world: World, method: Any, run_s: float,
             trace: list[tuple[Any, ...]] | None) -> RunRecord:
     run = config.run
@@ -294,7 +304,7 @@ def _record(config: SimConfig, world: World, method: Any, run_s: float,
     failures = [f.summary() for f in world.declared.values()]
     restarts, extra_s = None, 0.0
     if config.charged_restarts:
-        ends = [max(e[k] for e in world.end_s if len(e) > k) for k in range(ran)]  # the slowest rank's steps
+        ends = slowest_ends(world.end_s, ran)
         charged = restarts_charge(ends, scenario, run.nproc, world.cluster.restart_s, run.lease_s,
                                   run.checkpoint_every)
         failures, restarts, extra_s = [f.summary() for f in charged.failures], charged.restarts, charged.extra_s
