@@ -42,6 +42,7 @@ import functools
 import math
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -414,7 +415,7 @@ class SimPrague(SimMethod):
                 idle = lane.idle = Signal(engine)
                 yield idle
                 continue
-            index, taken, snapshot, step = jobs.pop(0)
+            index, taken, snapshot, step = jobs.popleft()
             if w in stopped:  # its worker failed: the averages it had in flight end with it
                 return
             t0 = engine.now
@@ -470,7 +471,7 @@ class SimPrague(SimMethod):
                 self._corrections[(seq, member)] = delta
 
     def _apply(self, w: int, lane: _Lane) -> None:
-        index, group, correction = lane.finished.pop(0)
+        index, group, correction = lane.finished.popleft()
         lane.in_flight -= 1
         if self._math_on:
             self.world.math.add(w, correction)
@@ -537,7 +538,7 @@ class _Lane:
     """One worker's state on the simulated side of the Group Generator and of its averaging thread, side by side
     in one object (each process reads it once; at 16,384 workers a list per field cost a likely cache miss per
     field read): the answer it waits for; with overlap on, the requests submitted and those not yet applied,
-    those queued for the averaging thread and those finished, waiting to be applied (oldest first: short lists),
+    those queued for the averaging thread and those finished, waiting to be applied (oldest first: short queues),
     a wake-up for the thread waiting for work and for a worker waiting for an average, and with values the
     corrections its later snapshots may lack (:class:`~.overlap.Backlog`, made on first use)."""
 
@@ -545,8 +546,10 @@ class _Lane:
         self.answer: Signal | None = None
         self.submitted = 0
         self.in_flight = 0
-        self.jobs: list[tuple[int, int, Any, int]] = []
-        self.finished: list[tuple[int, Group, Any]] = []
+        # Queues, not lists: a list emptied and filled again at every request gives back and takes again its
+        # storage each time (a reallocation per change, 4% of a run at 16,384 workers); a deque keeps its block.
+        self.jobs: deque[tuple[int, int, Any, int]] = deque()
+        self.finished: deque[tuple[int, Group, Any]] = deque()
         self.idle: Signal | None = None  # the averaging thread waits for work
         self.wake: Signal | None = None
         self.backlog: Backlog | None = None
