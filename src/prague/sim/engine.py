@@ -26,7 +26,6 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections.abc import Callable, Generator
-from operator import itemgetter
 from typing import Any, cast
 
 from prague.errors import ConfigError
@@ -37,10 +36,12 @@ BUCKET_S = 2.0**-13
 _PER_S = 1.0 / BUCKET_S  # exact: the inverse of a power of two
 
 Process = Generator["float | Signal", Any, None]
-#: A scheduled call: ``(time, fn, arg)``. A bucket holds its events in the order scheduled and is sorted by time
-#: alone, stably, so that equal times keep that order (no sequence number to make, box and compare per event).
-Event = tuple[float, Callable[[Any], None], Any]
-_time = itemgetter(0)
+#: A bucket of scheduled calls ``fn(arg)`` at ``time``, as three lists side by side (times, fns, args), in the order
+#: scheduled: no object per event (a tuple per event was made, tracked by the cycle collector, and unlinked from its
+#: list again when its bucket was done, a likely cache miss each at 16,384 workers). A bucket is run in the order
+#: of its times, sorted stably, so that equal times keep the order scheduled (no sequence number to make, box and
+#: compare per event).
+Bucket = tuple[list[float], list[Callable[[Any], None]], list[Any]]
 
 
 class Signal:
@@ -118,24 +119,30 @@ class Engine:
     The queue is a calendar (Brown, "Calendar queues: a fast O(1) priority queue implementation for the
     simulation event set problem", CACM 1988), in its simplest form: events fall into buckets of
     :data:`BUCKET_S` simulated seconds, a heap holds the keys of the buckets not yet reached (a few
-    hundred ints at any job size: the events of the next step or two), and a bucket, which holds its events
-    in the order scheduled, is sorted by time once, stably, when the run reaches it (a list of float keys, which
-    the sort compares directly); an event scheduled into the bucket being run goes after those of its time
-    in what is left of it. A heap of every event had grown to a few per worker,
+    hundred ints at any job size: the events of the next step or two), and a bucket (:data:`Bucket`), which holds
+    its events in the order scheduled, is put in time order once, stably, when the run reaches it (its indices
+    sorted by its list of float times, which the sort compares directly); an event scheduled into the bucket being
+    run goes after those of its time in what is left of it. A heap of every event had grown to a few per worker,
     and each pop walked it: at 16,384 workers a tenth of a run's time, its entries spread over memory.
     The order is exactly the heap's (time, then the order scheduled), so a run is the same event for
     event.
     """
 
-    __slots__ = ("now", "events", "_cur", "_cur_i", "_cur_key", "_buckets", "_keys", "_count")
+    __slots__ = ("now", "events", "_times", "_fns", "_args", "_order", "_cur_i", "_cur_key", "_buckets", "_keys",
+                 "_count")
 
     def __init__(self) -> None:
         self.now = 0.0
         self.events = 0  # events executed so far (for the scale report)
-        self._cur: list[Event] = []  # the bucket being run, sorted
-        self._cur_i = 0  # its next event
-        self._cur_key = -1  # its key (-1: none)
-        self._buckets: dict[int, list[Event]] = {}  # the others, in the order scheduled
+        # The bucket being run (its times, fns and args, as scheduled), its events' indices in time order and the
+        # next of them, and its key (-1: none).
+        self._times: list[float] = []
+        self._fns: list[Callable[[Any], None]] = []
+        self._args: list[Any] = []
+        self._order: list[int] = []
+        self._cur_i = 0
+        self._cur_key = -1
+        self._buckets: dict[int, Bucket] = {}  # the others, in the order scheduled
         self._keys: list[int] = []  # a heap of ``_buckets``' keys
         self._count = 0  # events queued
 
@@ -143,36 +150,44 @@ class Engine:
         self._count += 1
         key = int(t * _PER_S)  # exact scaling (a power of two), so monotone in t
         if key == self._cur_key:  # after the events of its time already there: scheduled before it
-            insort(self._cur, (t, fn, arg), self._cur_i, key=_time)
+            times = self._times
+            times.append(t)
+            self._fns.append(fn)
+            self._args.append(arg)
+            insort(self._order, len(times) - 1, self._cur_i, key=times.__getitem__)
             return
         if key < self._cur_key:  # only after ``run(until_s)`` stopped with a later bucket begun: put it back
             self._shelve()
         bucket = self._buckets.get(key)
         if bucket is None:
-            self._buckets[key] = [(t, fn, arg)]
+            self._buckets[key] = ([t], [fn], [arg])
             heapq.heappush(self._keys, key)
         else:
-            bucket.append((t, fn, arg))
+            bucket[0].append(t)
+            bucket[1].append(fn)
+            bucket[2].append(arg)
 
     def _shelve(self) -> None:
-        rest = self._cur[self._cur_i:]
-        if rest:
-            self._buckets[self._cur_key] = rest
+        rest = self._order[self._cur_i:]
+        if rest:  # in time order: they stay ahead of any later event of their times when sorted again
+            times, fns, args = self._times, self._fns, self._args
+            self._buckets[self._cur_key] = ([times[i] for i in rest], [fns[i] for i in rest], [args[i] for i in rest])
             heapq.heappush(self._keys, self._cur_key)
-        self._cur = []
+        self._times, self._fns, self._args, self._order = [], [], [], []
         self._cur_i = 0
         self._cur_key = -1
 
     def _next(self) -> bool:
-        """Make sure ``_cur[_cur_i]`` is the next event; False when none is queued."""
-        if self._cur_i < len(self._cur):
+        """Make sure ``_order[_cur_i]`` is the next event; False when none is queued."""
+        if self._cur_i < len(self._order):
             return True
         if not self._keys:
             return False
         key = heapq.heappop(self._keys)
-        cur = self._buckets.pop(key)
-        cur.sort(key=_time)  # by time; stable, so in the order scheduled among equal times
-        self._cur = cur
+        times, self._fns, self._args = self._buckets.pop(key)
+        self._times = times
+        # by time; stable, so in the order scheduled among equal times
+        self._order = sorted(range(len(times)), key=times.__getitem__)
         self._cur_i = 0
         self._cur_key = key
         return True
@@ -226,14 +241,15 @@ class Engine:
         count = 0
         try:
             while self._next():
-                t, fn, arg = self._cur[self._cur_i]
+                i = self._order[self._cur_i]
+                t = self._times[i]
                 if until_s is not None and t > until_s:
                     break
                 self._cur_i += 1
                 self._count -= 1
                 self.now = t
                 count += 1
-                fn(arg)
+                self._fns[i](self._args[i])
         finally:  # an event that raises counts as run; the later ones stay queued
             self.events += count
         return self.now
